@@ -1,0 +1,41 @@
+"""devmap: spread one PyTorch model over the GPUs of a machine, and make them work together."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Public names and the module each lives in; imported on first use so that `import devmap`
+# (and the CLI's --help) stays instant instead of importing torch and transformers.
+_EXPORTS = {
+    "plan": "devmap.planner",
+    "Plan": "devmap.planner",
+    "DeviceUsage": "devmap.planner",
+    "validate_device_map": "devmap.planner",
+    "STRATEGIES": "devmap.placement",
+    "resolve_source": "devmap.models",
+    "PRESETS": "devmap.models",
+    "parse_size": "devmap.memory",
+    "describe_environment": "devmap.hardware",
+    "DevmapError": "devmap.errors",
+    "UsageError": "devmap.errors",
+    "SourceError": "devmap.errors",
+    "DoesNotFitError": "devmap.errors",
+    "CheckpointError": "devmap.errors",
+    "PipelineError": "devmap.errors",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'devmap' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

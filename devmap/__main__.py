@@ -1,0 +1,5 @@
+"""`python -m devmap` runs the CLI."""
+
+from devmap.cli import main
+
+main()

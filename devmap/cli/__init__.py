@@ -1,0 +1,70 @@
+"""The `devmap` command line: a click group whose one error boundary turns devmap errors into one-line messages."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any
+
+import click
+
+# Commands live in their own modules and import torch only when they run, so `devmap --help` is instant.
+_COMMANDS = {
+    "plan": ("devmap.cli.plan_cmd", "plan"),
+    "env": ("devmap.cli.env_cmd", "env"),
+}
+
+
+class DevmapGroup(click.Group):
+    """Lazy subcommands, and errors shown as one line: exit 2 for usage errors, 1 for runtime failures."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in _COMMANDS:
+            return None
+        import importlib
+
+        module, attr = _COMMANDS[name]
+        return getattr(importlib.import_module(module), attr)
+
+    def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
+        extra.pop("standalone_mode", None)
+        argv = list(sys.argv[1:] if args is None else args)
+        debug = "--debug" in argv
+        try:
+            return super().main(args=argv, prog_name=prog_name, standalone_mode=False, **extra)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+            _fail(f"{exc.format_message()}{hint}", 2, debug)
+        except click.Abort:
+            _fail("aborted", 1, debug)
+        except click.ClickException as exc:
+            _fail(exc.format_message(), exc.exit_code, debug)
+        except Exception as exc:  # the boundary: everything else becomes one line
+            from devmap.errors import DevmapError
+
+            if isinstance(exc, DevmapError):
+                _fail(str(exc), exc.exit_code, debug)
+            if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+                _fail(f"out of memory: {str(exc).splitlines()[0] if str(exc) else exc!r}; "
+                      "lower the budgets with --max-memory or offload to cpu/disk", 1, debug)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            _fail(f"unexpected {type(exc).__name__}: {first} (run with --debug for the traceback)", 1, debug)
+
+
+def _fail(message: str, code: int, debug: bool) -> None:
+    if debug and sys.exc_info()[0] is not None:
+        traceback.print_exc()
+    click.echo(f"Error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(cls=DevmapGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
+@click.version_option(package_name="devmap")
+def main(debug: bool) -> None:
+    """Spread one PyTorch model over the GPUs of a machine, and make them work together."""

@@ -1,0 +1,28 @@
+"""Options shared by the commands that plan a placement (plan, load)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import click
+
+STRATEGY_HELP = "auto, balanced, balanced_low_0 or sequential (GPUs first, then cpu, then disk)."
+
+
+def placement_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--device-map, --gpus, --gpu-memory, --max-memory, --dtype."""
+    options = [
+        click.option("--device-map", "device_map", default="auto", show_default=True, help=STRATEGY_HELP),
+        click.option("--gpus", type=int, default=None, help="Number of GPUs (simulated with --gpu-memory)."),
+        click.option("--gpu-memory", default=None, help="Memory of each simulated GPU, e.g. 80GiB."),
+        click.option(
+            "--max-memory",
+            default=None,
+            help="Budget per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=200GB (sizes in B/KB/MB/GB/TB, "
+            "KiB/MiB/GiB/TiB or % of the device).",
+        ),
+        click.option("--dtype", default=None, help="float32, float16 or bfloat16 (also fp32, fp16, bf16)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func

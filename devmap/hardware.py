@@ -1,0 +1,103 @@
+"""What this machine has: GPUs, their memory and peer links, host memory, library versions (the only module that probes devices)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from typing import Any
+
+import torch
+
+_PACKAGES = ("torch", "torchvision", "transformers", "accelerate", "safetensors", "click")
+
+
+@dataclass
+class GPUInfo:
+    """One visible CUDA device."""
+
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    capability: str
+
+
+@dataclass
+class Environment:
+    """A snapshot of the devices and software devmap sees."""
+
+    gpus: list[GPUInfo]
+    peer_access: dict[str, bool]
+    cpu_total_bytes: int
+    cpu_available_bytes: int
+    cpu_count: int
+    python: str
+    versions: dict[str, str | None]
+    cuda: str | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-serializable data."""
+        return asdict(self)
+
+
+def gpu_count() -> int:
+    """Number of visible CUDA devices (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_memory(index: int) -> tuple[int, int]:
+    """(free, total) bytes of CUDA device `index`."""
+    free, total = torch.cuda.mem_get_info(index)
+    return int(free), int(total)
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory, read from /proc/meminfo where it exists."""
+    try:
+        fields = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) * 1024
+        return fields.get("MemAvailable", fields["MemFree"]), fields["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def describe_environment() -> Environment:
+    """Probe GPUs (name, memory, peer access between each pair), host memory and package versions."""
+    gpus = []
+    for i in range(gpu_count()):
+        props = torch.cuda.get_device_properties(i)
+        free, total = gpu_memory(i)
+        gpus.append(GPUInfo(i, props.name, total, free, f"{props.major}.{props.minor}"))
+    peers = {
+        f"{a}->{b}": bool(torch.cuda.can_device_access_peer(a, b))
+        for a in range(len(gpus))
+        for b in range(len(gpus))
+        if a != b
+    }
+    available, total = host_memory()
+    notes = [] if gpus else ["no CUDA GPU is visible: plan with --gpus N --gpu-memory SIZE to simulate GPUs"]
+    return Environment(
+        gpus=gpus,
+        peer_access=peers,
+        cpu_total_bytes=total,
+        cpu_available_bytes=available,
+        cpu_count=os.cpu_count() or 1,
+        python=platform.python_version(),
+        versions={name: _version(name) for name in _PACKAGES},
+        cuda=torch.version.cuda,
+        notes=notes,
+    )

@@ -1,0 +1,189 @@
+"""Model sources: torchvision ResNets, LLaMA presets, local Hugging Face directories and user modules, built on the meta device."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from .errors import SourceError
+
+RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+
+# Published shapes (hidden, intermediate, layers, heads, kv heads, vocab, context, rope theta).
+LLAMA_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-tiny": dict(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=256, tie_word_embeddings=True, dtype="float32",
+    ),
+    "tinyllama-1.1b": dict(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+        vocab_size=32000, max_position_embeddings=2048,
+    ),
+    "llama-2-7b": dict(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+    ),
+    "llama-2-13b": dict(
+        hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096,
+    ),
+    "llama-2-70b": dict(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        vocab_size=32000, max_position_embeddings=4096,
+    ),
+    "llama-3-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+    ),
+    "llama-3-70b": dict(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+    ),
+}
+PRESETS = RESNETS + tuple(LLAMA_PRESETS)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from and how to build it; `kind` is torchvision, llama-preset, hf-dir or module."""
+
+    name: str
+    kind: str
+    config: Any = None
+    path: Path | None = None
+    module: nn.Module | None = None
+    default_dtype: torch.dtype = torch.float32
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_causal_lm(self) -> bool:
+        return self.kind in ("llama-preset", "hf-dir")
+
+    def build(self, device: str | torch.device = "meta") -> nn.Module:
+        """Build the model's modules on `device` (meta: no memory, no weights) in float32."""
+        if self.module is not None:
+            return self.module
+        with torch.device(device):
+            if self.kind == "torchvision":
+                import torchvision
+
+                model = getattr(torchvision.models, self.name)(**self.extra)
+            else:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
+        return model.eval()
+
+    def sample_input(self, shape: tuple[int, ...] | None = None, device: str | torch.device = "meta") -> torch.Tensor:
+        """A random input of `shape` (default: one 224x224 image, or 128 tokens)."""
+        if self.is_causal_lm:
+            shape = shape or (1, 128)
+            if device == "meta":
+                return torch.zeros(shape, dtype=torch.long, device=device)
+            return torch.randint(0, self.config.vocab_size, shape, device=device)
+        shape = shape or (1, 3, 224, 224)
+        if device == "meta":
+            return torch.zeros(shape, device=device)
+        return torch.randn(shape, device=device)
+
+
+def default_no_split(model: nn.Module) -> list[str]:
+    """Classes whose instances must stay whole on one device: residual blocks and transformer layers."""
+    found = getattr(model, "_no_split_modules", None) or []
+    names = set(found)
+    for module in model.modules():
+        if type(module).__name__ in ("Bottleneck", "BasicBlock"):
+            names.add(type(module).__name__)
+    return sorted(names)
+
+
+def llama_config(preset: str) -> Any:
+    """The transformers LlamaConfig of a preset."""
+    from transformers import LlamaConfig
+
+    kwargs = dict(LLAMA_PRESETS[preset])
+    dtype = kwargs.pop("dtype", "bfloat16")
+    config = LlamaConfig(rms_norm_eps=1e-5, **kwargs)
+    config.dtype = dtype
+    return config
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    value = getattr(config, "dtype", None)
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value in ("float32", "float16", "bfloat16"):
+        return getattr(torch, value)
+    return torch.float32
+
+
+def _read_hf_config(path: Path) -> Any:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise SourceError(f"{path} has no config.json: a model directory needs the config.json that transformers writes")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SourceError(f"{config_file} is not valid JSON ({exc}); rewrite it or re-save the model") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise SourceError(f"{config_file} has no 'model_type': it is not a config.json transformers wrote")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError, OSError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SourceError(
+            f"{config_file} describes model_type {raw['model_type']!r}, which transformers cannot read: {first}"
+        ) from None
+
+
+def resolve_source(source: Union[str, Path, nn.Module]) -> ModelSource:
+    """Turn a preset name, a local directory or an nn.Module into a ModelSource; never contacts a hub."""
+    if isinstance(source, nn.Module):
+        return ModelSource(name=type(source).__name__, kind="module", module=source,
+                           default_dtype=_module_dtype(source))
+    if not isinstance(source, (str, Path)):
+        raise SourceError(f"unknown model source {source!r}: pass a preset name, a local directory or an nn.Module")
+    name = str(source)
+    if name in RESNETS:
+        return ModelSource(name=name, kind="torchvision")
+    if name in LLAMA_PRESETS:
+        config = llama_config(name)
+        return ModelSource(name=name, kind="llama-preset", config=config, default_dtype=_config_dtype(config))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        config = _read_hf_config(path)
+        from transformers import AutoModelForCausalLM
+
+        if type(config) not in AutoModelForCausalLM._model_mapping:
+            raise SourceError(
+                f"{path}/config.json describes a {config.model_type!r} model, which is not a causal language model "
+                "transformers knows; devmap loads causal LMs (LLaMA first) and torchvision ResNets"
+            )
+        return ModelSource(name=name, kind="hf-dir", config=config, path=path, default_dtype=_config_dtype(config))
+    if path.exists():
+        raise SourceError(f"{path} is a file: a model source is a preset name or a directory with config.json")
+    if _HUB_ID.match(name):
+        raise SourceError(
+            f"{name!r} is not a local path: devmap never contacts a model hub; "
+            "pass a local directory holding config.json and safetensors files"
+        )
+    raise SourceError(
+        f"unknown model source {name!r}: use a preset ({', '.join(PRESETS)}) "
+        "or a local directory holding a config.json"
+    )
+
+
+def _module_dtype(module: nn.Module) -> torch.dtype:
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32

@@ -1,0 +1,282 @@
+"""`devmap.plan`: where each block of a model goes, as a plain JSON-serializable report (pure; builds on meta)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+import torch
+from torch import nn
+
+from .budget import Budget, resolve_budget
+from .errors import DoesNotFitError, UsageError
+from .memory import (
+    DeviceKey,
+    Size,
+    device_label,
+    dtype_name,
+    format_bytes,
+    parse_device_key,
+    parse_dtype,
+)
+from .models import ModelSource, default_no_split, resolve_source
+from .placement import STRATEGIES, DeviceMap, module_sizes, place, usage
+
+DeviceMapSpec = Union[str, Mapping[str, Union[int, str, torch.device]]]
+
+
+@dataclass
+class DeviceUsage:
+    """What one device holds under a plan."""
+
+    device: str
+    modules: list[str]
+    params: int
+    bytes: int
+    budget: int | None
+
+    @property
+    def share(self) -> float | None:
+        """Fraction of the budget used (None for an unbudgeted device)."""
+        return self.bytes / self.budget if self.budget else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "modules": self.modules,
+            "blocks": len(self.modules),
+            "params": self.params,
+            "bytes": self.bytes,
+            "budget": self.budget,
+            "share": self.share,
+        }
+
+
+@dataclass
+class Run:
+    """Consecutive device-map entries on one device: `first … last → device`."""
+
+    first: str
+    last: str
+    device: str
+    count: int
+
+    def __str__(self) -> str:
+        span = self.first if self.count == 1 else f"{self.first} … {self.last}"
+        return f"{span or '(whole model)'} → {self.device}"
+
+
+@dataclass
+class Plan:
+    """A device map with its per-device report. `model` is the meta-device model it was computed on."""
+
+    source: str
+    strategy: str
+    dtype: torch.dtype
+    device_map: DeviceMap
+    devices: dict[str, DeviceUsage]
+    total_params: int
+    total_bytes: int
+    budget: Budget
+    no_split_module_classes: list[str]
+    warnings: list[str] = field(default_factory=list)
+    model: nn.Module | None = field(default=None, repr=False, compare=False)
+    model_source: ModelSource | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def runs(self) -> list[Run]:
+        """The map condensed into contiguous runs of entries on one device, in model order."""
+        runs: list[Run] = []
+        for name, device in self.device_map.items():
+            label = device_label(device)
+            if runs and runs[-1].device == label:
+                runs[-1].last, runs[-1].count = name, runs[-1].count + 1
+            else:
+                runs.append(Run(name, name, label, 1))
+        return runs
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON: device_map (HF style: GPU index, "cpu", "disk") and per-device usage."""
+        return {
+            "source": self.source,
+            "strategy": self.strategy,
+            "dtype": dtype_name(self.dtype),
+            "device_map": dict(self.device_map),
+            "devices": {name: usage.to_dict() for name, usage in self.devices.items()},
+            "runs": [{"first": r.first, "last": r.last, "device": r.device, "count": r.count} for r in self.runs],
+            "total_params": self.total_params,
+            "total_bytes": self.total_bytes,
+            "budget": {device_label(k): v for k, v in self.budget.limits.items()},
+            "simulated": self.budget.simulated,
+            "no_split_module_classes": self.no_split_module_classes,
+            "warnings": self.warnings,
+        }
+
+
+def plan(
+    source: Union[str, Path, nn.Module],
+    device_map: DeviceMapSpec = "auto",
+    max_memory: str | Mapping[DeviceKey, Size] | None = None,
+    dtype: str | torch.dtype | None = None,
+    *,
+    gpus: int | None = None,
+    gpu_memory: Size | None = None,
+    offload_folder: str | None = None,
+    no_split_module_classes: list[str] | None = None,
+) -> Plan:
+    """Place `source` (preset name, local HF directory or nn.Module) on devices without allocating memory.
+
+    `device_map` is a strategy (auto, balanced, balanced_low_0, sequential) or an explicit
+    {module name: device}. Budgets come from `max_memory`, simulated `gpus` x `gpu_memory`, or this
+    machine (see devmap.budget.resolve_budget). `dtype` sets the size of each weight.
+    """
+    strategy = _check_strategy(device_map)
+    torch_dtype = parse_dtype(dtype)
+    model_source = resolve_source(source)
+    budget = resolve_budget(max_memory, gpus=gpus, gpu_memory=gpu_memory, offload_folder=offload_folder)
+    model = model_source.build("meta") if model_source.module is None else model_source.module
+    torch_dtype = torch_dtype or model_source.default_dtype
+    no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model)
+    sizes = module_sizes(model, torch_dtype)
+
+    if isinstance(device_map, str):
+        if not budget.limits or not any(budget.limits.values()):
+            raise UsageError("no device has any memory budget: give --max-memory or --gpus N --gpu-memory SIZE")
+        placed = in_model_order(model, place(model, strategy, budget.limits, no_split, torch_dtype))
+        _check_fits(model_source.name, placed, sizes, budget, torch_dtype)
+        warnings: list[str] = []
+    else:
+        placed = validate_device_map(model, device_map, budget)
+        warnings = _over_budget(placed, sizes, budget)
+
+    return Plan(
+        source=model_source.name,
+        strategy=strategy,
+        dtype=torch_dtype,
+        device_map=placed,
+        devices=_device_usage(model, placed, sizes, budget, torch_dtype),
+        total_params=sum(p.numel() for p in model.parameters()),
+        total_bytes=sizes[""],
+        budget=budget,
+        no_split_module_classes=no_split,
+        warnings=warnings,
+        model=model,
+        model_source=model_source,
+    )
+
+
+def _check_strategy(device_map: DeviceMapSpec) -> str:
+    if isinstance(device_map, str):
+        if device_map not in STRATEGIES:
+            raise UsageError(
+                f"unknown device map strategy {device_map!r}: use one of {', '.join(STRATEGIES)} "
+                "or an explicit {module: device} mapping"
+            )
+        return device_map
+    if not isinstance(device_map, Mapping) or not device_map:
+        raise UsageError("device_map must be a strategy name or a non-empty {module name: device} mapping")
+    return "explicit"
+
+
+def _check_fits(name: str, placed: DeviceMap, sizes: dict[str, int], budget: Budget, dtype: torch.dtype) -> None:
+    used = usage(placed, sizes)
+    overflow = used.get("disk", 0) if "disk" not in budget.limits else max(0, used.get("disk", 0) - budget.limits["disk"])
+    if not overflow:
+        return
+    available = sum(budget.limits.values())
+    raise DoesNotFitError(
+        f"{name} needs {format_bytes(sizes[''])} in {dtype_name(dtype)} but the budget holds "
+        f"{format_bytes(available)} ({budget.label()}); {format_bytes(overflow)} fits nowhere. "
+        "Add offload with --max-memory (e.g. cpu=64GiB,disk=200GiB), use more GPUs, or a smaller --dtype"
+    )
+
+
+def _over_budget(placed: DeviceMap, sizes: dict[str, int], budget: Budget) -> list[str]:
+    used = usage(placed, sizes)
+    return [
+        f"{device_label(d)} holds {format_bytes(b)}, over its budget of {format_bytes(budget.limits[d])}"
+        for d, b in used.items()
+        if d in budget.limits and b > budget.limits[d]
+    ]
+
+
+def validate_device_map(
+    model: nn.Module, device_map: Mapping[str, Union[int, str, torch.device]], budget: Budget | None = None
+) -> DeviceMap:
+    """Check an explicit map: known module names, known devices, every parameter and buffer placed, ties together."""
+    modules = dict(model.named_modules())
+    tensors = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    params = dict(model.named_parameters())
+    known_devices = set(budget.limits) if budget is not None and budget.limits else None
+    placed: DeviceMap = {}
+    for name, device in device_map.items():
+        if name not in modules and name not in params:
+            close = [m for m in modules if m and m.split(".")[-1] == name.split(".")[-1]][:3]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UsageError(f"device map names {name!r}, which is not a module or parameter of the model{hint}")
+        key = parse_device_key(device)
+        if known_devices is not None and key not in known_devices and key != "disk":
+            raise UsageError(
+                f"device map puts {name!r} on {device_label(key)}, which does not exist here "
+                f"(devices: {', '.join(device_label(d) for d in known_devices)})"
+            )
+        placed[name] = key
+    placed = in_model_order(model, placed)
+    missing = [t for t in tensors if owner_of(t, placed) is None]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise UsageError(f"device map leaves {len(missing)} tensors unplaced: {shown}; map their modules to a device")
+    _check_ties(model, placed)
+    return placed
+
+
+def in_model_order(model: nn.Module, device_map: DeviceMap) -> DeviceMap:
+    """The same map with its entries sorted in the order the model registers its modules and tensors."""
+    names = [n for n, _ in model.named_modules()]
+    names += [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    order = {n: i for i, n in reversed(list(enumerate(names)))}
+    return dict(sorted(device_map.items(), key=lambda item: order.get(item[0], len(order))))
+
+
+def owner_of(tensor_name: str, placed: DeviceMap) -> str | None:
+    """The device-map entry that places `tensor_name` (longest matching prefix)."""
+    parts = tensor_name.split(".")
+    for i in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in placed:
+            return prefix
+    return None
+
+
+def _check_ties(model: nn.Module, placed: DeviceMap) -> None:
+    from accelerate.utils import find_tied_parameters
+
+    for group in find_tied_parameters(model):
+        devices = {placed[owner_of(n, placed)] for n in group}
+        if len(devices) > 1:
+            raise UsageError(
+                f"tied parameters {' and '.join(group)} are mapped to different devices "
+                f"({', '.join(device_label(d) for d in devices)}); put them on one device"
+            )
+
+
+def _device_usage(
+    model: nn.Module, placed: DeviceMap, sizes: dict[str, int], budget: Budget, dtype: torch.dtype
+) -> dict[str, DeviceUsage]:
+    counts: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        owner = owner_of(name, placed)
+        if owner is not None:
+            counts[owner] = counts.get(owner, 0) + param.numel()
+    keys = list(budget.limits) + [d for d in dict.fromkeys(placed.values()) if d not in budget.limits]
+    report: dict[str, DeviceUsage] = {}
+    for key in keys:
+        names = [n for n, d in placed.items() if d == key]
+        report[device_label(key)] = DeviceUsage(
+            device=device_label(key),
+            modules=names,
+            params=sum(counts.get(n, 0) for n in names),
+            bytes=sum(sizes.get(n, 0) for n in names),
+            budget=budget.limits.get(key),
+        )
+    return report

@@ -1,0 +1,99 @@
+"""The CLI through click's CliRunner: plan, env, --json, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from devmap.cli import main
+
+
+def run(*args):
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def test_help_does_not_import_torch():
+    code = "import sys, devmap.cli; devmap.cli.main.name; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_table():
+    code, out = run("plan", "resnet50", "--gpus", "2", "--gpu-memory", "80GiB")
+    assert code == 0, out
+    assert "cuda:0" in out and "cuda:1" in out and "Map:" in out
+    assert "conv1 … " in out and "→ cuda:1" in out
+
+
+def test_plan_json_70b():
+    code, out = run("plan", "llama-2-70b", "--gpus", "2", "--gpu-memory", "80GiB", "--dtype", "bf16", "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    assert set(data["device_map"].values()) == {0, 1}
+    assert set(data["devices"]) == {"cuda:0", "cuda:1"}
+    for usage in data["devices"].values():
+        assert {"modules", "params", "bytes", "budget"} <= set(usage)
+        assert usage["bytes"] <= usage["budget"]
+
+
+def test_plan_max_memory_with_cpu_offload():
+    code, out = run("plan", "tinyllama-1.1b", "--max-memory", "0=600MiB,1=600MiB,cpu=8GiB", "--dtype", "bf16", "--json")
+    assert code == 0, out
+    assert "cpu" in set(json.loads(out)["device_map"].values())
+
+
+def test_plan_layers_resnet():
+    code, out = run("plan", "resnet50", "--gpus", "2", "--gpu-memory", "1GiB", "--layers", "--input-shape", "2,3,64,64")
+    assert code == 0, out
+    assert "Layers:" in out
+    fc_line = next(line for line in out.splitlines() if line.startswith("fc "))
+    assert "2x1000" in fc_line and "2,049,000" in fc_line and "cuda:1" in fc_line
+
+
+def test_plan_layers_json_llama():
+    code, out = run("plan", "llama-tiny", "--gpus", "2", "--gpu-memory", "1MB", "--layers", "--json")
+    assert code == 0, out
+    layers = {row["name"]: row for row in json.loads(out)["layers"]}
+    assert layers["lm_head"]["output_shape"] == [1, 128, 512]
+    assert layers["model.layers.0.mlp.down_proj"]["type"] == "Linear"
+
+
+def test_env_without_gpus():
+    code, out = run("env")
+    assert code == 0, out
+    assert "torch" in out and "CPU:" in out
+    code, out = run("env", "--json")
+    data = json.loads(out)
+    assert {"gpus", "peer_access", "cpu_total_bytes", "versions"} <= set(data)
+    assert "transformers" in data["versions"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["plan", "resnet50", "--device-map", "fastest", "--gpus", "1", "--gpu-memory", "1GiB"],
+     "auto, balanced, balanced_low_0, sequential"),
+    (["plan", "resnet50", "--gpus", "2", "--gpu-memory", "12XB"], "unknown unit 'XB'"),
+    (["plan", "resnet50", "--gpus", "2", "--gpu-memory", "-1GiB"], "cannot be negative"),
+    (["plan", "resnet50", "--max-memory", "0=abc"], "expected a number with a unit"),
+    (["plan", "resnet50", "--max-memory", "0=1GiB,cpu=120%"], "at most 100%"),
+    (["plan", "resnet99"], "use a preset (resnet18"),
+    (["plan", "meta-llama/Llama-2-7b-hf"], "never contacts a model hub"),
+    (["plan", "llama-2-70b", "--gpus", "2", "--gpu-memory", "20GiB", "--dtype", "bf16"], "fits nowhere"),
+    (["plan", "resnet50", "--gpus", "1", "--gpu-memory", "1GiB", "--dtype", "int8"], "unsupported dtype"),
+    (["plan", "resnet50", "--gpus", "1", "--gpu-memory", "1GiB", "--input-shape", "1,3"], "only applies with --layers"),
+    (["plan", "resnet50", "--bogus"], "No such option"),
+])
+def test_bad_input_is_one_line_exit_2(args, words):
+    code, out = run(*args)
+    assert code == 2, out
+    assert words in out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), out
+    assert "Traceback" not in out
+
+
+def test_bad_config_json_from_cli(tmp_path):
+    (tmp_path / "config.json").write_text("{oops")
+    code, out = run("plan", str(tmp_path), "--gpus", "1", "--gpu-memory", "1GiB")
+    assert code == 2 and "not valid JSON" in out
