@@ -66,11 +66,21 @@ class ModelSource:
     def is_causal_lm(self) -> bool:
         return self.kind in ("llama-preset", "hf-dir")
 
-    def build(self, device: str | torch.device = "meta") -> nn.Module:
-        """Build the model's modules on `device` (meta: no memory, no weights) in float32."""
+    def build(self, device: str | torch.device = "meta", cpu_buffers: bool = False) -> nn.Module:
+        """Build the model's modules on `device` (meta: no memory, no weights) in float32.
+
+        With `cpu_buffers`, parameters go on meta but buffers are real CPU tensors, so buffers that no
+        checkpoint holds (rotary inv_freq) keep the values the constructor computed.
+        """
         if self.module is not None:
             return self.module
-        with torch.device(device):
+        if cpu_buffers:
+            from accelerate import init_empty_weights
+
+            context = init_empty_weights(include_buffers=False)
+        else:
+            context = torch.device(device)
+        with context:
             if self.kind == "torchvision":
                 import torchvision
 
@@ -79,6 +89,8 @@ class ModelSource:
                 from transformers import AutoModelForCausalLM
 
                 model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
+        if cpu_buffers and hasattr(model, "tie_weights"):
+            model.tie_weights()  # init_empty_weights re-wraps each registered parameter, which unties them
         return model.eval()
 
     def sample_input(self, shape: tuple[int, ...] | None = None, device: str | torch.device = "meta") -> torch.Tensor:
@@ -145,6 +157,22 @@ def _read_hf_config(path: Path) -> Any:
         ) from None
 
 
+def _torchvision_dir(path: Path) -> ModelSource | None:
+    """A directory written by `devmap save` for a torchvision ResNet: config.json names "torchvision_model"."""
+    config_file = path / "config.json"
+    try:
+        raw = json.loads(config_file.read_text()) if config_file.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(raw, dict) or "torchvision_model" not in raw:
+        return None
+    arch = raw["torchvision_model"]
+    if arch not in RESNETS:
+        raise SourceError(f"{config_file} names torchvision model {arch!r}; devmap knows {', '.join(RESNETS)}")
+    extra = {"num_classes": int(raw.get("num_classes", 1000))}
+    return ModelSource(name=arch, kind="torchvision", path=path, extra=extra)
+
+
 def resolve_source(source: Union[str, Path, nn.Module]) -> ModelSource:
     """Turn a preset name, a local directory or an nn.Module into a ModelSource; never contacts a hub."""
     if isinstance(source, nn.Module):
@@ -160,6 +188,9 @@ def resolve_source(source: Union[str, Path, nn.Module]) -> ModelSource:
         return ModelSource(name=name, kind="llama-preset", config=config, default_dtype=_config_dtype(config))
     path = Path(name).expanduser()
     if path.is_dir():
+        torchvision_source = _torchvision_dir(path)
+        if torchvision_source is not None:
+            return torchvision_source
         config = _read_hf_config(path)
         from transformers import AutoModelForCausalLM
 

@@ -130,20 +130,32 @@ def plan(
     {module name: device}. Budgets come from `max_memory`, simulated `gpus` x `gpu_memory`, or this
     machine (see devmap.budget.resolve_budget). `dtype` sets the size of each weight.
     """
-    strategy = _check_strategy(device_map)
+    _check_strategy(device_map)
     torch_dtype = parse_dtype(dtype)
     model_source = resolve_source(source)
     budget = resolve_budget(max_memory, gpus=gpus, gpu_memory=gpu_memory, offload_folder=offload_folder)
-    model = model_source.build("meta") if model_source.module is None else model_source.module
-    torch_dtype = torch_dtype or model_source.default_dtype
-    no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model)
-    sizes = module_sizes(model, torch_dtype)
+    model = model_source.build("meta")
+    return plan_model(model, model_source, device_map, budget, torch_dtype or model_source.default_dtype,
+                      no_split_module_classes)
 
+
+def plan_model(
+    model: nn.Module,
+    model_source: ModelSource,
+    device_map: DeviceMapSpec,
+    budget: Budget,
+    dtype: torch.dtype,
+    no_split_module_classes: list[str] | None = None,
+) -> Plan:
+    """Plan an already built model (parameters on meta or real) under `budget`."""
+    strategy = _check_strategy(device_map)
+    no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model)
+    sizes = module_sizes(model, dtype)
     if isinstance(device_map, str):
         if not budget.limits or not any(budget.limits.values()):
             raise UsageError("no device has any memory budget: give --max-memory or --gpus N --gpu-memory SIZE")
-        placed = in_model_order(model, place(model, strategy, budget.limits, no_split, torch_dtype))
-        _check_fits(model_source.name, placed, sizes, budget, torch_dtype)
+        placed = in_model_order(model, place(model, strategy, budget.limits, no_split, dtype))
+        _check_fits(model_source.name, placed, sizes, budget, dtype)
         warnings: list[str] = []
     else:
         placed = validate_device_map(model, device_map, budget)
@@ -152,9 +164,9 @@ def plan(
     return Plan(
         source=model_source.name,
         strategy=strategy,
-        dtype=torch_dtype,
+        dtype=dtype,
         device_map=placed,
-        devices=_device_usage(model, placed, sizes, budget, torch_dtype),
+        devices=_device_usage(model, placed, sizes, budget, dtype),
         total_params=sum(p.numel() for p in model.parameters()),
         total_bytes=sizes[""],
         budget=budget,

@@ -12,6 +12,9 @@ import click
 _COMMANDS = {
     "plan": ("devmap.cli.plan_cmd", "plan"),
     "env": ("devmap.cli.env_cmd", "env"),
+    "load": ("devmap.cli.load_cmd", "load"),
+    "save": ("devmap.cli.save_cmd", "save"),
+    "compare": ("devmap.cli.compare_cmd", "compare"),
 }
 
 
@@ -19,7 +22,9 @@ class DevmapGroup(click.Group):
     """Lazy subcommands, and errors shown as one line: exit 2 for usage errors, 1 for runtime failures."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(_COMMANDS)
+        import importlib.util
+
+        return sorted(n for n, (m, _) in _COMMANDS.items() if importlib.util.find_spec(m) is not None)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in _COMMANDS:

@@ -1,0 +1,294 @@
+"""`devmap.load` and `devmap.dispatch`: a model's blocks placed on the devices its plan chose, ready to run.
+
+Outputs come back on the device the input came from (accelerate's hooks, as transformers does); inputs may
+arrive on any device. Blocks on "cpu" while GPUs are in the map, and blocks on "disk", are offloaded: their
+weights stay there and visit the first GPU for each forward (inference only). Everything else trains:
+backward runs through the blocks on their devices.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Union
+
+import torch
+from torch import nn
+
+from . import hardware
+from .budget import resolve_budget
+from .checkpoint import TensorEntry, index_checkpoint, match_state
+from .errors import UsageError
+from .initialization import init_module_
+from .memory import DeviceKey, Size, device_label, dtype_name, parse_dtype
+from .models import resolve_source
+from .placement import _quiet
+from .planner import DeviceMapSpec, Plan, owner_of, plan_model
+from .transfer import CopyJob, copy_into
+
+
+@dataclass
+class DeviceLoad:
+    """What loading put on one device."""
+
+    device: str
+    blocks: int
+    planned_bytes: int
+    allocated_bytes: int | None
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float | None:
+        return self.planned_bytes / self.seconds / 1e9 if self.seconds > 0 and self.planned_bytes else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"blocks": self.blocks, "planned_bytes": self.planned_bytes, "allocated_bytes": self.allocated_bytes,
+                "seconds": self.seconds, "gb_per_s": self.gb_per_s}
+
+
+@dataclass
+class LoadReport:
+    """How a load went: the checkpoint, the time, the bytes, and per device what landed there."""
+
+    source: str
+    checkpoint: str | None
+    random_init: bool
+    dtype: str
+    seconds: float
+    bytes_read: int
+    devices: dict[str, DeviceLoad]
+    initialized: list[str] = field(default_factory=list)
+    offload_folder: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source, "checkpoint": self.checkpoint, "random_init": self.random_init,
+            "dtype": self.dtype, "seconds": self.seconds, "bytes_read": self.bytes_read,
+            "gb_per_s": self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else None,
+            "devices": {k: v.to_dict() for k, v in self.devices.items()},
+            "initialized": self.initialized, "offload_folder": self.offload_folder,
+        }
+
+
+def load(
+    source: Union[str, Path],
+    device_map: DeviceMapSpec = "auto",
+    max_memory: str | Mapping[DeviceKey, Size] | None = None,
+    dtype: str | torch.dtype | None = None,
+    offload_folder: str | Path | None = None,
+    weights: str | Path | None = None,
+    *,
+    allow_missing: bool = False,
+    allow_pickle: bool = False,
+    seed: int = 0,
+    workers: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> nn.Module:
+    """Load `source` (a local HF directory, a directory `devmap save` wrote, or a preset) onto its planned devices.
+
+    Weights go from safetensors straight to their device; the model is never built on the CPU first.
+    Presets without `weights` are randomly initialized on their devices. The returned model carries
+    `hf_device_map`, `devmap_plan` (the Plan) and `devmap_load_report` (a LoadReport).
+    """
+    start = time.perf_counter()
+    model_source = resolve_source(source)
+    if model_source.kind == "module":
+        raise UsageError("load takes a preset or a local directory; for a model you built, use devmap.dispatch")
+    torch_dtype = parse_dtype(dtype) or model_source.default_dtype
+    checkpoint = Path(weights).expanduser() if weights is not None else model_source.path
+    entries = index_checkpoint(checkpoint, allow_pickle) if checkpoint is not None else None
+    folder = str(offload_folder) if offload_folder is not None else None
+    budget = resolve_budget(max_memory, offload_folder=folder)
+    model = model_source.build(cpu_buffers=True)
+    plan = plan_model(model, model_source, device_map, budget, torch_dtype)
+    _check_devices(plan, folder)
+
+    from accelerate.utils import find_tied_parameters
+
+    state = model.state_dict(keep_vars=True)
+    expected = {n: tuple(t.shape) for n, t in state.items()}
+    missing = (match_state(expected, entries, find_tied_parameters(model), allow_missing)
+               if entries is not None else list(expected))
+    std = float(getattr(model_source.config, "initializer_range", 0.02) or 0.02)
+    created_folder = folder is not None and not Path(folder).exists()
+    try:
+        report = _materialize(model, plan, entries or {}, set(missing), std, seed, folder, workers, progress)
+        _attach_hooks(model, plan, folder)
+    except BaseException:
+        _release(model)
+        if created_folder and folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    report.update(source=model_source.name, checkpoint=str(checkpoint) if checkpoint else None,
+                  random_init=entries is None, initialized=sorted(missing) if entries is not None else [],
+                  seconds=time.perf_counter() - start)
+    model.eval()
+    model.devmap_load_report = LoadReport(dtype=dtype_name(torch_dtype), offload_folder=folder, **report)
+    return model
+
+
+def dispatch(
+    model: nn.Module,
+    device_map: DeviceMapSpec = "auto",
+    max_memory: str | Mapping[DeviceKey, Size] | None = None,
+    dtype: str | torch.dtype | None = None,
+    offload_folder: str | Path | None = None,
+    no_split_module_classes: list[str] | None = None,
+) -> nn.Module:
+    """Place a model you built (with its own weights, on the CPU) on devices by a strategy or an explicit map."""
+    model_source = resolve_source(model)
+    torch_dtype = parse_dtype(dtype)
+    if torch_dtype is not None:
+        model.to(torch_dtype)
+    folder = str(offload_folder) if offload_folder is not None else None
+    budget = resolve_budget(max_memory, offload_folder=folder)
+    plan = plan_model(model, model_source, device_map, budget, torch_dtype or model_source.default_dtype,
+                      no_split_module_classes)
+    _check_devices(plan, folder)
+    _attach_hooks(model, plan, folder)
+    return model
+
+
+def _check_devices(plan: Plan, folder: str | None) -> None:
+    """Real devices only, and a writable offload folder when the plan uses disk; all before any byte moves."""
+    count = hardware.gpu_count()
+    for device in set(plan.device_map.values()):
+        if isinstance(device, int) and device >= count:
+            raise UsageError(
+                f"the plan puts blocks on {device_label(device)}, but {count} GPU(s) are visible; "
+                "lower --max-memory to the devices you have"
+            )
+    if "disk" in plan.device_map.values():
+        if folder is None:
+            raise UsageError("the plan offloads blocks to disk: pass --offload-folder DIR (offload_folder=...)")
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder):
+                pass
+        except OSError as exc:
+            raise UsageError(f"offload folder {folder} can't be written ({exc.strerror or exc}); choose another") from None
+
+
+def _target(plan: Plan, name: str) -> DeviceKey:
+    return plan.device_map[owner_of(name, plan.device_map)]
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in module._parameters:
+        old = module._parameters[leaf]
+        module._parameters[leaf] = value if isinstance(value, nn.Parameter) else nn.Parameter(
+            value, requires_grad=old.requires_grad if old is not None else True)
+    else:
+        module._buffers[leaf] = value
+
+
+def _materialize(
+    model: nn.Module, plan: Plan, entries: dict[str, TensorEntry], missing: set[str], std: float, seed: int,
+    folder: str | None, workers: int | None, progress: Callable[[int], None] | None,
+) -> dict[str, Any]:
+    """Allocate every tensor on its device, initialize what the checkpoint lacks, copy the rest, offload disk."""
+    gpus = sorted({d for d in plan.device_map.values() if isinstance(d, int)})
+    before = {g: torch.cuda.memory_allocated(g) for g in gpus}
+    aliases = {n: a for group in _tied_groups(model) for n in group for a in group if a in entries}
+    persistent = set(model.state_dict(keep_vars=True))
+    made: dict[int, torch.Tensor] = {}
+    jobs: list[CopyJob] = []
+    disk_jobs: list[tuple[str, CopyJob | None, torch.Tensor]] = []
+    to_init: dict[str, torch.device] = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        key = _target(plan, name)
+        device = torch.device("cpu") if key in ("cpu", "disk") else torch.device("cuda", key)
+        if id(tensor) in made:  # a tied alias: same tensor; on disk it needs its own index entry
+            _set_tensor(model, name, made[id(tensor)])
+            if key == "disk" and isinstance(tensor, nn.Parameter):
+                disk_jobs.append((name, None, made[id(tensor)]))
+            continue
+        floating = tensor.is_floating_point() and name in persistent
+        dtype = plan.dtype if floating else tensor.dtype
+        entry = entries.get(name) or entries.get(aliases.get(name, ""))
+        if tensor.device.type == "meta" or entry is not None:
+            value = torch.empty(tensor.shape, dtype=dtype, device=device)
+        else:
+            value = tensor.to(device)  # a buffer the constructor computed (e.g. rotary inv_freq)
+        if isinstance(tensor, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        made[id(tensor)] = value
+        _set_tensor(model, name, value)
+        if entry is None and (tensor.device.type == "meta" or name in missing):
+            to_init[name.rpartition(".")[0]] = device
+        job = CopyJob(entry, value.data) if entry is not None else None
+        if key == "disk" and isinstance(value, nn.Parameter):  # buffers stay in memory (accelerate moves them)
+            disk_jobs.append((name, job, value))
+        elif job is not None:
+            jobs.append(job)
+    generators: dict[torch.device, torch.Generator] = {}
+    for module_name, device in to_init.items():
+        generator = generators.setdefault(device, torch.Generator(device=device).manual_seed(seed))
+        init_module_(model.get_submodule(module_name), std=std, generator=generator)
+    finished = copy_into(jobs, workers=workers, progress=progress)
+    if disk_jobs:
+        finished["disk"] = _offload(model, disk_jobs, folder, progress)
+    devices = {}
+    for label, usage in plan.devices.items():
+        gpu = int(label.split(":")[1]) if label.startswith("cuda:") else None
+        devices[label] = DeviceLoad(
+            device=label, blocks=len(usage.modules), planned_bytes=usage.bytes,
+            allocated_bytes=torch.cuda.memory_allocated(gpu) - before[gpu] if gpu in before else None,
+            seconds=finished.get(label, 0.0),
+        )
+    return {"devices": devices, "bytes_read": sum(e.nbytes for e in entries.values()) if entries else 0}
+
+
+def _offload(model: nn.Module, disk_jobs: list, folder: str | None, progress: Callable[[int], None] | None) -> float:
+    """Write disk-bound tensors one at a time into accelerate's offload format; their modules keep meta tensors."""
+    from accelerate.utils import offload_weight, save_offload_index
+
+    start = time.perf_counter()
+    index: dict[str, Any] = {}
+    for name, job, value in disk_jobs:
+        if job is not None:
+            copy_into([job], workers=1, progress=progress)
+        index = offload_weight(value.data, name, folder, index=index)
+        meta = torch.empty_like(value, device="meta")
+        _set_tensor(model, name, nn.Parameter(meta, requires_grad=value.requires_grad)
+                    if isinstance(value, nn.Parameter) else meta)
+    save_offload_index(index, folder)
+    return time.perf_counter() - start
+
+
+def _attach_hooks(model: nn.Module, plan: Plan, folder: str | None) -> None:
+    """accelerate's hooks move inputs to each block's device and the output back to the input's device."""
+    from accelerate import dispatch_model
+
+    gpus = [d for d in plan.device_map.values() if isinstance(d, int)]
+    main: DeviceKey = gpus[0] if gpus else "cpu"  # accelerate compares main_device with the string "cpu"
+    with _quiet():
+        dispatch_model(model, device_map=dict(plan.device_map), main_device=main,
+                       offload_dir=folder if "disk" in plan.device_map.values() else None, force_hooks=True)
+    model.hf_device_map = dict(plan.device_map)
+    model.devmap_plan = plan
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    from accelerate.utils import find_tied_parameters
+
+    return find_tied_parameters(model)
+
+
+def _release(model: nn.Module) -> None:
+    """Drop every tensor a failed load allocated, so no GPU memory stays held."""
+    for module in model.modules():
+        for key in list(module._parameters):
+            module._parameters[key] = None
+        for key in list(module._buffers):
+            module._buffers[key] = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,297 @@
+"""Write new checkpoints of presets in the save_pretrained layout, one tensor at a time, atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import secrets
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Union
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError, UsageError
+from .initialization import init_module_
+from .memory import Size, dtype_name, format_bytes, parse_dtype, parse_size
+from .models import ModelSource, resolve_source
+
+Progress = Callable[[int, int], None]
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass
+class SaveResult:
+    """What `save` wrote: file names are relative to `out_dir`; sizes count tensor bytes only."""
+
+    source: str
+    out_dir: Path
+    files: list[str]
+    total_bytes: int
+    num_tensors: int
+    dtype: str
+    sharded: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["out_dir"] = str(self.out_dir)
+        return data
+
+
+@dataclass
+class _Entry:
+    """One tensor to write: its state_dict name, owning module, shape and the dtype it is written in."""
+
+    name: str
+    owner: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        self.nbytes = numel * self.dtype.itemsize
+
+
+def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch.dtype | None = None,
+         max_shard_size: Size = "5GB", seed: int = 0, weights: Union[str, Path, None] = None,
+         overwrite: bool = False, progress: Progress | None = None) -> SaveResult:
+    """Write a checkpoint of preset `source` into `out_dir`: config.json plus safetensors, sharded above
+    `max_shard_size`. Tensors are random (seeded, never the whole model in memory at once) or read from
+    the `weights` safetensors file; the directory appears only once everything is written.
+    """
+    src = _preset(source)
+    target = parse_dtype(dtype) or src.default_dtype
+    limit = parse_size(max_shard_size, what="max shard size")
+    if limit <= 0:
+        raise UsageError(f"invalid max shard size {max_shard_size!r}: it must be above 0, e.g. 5GB or 500MB")
+    out = Path(out_dir).expanduser().absolute()
+    _check_destination(out, overwrite)
+
+    model = src.build("meta")
+    entries, aliases = _plan_tensors(model, target)
+    shards = _plan_shards(entries, limit)
+    total = sum(e.nbytes for e in entries)
+    names = _shard_names(len(shards))
+    with contextlib.ExitStack() as stack:
+        if weights is not None:
+            tensors = _file_tensors(stack, Path(weights).expanduser(), src.name, entries, aliases)
+        else:
+            std = float(getattr(src.config, "initializer_range", None) or 0.02)
+            tensors = _random_tensors(model, entries, std, seed)
+        tmp = _make_temp(out, total)
+        try:
+            _write_config(src, model, target, tmp)
+            _write_shards(tmp, shards, names, tensors, total, progress)
+            if len(shards) > 1:
+                weight_map = {e.name: name for shard, name in zip(shards, names) for e in shard}
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            files = sorted(p.name for p in tmp.iterdir())
+            _install(tmp, out)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"could not write the checkpoint to {out}: {exc.strerror or exc}") from exc
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return SaveResult(source=src.name, out_dir=out, files=files, total_bytes=total, num_tensors=len(entries),
+                      dtype=dtype_name(target), sharded=len(shards) > 1)
+
+
+def _preset(source: Union[str, Path]) -> ModelSource:
+    if isinstance(source, nn.Module):
+        raise UsageError("save makes new checkpoints from presets: pass a preset name, not a module")
+    src = resolve_source(source)
+    if src.path is not None or src.kind not in ("torchvision", "llama-preset"):
+        raise UsageError(
+            f"save makes new checkpoints from presets, and {str(source)!r} is a directory; pass a preset name "
+            "(resnet18..resnet152, llama-tiny, tinyllama-1.1b, llama-2-7b, ...) with --weights FILE to reuse tensors"
+        )
+    return src
+
+
+def _check_destination(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out} exists and is a file; choose a directory to write the checkpoint into")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UsageError(f"{out} exists and is not empty; pass --overwrite or choose another directory")
+    ancestor = out.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write into {ancestor}: it is not a writable directory; choose another directory")
+
+
+def _plan_tensors(model: nn.Module, target: torch.dtype) -> tuple[list[_Entry], set[str]]:
+    """The state_dict entries to write, in order; tied aliases (lm_head.weight) are written once, under the
+    first name, and returned apart. Non-persistent buffers (rotary inv_freq) are not in the state_dict."""
+    entries: list[_Entry] = []
+    aliases: set[str] = set()
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            aliases.add(name)
+            continue
+        seen.add(id(tensor))
+        out_dtype = target if tensor.is_floating_point() else tensor.dtype
+        entries.append(_Entry(name, name.rpartition(".")[0], tuple(tensor.shape), out_dtype))
+    return entries, aliases
+
+
+def _plan_shards(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
+    """Greedy in state_dict order, as save_pretrained does: a tensor larger than `limit` gets its own shard."""
+    shards: list[list[_Entry]] = []
+    current: list[_Entry] = []
+    size = 0
+    for entry in entries:
+        if current and size + entry.nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(entry)
+        size += entry.nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def _shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+@torch.no_grad()
+def _random_tensors(model: nn.Module, entries: list[_Entry], std: float, seed: int) -> Iterator[torch.Tensor]:
+    """Initialize one module's own tensors at a time on the CPU (init_module_ rules, one seeded generator),
+    yield them cast to their output dtype, and send the module back to meta."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    i = 0
+    while i < len(entries):
+        owner = entries[i].owner
+        module = model.get_submodule(owner)
+        module.to_empty(device="cpu", recurse=False)
+        init_module_(module, std=std, generator=generator)
+        own = {**module._parameters, **module._buffers}
+        while i < len(entries) and entries[i].owner == owner:
+            entry = entries[i]
+            yield own[entry.name.rpartition(".")[2]].detach().to(entry.dtype).contiguous()
+            i += 1
+        del own
+        module.to_empty(device="meta", recurse=False)
+
+
+def _file_tensors(stack: contextlib.ExitStack, path: Path, source: str, entries: list[_Entry],
+                  aliases: set[str]) -> Iterator[torch.Tensor]:
+    """Check `path` against the planned entries (keys, shapes), then yield its tensors one at a time."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise CheckpointError(f"weights file {path} does not exist; pass a .safetensors file")
+    try:
+        handle = stack.enter_context(safe_open(str(path), framework="pt"))
+        keys = set(handle.keys())
+        shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in keys}
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
+    expected = {e.name: e.shape for e in entries}
+    missing = [k for k in expected if k not in keys]
+    unexpected = sorted(keys - set(expected) - aliases)
+    wrong = [f"{k} {list(shapes[k])} (expected {list(s)})" for k, s in expected.items() if k in keys and shapes[k] != s]
+    problems = [f"{label} {len(items)}: {', '.join(items[:3])}{', ...' if len(items) > 3 else ''}"
+                for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+                if items]
+    if problems:
+        raise CheckpointError(f"{path} does not match {source}: " + "; ".join(problems))
+
+    def tensors() -> Iterator[torch.Tensor]:
+        for entry in entries:
+            yield handle.get_tensor(entry.name).to(entry.dtype).contiguous()
+
+    return tensors()
+
+
+def _make_temp(out: Path, total: int) -> Path:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(out.parent).free
+        if free < total:
+            raise UsageError(f"{out.parent} has {format_bytes(free)} free and the checkpoint needs "
+                             f"{format_bytes(total)}; choose another directory")
+        for _ in range(100):
+            tmp = out.parent / f".{out.name}.devmap-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            with contextlib.suppress(FileExistsError):
+                tmp.mkdir()  # unlike mkdtemp, honours the umask: the renamed directory gets normal permissions
+                return tmp
+        raise FileExistsError(f"no free temporary name next to {out}")
+    except OSError as exc:
+        raise UsageError(f"cannot write into {out.parent}: {exc.strerror or exc}; choose another directory") from None
+
+
+def _write_config(src: ModelSource, model: nn.Module, target: torch.dtype, tmp: Path) -> None:
+    if src.kind == "torchvision":
+        config = {"torchvision_model": src.name, "num_classes": int(src.extra.get("num_classes", 1000)),
+                  "devmap_format": 1, "dtype": dtype_name(target)}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(src.config)
+    config.dtype = dtype_name(target)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(str(tmp))
+    GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+
+
+def _write_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write_shards(tmp: Path, shards: list[list[_Entry]], names: list[str], tensors: Iterator[torch.Tensor],
+                  total: int, progress: Progress | None) -> None:
+    """Fill each planned shard from `tensors` and write it as soon as it is complete."""
+    done = 0
+    if progress is not None:
+        progress(0, total)
+    for shard, name in zip(shards, names):
+        buffer: dict[str, torch.Tensor] = {}
+        for entry in shard:
+            buffer[entry.name] = next(tensors)
+            done += entry.nbytes
+            if progress is not None:
+                progress(done, total)
+        _write_shard(buffer, tmp / name)
+        del buffer
+        os.chmod(tmp / name, 0o666 & ~_umask())  # safetensors writes 0600; give the usual file permissions
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename the finished temporary directory to `out`; an existing `out` is moved aside, then removed."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.devmap-old-", dir=out.parent))
+    os.replace(out, old / "previous")
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old / "previous", out)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
