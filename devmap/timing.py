@@ -204,7 +204,12 @@ def check_micro_batches(config: HarnessConfig) -> None:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine() or 'unknown'})"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return model or f"{platform.machine() or 'unknown'} CPU"
 
 
 def run_comparison(

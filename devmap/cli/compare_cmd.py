@@ -68,17 +68,24 @@ def compare(devices: str | None, batch_size: int, image_size: int, num_batches: 
 
     from devmap.errors import UsageError
     from devmap.plots import write_plots
-    from devmap.timing import HarnessConfig, parse_devices, run_comparison, save_results, total_runs
+    from devmap.timing import (HarnessConfig, check_micro_batches, parse_devices, run_comparison, save_results,
+                               total_runs)
 
     config = HarnessConfig(num_batches=num_batches, batch_size=batch_size, image_w=image_size, image_h=image_size,
                            num_classes=num_classes, repeat=repeat, pipeline_split_size=pipeline_split_size,
                            split_sizes=parse_int_list(split_sizes, "--split-sizes"))
     devs = parse_devices(devices)
+    placement = None
     if toy and device_map is not None:
         raise UsageError("--device-map applies to ResNet50, not to --toy")
+    if not toy:  # every check before the progress bar starts, so errors stay one line
+        from devmap.tutorial_models import RESNET_CHILDREN, resolve_placement
+
+        check_micro_batches(config)
+        placement = dict(zip(RESNET_CHILDREN, resolve_placement(devs, device_map)))
     with tqdm(total=total_runs(config), desc="compare", unit="run", file=sys.stderr, disable=as_json,
               leave=False) as bar:
-        result = run_comparison(devs, config, toy=toy, device_map=device_map, progress=lambda: bar.update(1))
+        result = run_comparison(devs, config, toy=toy, device_map=placement, progress=lambda: bar.update(1))
     save_results(result, out_dir)
     write_plots(result, out_dir)
     if as_json:
@@ -95,7 +102,8 @@ def render_comparison(result) -> str:  # type: ignore[no-untyped-def]
     cfg = result.config
     what = "ToyModel" if result.model == "toy" else (
         f"ResNet50 · {cfg.num_batches} batches of {cfg.batch_size} x 3x{cfg.image_w}x{cfg.image_h}")
-    devices = ", ".join(f"{d} ({result.device_names[d]})" for d in dict.fromkeys(result.devices))
+    names = "; ".join(f"{d}: {result.device_names[d]}" for d in dict.fromkeys(result.devices))
+    devices = f"{', '.join(result.devices)} ({names})"
     stages: list[list] = []
     for name, index in result.placement.items():
         if stages and stages[-1][2] == index:
