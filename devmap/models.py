@@ -170,7 +170,9 @@ def _torchvision_dir(path: Path) -> ModelSource | None:
     if arch not in RESNETS:
         raise SourceError(f"{config_file} names torchvision model {arch!r}; devmap knows {', '.join(RESNETS)}")
     extra = {"num_classes": int(raw.get("num_classes", 1000))}
-    return ModelSource(name=arch, kind="torchvision", path=path, extra=extra)
+    dtype = raw.get("dtype")
+    default = getattr(torch, dtype) if dtype in ("float32", "float16", "bfloat16") else torch.float32
+    return ModelSource(name=arch, kind="torchvision", path=path, extra=extra, default_dtype=default)
 
 
 def resolve_source(source: Union[str, Path, nn.Module]) -> ModelSource:

@@ -1,20 +1,46 @@
-"""The tutorial's PNG plots (bars with error bars, the split-size trade-off), drawn with Agg and written atomically."""
+"""The comparison's files: the tutorial's PNG plots (drawn with Agg) and results.json, all written atomically."""
 
 from __future__ import annotations
 
 import io
+import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from .timing import MODEL_PARALLEL, PIPELINE, SINGLE_GPU, ComparisonResult, write_atomic
+from .timing import MODEL_PARALLEL, PIPELINE, SINGLE_GPU, ComparisonResult
 
 MP_VS_RN = "mp_vs_rn.png"
 MP_VS_RN_VS_PP = "mp_vs_rn_vs_pp.png"
 SPLIT_SIZE_TRADEOFF = "split_size_tradeoff.png"
 WITH_DEVMAP = "mp_vs_rn_vs_pp_vs_devmap.png"
 YLABEL = "ResNet50 Execution Time (Second)"
+
+
+def write_atomic(path: str | Path, data: bytes) -> Path:
+    """Write `data` to a temporary file beside `path`, then os.replace it into place (no half-written files)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+def save_results(result: ComparisonResult, out_dir: str | Path) -> Path:
+    """Write OUT_DIR/results.json (atomically) and return its path."""
+    return write_atomic(Path(out_dir) / "results.json", (json.dumps(result.to_dict(), indent=2) + "\n").encode())
 
 
 def _figure():  # type: ignore[no-untyped-def]
@@ -70,7 +96,8 @@ def write_plots(result: ComparisonResult, out_dir: str | Path) -> list[Path]:
         timings = [result.systems[label] for label in labels]
         return plot_bars([t.mean for t in timings], [t.std for t in timings], labels, out / name, ylabel)
 
-    written = [bars([MODEL_PARALLEL, SINGLE_GPU], MP_VS_RN), bars([MODEL_PARALLEL, SINGLE_GPU, PIPELINE], MP_VS_RN_VS_PP)]
+    written = [bars([MODEL_PARALLEL, SINGLE_GPU], MP_VS_RN),
+               bars([MODEL_PARALLEL, SINGLE_GPU, PIPELINE], MP_VS_RN_VS_PP)]
     sweep = result.sweep
     written.append(plot_split_sizes([p["split_size"] for p in sweep], [p["mean"] for p in sweep],
                                     [p["std"] for p in sweep], out / SPLIT_SIZE_TRADEOFF, ylabel))

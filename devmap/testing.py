@@ -11,11 +11,11 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def require_gpus(n: int = 1) -> pytest.MarkDecorator:
-    """Mark a test as GPU-only; it skips unless at least `n` CUDA devices are visible."""
-    return pytest.mark.gpu(
-        pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} CUDA GPU(s), {gpu_count()} visible")
-    )
+def require_gpus(n: int = 1) -> list[pytest.MarkDecorator]:
+    """Marks for a GPU-only test module (`pytestmark = require_gpus(2)`): the `gpu` marker, and a skip
+    unless at least `n` CUDA devices are visible."""
+    return [pytest.mark.gpu,
+            pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} CUDA GPU(s), {gpu_count()} visible")]
 
 
 class ToyModel(nn.Module):

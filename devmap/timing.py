@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
 import platform
-import tempfile
 import timeit
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
@@ -43,6 +39,7 @@ class HarnessConfig:
     lr: float = 0.001
     split_sizes: tuple[int, ...] = (1, 3, 5, 8, 10, 12, 20, 40, 60)
     pipeline_split_size: int = 20
+    warmup: int = 0  # untimed train() calls per system before its timed runs (the tutorial has none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "split_sizes", tuple(self.split_sizes))
@@ -56,6 +53,8 @@ class HarnessConfig:
         bad = [s for s in self.split_sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
         if bad:
             raise UsageError(f"split sizes must be positive integers, got {bad[0]!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise UsageError(f"warmup must be a non-negative integer, got {self.warmup!r}")
         if not self.lr > 0:
             raise UsageError(f"lr must be positive, got {self.lr!r}")
 
@@ -88,7 +87,7 @@ def train(model: nn.Module, devices: Sequence[torch.device], config: HarnessConf
 
 
 def train_toy(model: nn.Module, devices: Sequence[torch.device], config: HarnessConfig = HarnessConfig()) -> None:
-    """The ToyModel step of the tutorial, `num_batches` times: inputs randn(20, 10), labels randn(20, 5) on the output device."""
+    """The tutorial's ToyModel step, `num_batches` times: inputs randn(20, 10), labels randn(20, 5) on the output."""
     model.train(True)
     loss_fn = nn.MSELoss()
     optimizer = optim.SGD(model.parameters(), lr=config.lr)
@@ -105,9 +104,16 @@ def time_system(builder: Callable[[], nn.Module], step: Callable[[nn.Module], No
                 progress: Callable[[], None] | None = None) -> list[float]:
     """`timeit.repeat(stmt, setup, number, repeat)` with the model built in setup; progress() after each run.
 
+    With `config.warmup` > 0, one model is built and trained that many times, untimed, first.
+
     timeit.repeat is `Timer(stmt, setup).repeat(repeat, number)`, i.e. `repeat` calls of
     `Timer.timeit(number)`; that loop is written out here so progress can be reported in between.
     """
+    if config.warmup:  # untimed: kernels, cuDNN/cuBLAS handles and allocator caches get ready
+        model = builder()
+        for _ in range(config.warmup):
+            step(model)
+        del model
     holder: dict[str, nn.Module] = {}
 
     def setup() -> None:
@@ -188,7 +194,7 @@ def parse_devices(devices: str | Sequence[Device] | None, needed: int = 2) -> li
 
 
 def check_micro_batches(config: HarnessConfig) -> None:
-    """Refuse sizes where some (micro-)batch is one image whose ResNet50 layer4 output is 1x1: BatchNorm cannot train on it."""
+    """Refuse sizes where a (micro-)batch is one image with a 1x1 layer4 output: BatchNorm cannot train on it."""
     last = ((config.image_w + 31) // 32, (config.image_h + 31) // 32)  # five stride-2 stages, each rounding up
     if last != (1, 1):
         return
@@ -281,22 +287,3 @@ def total_runs(config: HarnessConfig, extra_systems: Mapping[str, Any] | None = 
     """How many timed runs run_comparison makes (for a progress bar)."""
     return config.repeat * (len(TUTORIAL_SYSTEMS) + len(config.split_sizes) + len(extra_systems or {}))
 
-
-def write_atomic(path: str | Path, data: bytes) -> Path:
-    """Write `data` to a temporary file beside `path`, then os.replace it into place (no half-written files)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
-
-
-def save_results(result: ComparisonResult, out_dir: str | Path) -> Path:
-    """Write OUT_DIR/results.json (atomically) and return its path."""
-    return write_atomic(Path(out_dir) / "results.json", (json.dumps(result.to_dict(), indent=2) + "\n").encode())

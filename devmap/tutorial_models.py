@@ -1,4 +1,4 @@
-"""The PyTorch model-parallel tutorial's systems (ResNet50 on one device, split, pipelined; ToyModel), for any device list."""
+"""The PyTorch model-parallel tutorial's systems (ResNet50 whole, split, pipelined; ToyModel) for any device list."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def placement_from_split(split: Sequence[int], num_devices: int) -> list[int]:
     """
     bounds = [int(b) for b in split]
     if any(not 0 < b < len(RESNET_CHILDREN) for b in bounds) or bounds != sorted(set(bounds)):
-        raise UsageError(f"invalid split {list(split)}: boundaries must increase strictly within 1..{len(RESNET_CHILDREN) - 1}")
+        raise UsageError(f"invalid split {list(split)}: boundaries must increase strictly "
+                         f"within 1..{len(RESNET_CHILDREN) - 1}")
     if len(bounds) + 1 > num_devices:
         raise UsageError(f"split {bounds} makes {len(bounds) + 1} stages but only {num_devices} devices were given")
     return [sum(i >= b for b in bounds) for i in range(len(RESNET_CHILDREN))]

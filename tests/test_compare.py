@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from devmap import tutorial_models as tm
 from devmap.cli import main
 from devmap.plots import write_plots
-from devmap.timing import PIPELINE, TUTORIAL_SYSTEMS, HarnessConfig, run_comparison, total_runs
+from devmap.timing import PIPELINE, TUTORIAL_SYSTEMS, HarnessConfig, run_comparison, time_system, total_runs
 
 SPLITS = [2, 4, 8]  # with 32x32 images a micro-batch of 1 cannot train (see test_bad_arguments)
 SMALL = ["--devices", "cpu,cpu", "--batch-size", "4", "--image-size", "32", "--num-batches", "1", "--repeat", "2",
@@ -43,13 +43,14 @@ def resnet_run(tmp_path_factory):
 def test_defaults_are_the_tutorials():
     cfg = HarnessConfig()
     assert (cfg.num_batches, cfg.batch_size, cfg.image_w, cfg.image_h, cfg.num_classes) == (3, 120, 128, 128, 1000)
-    assert (cfg.repeat, cfg.number, cfg.lr, cfg.pipeline_split_size) == (10, 1, 0.001, 20)
+    assert (cfg.repeat, cfg.number, cfg.lr, cfg.pipeline_split_size, cfg.warmup) == (10, 1, 0.001, 20, 0)
     assert cfg.split_sizes == (1, 3, 5, 8, 10, 12, 20, 40, 60)
     stages = tm.ModelParallelResNet50(["cpu", "cpu"], num_classes=10).stage_layout
     assert [names for names, _ in stages] == [("conv1", "bn1", "relu", "maxpool", "layer1", "layer2"),
                                               ("layer3", "layer4", "avgpool", "fc")]
     options = {p.name: p.default for p in main.get_command(None, "compare").params}
-    assert (options["batch_size"], options["image_size"], options["num_batches"], options["repeat"]) == (120, 128, 3, 10)
+    assert (options["batch_size"], options["image_size"], options["num_batches"]) == (120, 128, 3)
+    assert (options["repeat"], options["warmup"]) == (10, 0)
     assert options["split_sizes"] == "1,3,5,8,10,12,20,40,60" and options["pipeline_split_size"] == 20
 
 
@@ -145,6 +146,7 @@ def test_planner_map_rounds_to_whole_children():
 @pytest.mark.parametrize("args, words", [
     (["--repeat", "0"], "repeat must be a positive integer"),
     (["--batch-size", "0"], "batch_size must be a positive integer"),
+    (["--warmup", "-1"], "warmup must be a non-negative integer"),
     (["--devices", "tpu:0,cpu"], "unknown device 'tpu:0'"),
     (["--devices", "cuda:7,cuda:0"], "does not exist"),
     (["--devices", "cpu"], "needs at least 2 devices"),
@@ -201,3 +203,16 @@ def test_extra_system_gets_timed_and_the_fourth_plot(tmp_path):
     assert names == [*PNGS, "mp_vs_rn_vs_pp_vs_devmap.png"]
     with pytest.raises(ValueError, match="clash"):
         run_comparison(["cpu", "cpu"], cfg, toy=True, extra_systems={PIPELINE: devmap_pipeline})
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_time_system_builds_in_setup_and_warms_up_untimed(warmup):
+    events = []
+    times = time_system(lambda: events.append("build") or len(events), lambda model: events.append(("step", model)),
+                        HarnessConfig(repeat=3, warmup=warmup), progress=lambda: events.append("progress"))
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    warm = ["build", *[("step", 1)] * warmup] if warmup else []
+    timed = []
+    for _ in range(3):
+        timed += ["build", ("step", len(warm) + len(timed) + 1), "progress"]
+    assert events == warm + timed

@@ -46,6 +46,9 @@ def describe_ratio(ratio: float) -> str:
 @click.option("--split-sizes", default=_SPLIT_SIZES, show_default=True, help="Pipeline split sizes to sweep.")
 @click.option("--pipeline-split-size", type=int, default=20, show_default=True,
               help="Split size of the 'Pipelining Model Parallel' system.")
+@click.option("--warmup", type=int, default=0, show_default=True,
+              help="Untimed train() calls per system first (the tutorial has none, so its first timed run "
+              "includes CUDA start-up; 1 removes that).")
 @click.option("--device-map", "device_map", default=None,
               help="Place ResNet50's children with a planner strategy (auto, balanced, balanced_low_0, sequential) "
               "instead of the tutorial's split after layer2.")
@@ -54,8 +57,8 @@ def describe_ratio(ratio: float) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print results.json instead of the table (no progress bar).")
 @click.option("--toy", is_flag=True, help="Time the tutorial's ToyModel (Linear 10->10, relu, Linear 10->5) instead.")
 def compare(devices: str | None, batch_size: int, image_size: int, num_batches: int, num_classes: int, repeat: int,
-            split_sizes: str, pipeline_split_size: int, device_map: str | None, out_dir: str, as_json: bool,
-            toy: bool) -> None:
+            split_sizes: str, pipeline_split_size: int, warmup: int, device_map: str | None, out_dir: str,
+            as_json: bool, toy: bool) -> None:
     """Time ResNet50 on one device, split over two (Model Parallel), and pipelined, as the PyTorch
     model-parallel tutorial does, then sweep the pipeline split size.
 
@@ -67,13 +70,12 @@ def compare(devices: str | None, batch_size: int, image_size: int, num_batches: 
     from tqdm import tqdm
 
     from devmap.errors import UsageError
-    from devmap.plots import write_plots
-    from devmap.timing import (HarnessConfig, check_micro_batches, parse_devices, run_comparison, save_results,
-                               total_runs)
+    from devmap.plots import save_results, write_plots
+    from devmap.timing import HarnessConfig, check_micro_batches, parse_devices, run_comparison, total_runs
 
     config = HarnessConfig(num_batches=num_batches, batch_size=batch_size, image_w=image_size, image_h=image_size,
                            num_classes=num_classes, repeat=repeat, pipeline_split_size=pipeline_split_size,
-                           split_sizes=parse_int_list(split_sizes, "--split-sizes"))
+                           warmup=warmup, split_sizes=parse_int_list(split_sizes, "--split-sizes"))
     devs = parse_devices(devices)
     placement = None
     if toy and device_map is not None:
@@ -125,4 +127,7 @@ def render_comparison(result) -> str:  # type: ignore[no-untyped-def]
     ratio = describe_ratio(best["mean"] / single)
     versus = "as fast as Single GPU" if ratio == "same" else f"{ratio} than Single GPU"
     lines.append(f"\nBest split size: {best['split_size']} ({best['mean']:.3f} s, {versus})")
+    if not cfg.warmup and any(d.startswith("cuda") for d in result.devices):
+        lines.append("Note: no warm-up, as in the tutorial: the first timed run includes CUDA start-up; "
+                     "--warmup 1 leaves it out")
     return "\n".join(lines)

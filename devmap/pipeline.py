@@ -1,0 +1,284 @@
+"""A micro-batch pipeline whose stages run at the same time on their devices, for inference and training.
+
+Schedule: fill-drain (GPipe). At clock k, stage j runs micro-batch k - j; one worker thread per stage
+launches its work, so no stage waits for another stage's kernel launches. On CUDA each stage has a
+compute stream, and each hand-off a send stream on the source device and a receive stream on the
+destination, ordered by events: a copy never waits for (or holds up) either stage's compute. Backward
+is run by PyTorch's autograd engine, which keeps one thread per device and each backward op on its
+forward op's stream, so the stages' backwards also overlap. Each (stage, micro-batch) is replayed as a
+CUDA graph where it can be captured (see devmap.graphs); otherwise it runs eagerly.
+
+BatchNorm normalizes each micro-batch on its own (as in the PyTorch tutorial's pipeline), so training
+outputs differ from the unsplit model's unless there is one micro-batch; in eval mode they are equal.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Sequence, Union
+
+import torch
+from torch import nn
+
+from .errors import PipelineError
+from .graphs import StageGraph
+from .stages import StageSpec, as_device, block_devices, blocks_of, check_stage_devices, group_stages
+
+GRAPH_MODES = ("auto", "on", "off")
+
+
+class _Workers:
+    """One thread per stage; tasks in, completions out; the first error is raised in the caller."""
+
+    def __init__(self, count: int) -> None:
+        self.inboxes: list[queue.Queue] = [queue.Queue() for _ in range(count)]
+        self.done: queue.Queue = queue.Queue()
+        self.threads = [threading.Thread(target=self._loop, args=(box,), daemon=True) for box in self.inboxes]
+
+    def _loop(self, inbox: queue.Queue) -> None:
+        while True:
+            task = inbox.get()
+            if task is None:
+                return
+            try:
+                task()
+                self.done.put(None)
+            except BaseException as exc:  # handed to the caller
+                self.done.put(exc)
+
+    def __enter__(self) -> "_Workers":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def run(self, tasks: list[tuple[int, Callable[[], None]]]) -> None:
+        for stage, task in tasks:
+            self.inboxes[stage].put(task)
+        errors = [e for e in (self.done.get() for _ in tasks) if e is not None]
+        if errors:
+            raise errors[0]
+
+    def __exit__(self, *exc: Any) -> None:
+        for box in self.inboxes:
+            box.put(None)
+        for t in self.threads:
+            t.join()
+
+
+class Pipeline(nn.Module):
+    """Stages (nn.Modules on devices) run as a micro-batch pipeline; an nn.Module like any other."""
+
+    def __init__(self, stages: Sequence[tuple[nn.Module, torch.device]], chunks: int | None = None,
+                 split_size: int | None = None, graphs: str = "auto") -> None:
+        super().__init__()
+        if chunks is not None and split_size is not None:
+            raise PipelineError("give chunks (number of micro-batches) or split_size (rows per micro-batch), not both")
+        for name, value in (("chunks", chunks), ("split_size", split_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise PipelineError(f"invalid {name}={value!r}: it must be a positive integer")
+        if graphs not in GRAPH_MODES:
+            raise PipelineError(f"invalid graphs={graphs!r}: use one of {', '.join(GRAPH_MODES)}")
+        self.partitions = nn.ModuleList([module for module, _ in stages])
+        self.devices = [device for _, device in stages]
+        self.chunks = chunks if chunks is not None or split_size is not None else 1
+        self.split_size = split_size
+        self.graphs = graphs
+        self.graph_failures: list[str] = []
+        self._graphs: dict[tuple, list[list[StageGraph | None]]] = {}
+        self._streams: dict[tuple, torch.cuda.Stream] = {}
+
+    def extra_repr(self) -> str:
+        size = f"split_size={self.split_size}" if self.split_size else f"chunks={self.chunks}"
+        return f"devices={[str(d) for d in self.devices]}, {size}, graphs={self.graphs}"
+
+    def micro_batches(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Split along the batch dimension: `split_size` rows each, or `chunks` near-equal parts."""
+        rows = self.split_size or math.ceil(x.shape[0] / self.chunks)
+        return list(x.split(max(1, rows)))
+
+    def reset_graphs(self) -> None:
+        """Forget captured graphs (needed after parameters are replaced rather than updated in place)."""
+        self._graphs.clear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise PipelineError(f"a pipeline takes one tensor batch, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[0] == 0:
+            raise PipelineError("a pipeline needs a non-empty batch dimension")
+        micro = self.micro_batches(x)
+        runners = self._runners(micro)
+        grad = torch.is_grad_enabled()
+        start = None
+        if x.is_cuda:
+            start = torch.cuda.Event()
+            start.record(torch.cuda.current_stream(x.device))
+        carry: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [(mb, start) for mb in micro]
+        m, n = len(micro), len(self.partitions)
+        with _Workers(n) as workers:
+            for clock in range(m + n - 1):
+                tasks = [(j, self._task(clock - j, j, carry, runners, grad))
+                         for j in range(n) if 0 <= clock - j < m]
+                workers.run(tasks)
+        return self._gather(carry)
+
+    def _stream(self, kind: str, stage: int, device: torch.device) -> torch.cuda.Stream:
+        key = (kind, stage, device)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]
+
+    def _task(self, i: int, j: int, carry: list, runners: list[list[Callable]], grad: bool) -> Callable[[], None]:
+        def task() -> None:
+            torch.set_grad_enabled(grad)  # grad mode is thread-local
+            x, event = carry[i]
+            device = self.devices[j]
+            if device.type != "cuda":
+                carry[i] = (runners[j][i](x.to(device)), None)
+                return
+            compute = self._stream("compute", j, device)
+            with torch.cuda.device(device):
+                if x.device != device:
+                    x = self._hand_off(x, event, j, device, compute)
+                else:
+                    if event is not None:
+                        compute.wait_event(event)
+                    x.record_stream(compute)
+                with torch.cuda.stream(compute):
+                    out = runners[j][i](x)
+                done = torch.cuda.Event()
+                done.record(compute)
+            carry[i] = (out, done)
+
+        return task
+
+    def _hand_off(self, x: torch.Tensor, event: Any, j: int, device: torch.device,
+                  compute: torch.cuda.Stream) -> torch.Tensor:
+        """Copy x to this stage's device on a send stream (source) and a receive stream (destination):
+        PyTorch copies across devices on the source's current stream after waiting for the destination's,
+        so with two otherwise idle streams the copy waits only for x itself."""
+        recv = self._stream("recv", j, device)
+        if x.is_cuda:
+            send = self._stream("send", j, x.device)
+            if event is not None:
+                send.wait_event(event)
+            with torch.cuda.stream(send), torch.cuda.stream(recv):
+                y = x.to(device, non_blocking=True)
+            x.record_stream(send)
+        else:
+            with torch.cuda.stream(recv):
+                y = x.to(device, non_blocking=True)
+        compute.wait_stream(recv)
+        y.record_stream(compute)
+        return y
+
+    def _gather(self, carry: list) -> torch.Tensor:
+        outputs = [out for out, _ in carry]
+        last = self.devices[-1]
+        if last.type == "cuda":
+            stream = torch.cuda.current_stream(last)
+            for out, event in carry:
+                if event is not None:
+                    stream.wait_event(event)
+                out.record_stream(stream)
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0].clone()
+
+    def _runners(self, micro: list[torch.Tensor]) -> list[list[Callable]]:
+        """For each stage and micro-batch: its CUDA graph, or the stage module itself."""
+        eager = [[stage] * len(micro) for stage in self.partitions]
+        if self.graphs == "off" or not any(d.type == "cuda" for d in self.devices):
+            return eager
+        backward = torch.is_grad_enabled()
+        key = (tuple(tuple(mb.shape) for mb in micro), micro[0].dtype, backward, self.training)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(micro, backward)
+        return [[g if g is not None else stage for g in row] for row, stage in zip(self._graphs[key], self.partitions)]
+
+    def _capture(self, micro: list[torch.Tensor], backward: bool) -> list[list[StageGraph | None]]:
+        """Capture every (stage, micro-batch) once, sequentially, before any concurrent work. Each micro-batch
+        gets its own graphs (its own activations); the micro-batch shapes only choose the samples."""
+        saved = [b.detach().clone() for b in self.buffers()]  # sample passes must not move BN statistics
+        inputs = {tuple(mb.shape): mb.detach() for mb in micro}
+        rows: list[list[StageGraph | None]] = []
+        for j, (stage, device) in enumerate(zip(self.partitions, self.devices)):
+            samples = {}
+            for shape, x in inputs.items():
+                samples[shape] = x.to(device)
+                with torch.no_grad():
+                    inputs[shape] = stage(samples[shape]).detach()
+            row = []
+            for mb in micro:
+                x = samples[tuple(mb.shape)].clone()
+                x.requires_grad_(backward and j > 0 and x.is_floating_point())
+                row.append(self._capture_one(stage, x, backward, j) if device.type == "cuda" else None)
+            rows.append(row)
+        with torch.no_grad():
+            for buffer, value in zip(self.buffers(), saved):
+                buffer.copy_(value)
+        return rows
+
+    def _capture_one(self, stage: nn.Module, x: torch.Tensor, backward: bool, j: int) -> StageGraph | None:
+        try:
+            return StageGraph(stage, x, backward)
+        except Exception as exc:  # capture unsupported by this stage: fall back to eager
+            if self.graphs == "on":
+                raise PipelineError(f"stage {j} cannot be captured as a CUDA graph: {str(exc).splitlines()[0]}") from None
+            self.graph_failures.append(f"stage {j}: {str(exc).splitlines()[0]}")
+            torch.cuda.synchronize(x.device)
+            return None
+
+
+def pipeline(
+    model: Union[nn.Module, Sequence[StageSpec]],
+    chunks: int | None = None,
+    split_size: int | None = None,
+    *,
+    balance: str | None = None,
+    sample: torch.Tensor | None = None,
+    graphs: str = "auto",
+) -> Pipeline:
+    """Wrap a placed model (devmap.load / dispatch) or explicit [(module, device), ...] stages as a Pipeline.
+
+    Stages come from the device map: consecutive blocks on one device form a stage. `balance="time"`
+    moves stage boundaries so stages take about equal time (needs `sample`, one input batch).
+    """
+    if isinstance(model, (list, tuple)):
+        return Pipeline(check_stage_devices(model), chunks, split_size, graphs)
+    if not isinstance(model, nn.Module):
+        raise PipelineError(f"pipeline() takes an nn.Module or a list of (module, device) stages, got {type(model).__name__}")
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        raise PipelineError(
+            "the model has no placement: place it with devmap.load(...) or devmap.dispatch(model, device_map=...), "
+            "or pass explicit stages [(module, device), ...]"
+        )
+    devices_used = set(device_map.values())
+    if "disk" in devices_used or ("cpu" in devices_used and any(isinstance(d, int) for d in devices_used)):
+        raise PipelineError("the model has offloaded blocks (cpu or disk beside GPUs): give it enough GPU memory "
+                            "to hold every block before pipelining it")
+    from accelerate.hooks import remove_hook_from_module
+
+    remove_hook_from_module(model, recurse=True)  # the pipeline moves activations itself
+    blocks = blocks_of(model)
+    devices = block_devices(model, blocks)
+    if balance not in (None, "memory", "time"):
+        raise PipelineError(f"invalid balance={balance!r}: use 'memory' (the device map's) or 'time'")
+    if balance == "time":
+        from .balance import balance_by_time
+
+        if sample is None:
+            raise PipelineError("balance='time' needs sample=<one input batch> to profile the blocks")
+        micro = Pipeline([(nn.Identity(), devices[0])], chunks, split_size).micro_batches(sample)[0]
+        devices = balance_by_time(blocks, devices, micro)
+    stages = []
+    for stage_blocks, device in group_stages(blocks, devices):
+        module = nn.Sequential(OrderedDict((name.replace(".", "_"), block) for name, block in stage_blocks))
+        stages.append((module.to(device), device))
+    pipe = Pipeline(stages, chunks, split_size, graphs)
+    pipe.block_names = [[name for name, _ in s] for s, _ in group_stages(blocks, devices)]
+    return pipe
+
+
+__all__ = ["Pipeline", "pipeline", "as_device"]

@@ -1,0 +1,141 @@
+"""The pipeline on ["cpu", "cpu"]: same outputs and gradients as the plain model, errors reach the caller."""
+
+import copy
+import threading
+from collections import OrderedDict
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from devmap import dispatch
+from devmap.errors import PipelineError
+from devmap.pipeline import Pipeline, pipeline
+from devmap.stages import blocks_of
+from devmap.testing import ToyModel
+
+
+def split_in_two(model, at):
+    blocks = blocks_of(model)
+    first = nn.Sequential(OrderedDict((n.replace(".", "_"), b) for n, b in blocks[:at]))
+    second = nn.Sequential(OrderedDict((n.replace(".", "_"), b) for n, b in blocks[at:]))
+    return [(first, "cpu"), (second, "cpu")]
+
+
+def reference_per_micro_batch(model, x, pipe):
+    """The plain model run on each micro-batch (BatchNorm sees each micro-batch alone, as in the pipeline)."""
+    return torch.cat([model(mb) for mb in pipe.micro_batches(x)])
+
+
+def assert_same_grads(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5])
+def test_resnet_two_stages_train(chunks):
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10)
+    ref = copy.deepcopy(plain)
+    pipe = pipeline(split_in_two(plain, 7), chunks=chunks)  # split inside layer2, flatten before fc
+    x = torch.randn(5, 3, 64, 64)  # 2x2 maps at layer4: BatchNorm trains even on one-sample micro-batches
+    out = pipe(x)
+    expected = reference_per_micro_batch(ref, x, pipe)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(plain, ref)
+    for a, b in zip(plain.buffers(), ref.buffers()):  # BN running statistics advance the same way
+        torch.testing.assert_close(a, b)
+
+
+def test_resnet_eval_equals_plain_model():
+    plain = torchvision.models.resnet18(num_classes=10).eval()
+    pipe = pipeline(split_in_two(copy.deepcopy(plain), 5), chunks=3).eval()
+    x = torch.randn(7, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), plain(x))
+
+
+@pytest.mark.parametrize("split_size", [1, 3, 4, 20, 100])
+def test_sequential_split_sizes(split_size):
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    ref = copy.deepcopy(seq)
+    pipe = pipeline([(seq[:2], "cpu"), (seq[2:4], "cpu"), (seq[4:], "cpu")], split_size=split_size)
+    x = torch.randn(10, 8)
+    assert len(pipe.micro_batches(x)) == -(-10 // split_size)  # split >= batch: one micro-batch
+    out = pipe(x)
+    torch.testing.assert_close(out, ref(x))
+    out.sum().backward()
+    ref(x).sum().backward()
+    assert_same_grads(seq, ref)
+
+
+def test_toy_model_placed_by_dispatch_trains():
+    torch.manual_seed(0)
+    toy, ref = ToyModel(), ToyModel()
+    ref.load_state_dict(toy.state_dict())
+    dispatch(toy, {"net1": "cpu", "relu": "cpu", "net2": "cpu"}, max_memory={"cpu": "1GiB"})
+    with pytest.raises(PipelineError, match="cannot split a ToyModel"):
+        pipeline(toy, chunks=2)
+    pipe = pipeline([(nn.Sequential(toy.net1, toy.relu), "cpu"), (toy.net2, "cpu")], chunks=4)
+    x, y = torch.randn(20, 10), torch.randn(20, 5)
+    for model in (pipe, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    torch.testing.assert_close(toy.net1.weight, ref.net1.weight)
+    torch.testing.assert_close(pipe(x), ref(x))
+
+
+def test_pipeline_of_a_dispatched_sequential_uses_its_map():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    dispatch(seq, {"0": "cpu", "1": "cpu", "2": "cpu"}, max_memory={"cpu": "1GiB"})
+    pipe = pipeline(seq, chunks=2)
+    assert len(pipe.partitions) == 1 and pipe.devices == [torch.device("cpu")]
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(pipe(x), seq(x))
+
+
+class Boom(nn.Module):
+    def forward(self, x):
+        raise ValueError("boom in stage 1")
+
+
+def test_stage_error_reaches_caller_and_no_thread_leaks():
+    before = threading.active_count()
+    pipe = pipeline([(nn.Linear(3, 3), "cpu"), (Boom(), "cpu")], chunks=4)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="boom in stage 1"):
+            pipe(torch.randn(8, 3))
+    assert threading.active_count() == before
+
+
+def test_bad_arguments():
+    stages = [(nn.Linear(3, 3), "cpu"), (nn.Linear(3, 3), "cpu")]
+    with pytest.raises(PipelineError, match="chunks=0"):
+        pipeline(stages, chunks=0)
+    with pytest.raises(PipelineError, match="split_size=-2"):
+        pipeline(stages, split_size=-2)
+    with pytest.raises(PipelineError, match="not both"):
+        pipeline(stages, chunks=2, split_size=2)
+    with pytest.raises(PipelineError, match="no placement"):
+        pipeline(torchvision.models.resnet18(), chunks=2)
+    with pytest.raises(PipelineError, match="declared on cuda:0 but its weight is on cpu"):
+        pipeline([(nn.Linear(3, 3), "cpu"), (nn.Linear(3, 3), "cuda:0")], chunks=2)
+    with pytest.raises(PipelineError, match="graphs="):
+        Pipeline([(nn.Linear(3, 3), torch.device("cpu"))], graphs="maybe")
+    with pytest.raises(PipelineError, match="one tensor"):
+        pipeline(stages, chunks=2)([torch.randn(2, 3)])
+
+
+def test_pipeline_is_a_module():
+    pipe = pipeline([(nn.Linear(3, 3), "cpu"), (nn.Dropout(0.5), "cpu")], chunks=2)
+    assert len(list(pipe.parameters())) == 2
+    pipe.eval()
+    assert not pipe.partitions[1].training
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(pipe(x), pipe(x))
