@@ -26,7 +26,7 @@ def _time_cuda(block: nn.Module, x: torch.Tensor, repeat: int) -> float:
         run = lambda: (graph.fwd.replay(), graph.bwd.replay())  # noqa: E731
     except Exception:  # not capturable: time it eagerly
         def run() -> None:
-            out = block(x)
+            out = block(x.clone())
             torch.autograd.backward(out, torch.ones_like(out)) if out.requires_grad else None
 
     for _ in range(3):
@@ -43,7 +43,7 @@ def _time_cuda(block: nn.Module, x: torch.Tensor, repeat: int) -> float:
 def _time_cpu(block: nn.Module, x: torch.Tensor, repeat: int) -> float:
     start = time.perf_counter()
     for _ in range(repeat):
-        out = block(x)
+        out = block(x.clone())  # a leaf input cannot go through an in-place ReLU
         if out.requires_grad:
             out.backward(torch.ones_like(out))
     return (time.perf_counter() - start) / repeat

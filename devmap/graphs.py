@@ -30,7 +30,7 @@ class StageGraph:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.device(device), torch.cuda.stream(side), torch.set_grad_enabled(backward):
             for _ in range(warmup):
-                out = module(self.static_in)
+                out = module(self._input())
                 if backward:
                     torch.autograd.grad(out, self._grad_inputs(), torch.ones_like(out), allow_unused=True)
         torch.cuda.current_stream(device).wait_stream(side)
@@ -38,7 +38,7 @@ class StageGraph:
         self.fwd = torch.cuda.CUDAGraph()
         with torch.cuda.device(device), torch.set_grad_enabled(backward):
             with torch.cuda.graph(self.fwd, pool=pool):
-                self.static_out = module(self.static_in)
+                self.static_out = module(self._input())
             if backward:
                 self.static_grad_out = torch.empty_like(self.static_out)
                 self.bwd = torch.cuda.CUDAGraph()
@@ -49,6 +49,10 @@ class StageGraph:
         with torch.no_grad():
             for buffer, value in zip(module.buffers(), saved):
                 buffer.copy_(value)
+
+    def _input(self) -> torch.Tensor:
+        # a leaf that requires grad cannot be modified in place (a stage may start with ReLU(inplace=True))
+        return self.static_in.clone() if self.input_requires_grad else self.static_in
 
     def _grad_inputs(self) -> list[torch.Tensor]:
         return ([self.static_in] if self.input_requires_grad else []) + self.params

@@ -89,6 +89,21 @@ class Pipeline(nn.Module):
         self.graph_failures: list[str] = []
         self._graphs: dict[tuple, list[list[StageGraph | None]]] = {}
         self._streams: dict[tuple, torch.cuda.Stream] = {}
+        self.trace: list[tuple[int, int, Any, Any]] | None = None  # (stage, micro-batch, start, end) events
+
+    def timeline(self, origins: dict[torch.device, Any] | None = None) -> list[tuple[int, int, float, float]]:
+        """With `trace = []` set before a forward: (stage, micro-batch, start ms, end ms) of each CUDA task,
+        from `origins` (an event per device, recorded while the devices were idle, so that they mark one
+        instant) or else from the first traced event on each device."""
+        if not self.trace:
+            return []
+        origins = dict(origins or {})
+        rows = []
+        for stage, micro, start, end in self.trace:
+            end.synchronize()
+            origin = origins.setdefault(self.devices[stage], start)
+            rows.append((stage, micro, origin.elapsed_time(start), origin.elapsed_time(end)))
+        return rows
 
     def extra_repr(self) -> str:
         size = f"split_size={self.split_size}" if self.split_size else f"chunks={self.chunks}"
@@ -98,6 +113,12 @@ class Pipeline(nn.Module):
         """Split along the batch dimension: `split_size` rows each, or `chunks` near-equal parts."""
         rows = self.split_size or math.ceil(x.shape[0] / self.chunks)
         return list(x.split(max(1, rows)))
+
+    def prepare(self, sample: torch.Tensor) -> "Pipeline":
+        """Capture the CUDA graphs for batches shaped like `sample` now (in the current train/eval and grad
+        mode) instead of at the first forward; touches no gradient and no BatchNorm statistic."""
+        self._runners(self.micro_batches(sample))
+        return self
 
     def reset_graphs(self) -> None:
         """Forget captured graphs (needed after parameters are replaced rather than updated in place)."""
@@ -146,10 +167,15 @@ class Pipeline(nn.Module):
                     if event is not None:
                         compute.wait_event(event)
                     x.record_stream(compute)
+                if self.trace is not None:
+                    begin = torch.cuda.Event(enable_timing=True)
+                    begin.record(compute)
                 with torch.cuda.stream(compute):
                     out = runners[j][i](x)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(enable_timing=self.trace is not None)
                 done.record(compute)
+                if self.trace is not None:
+                    self.trace.append((j, i, begin, done))
             carry[i] = (out, done)
 
         return task
@@ -272,6 +298,9 @@ def pipeline(
             raise PipelineError("balance='time' needs sample=<one input batch> to profile the blocks")
         micro = Pipeline([(nn.Identity(), devices[0])], chunks, split_size).micro_batches(sample)[0]
         devices = balance_by_time(blocks, devices, micro)
+        # the placement is now per block; keep hf_device_map telling the truth
+        model.hf_device_map = {name: (d.index if d.type == "cuda" else d.type)
+                               for (name, _), d in zip(blocks, devices) if name != "flatten"}
     stages = []
     for stage_blocks, device in group_stages(blocks, devices):
         module = nn.Sequential(OrderedDict((name.replace(".", "_"), block) for name, block in stage_blocks))

@@ -139,3 +139,16 @@ def test_pipeline_is_a_module():
     assert not pipe.partitions[1].training
     x = torch.randn(4, 3)
     torch.testing.assert_close(pipe(x), pipe(x))
+
+
+def test_tune_picks_a_candidate_and_keeps_weights():
+    from devmap.tune import tune
+
+    seq = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.BatchNorm1d(32), nn.Linear(32, 4))
+    before = [t.detach().clone() for t in [*seq.parameters(), *seq.buffers()]]
+    build = lambda c: pipeline([(seq[:2], "cpu"), (seq[2:], "cpu")], chunks=c)  # noqa: E731
+    result = tune(build, torch.randn(16, 8), candidates=[1, 2, 4, 32], steps=2, warmup=1)
+    assert [row["chunks"] for row in result.table] == [1, 2, 4]  # 32 > batch: skipped
+    assert result.best_chunks in (1, 2, 4)
+    for a, b in zip(before, [*seq.parameters(), *seq.buffers()]):
+        torch.testing.assert_close(a, b)

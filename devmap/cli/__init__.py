@@ -15,6 +15,7 @@ _COMMANDS = {
     "load": ("devmap.cli.load_cmd", "load"),
     "save": ("devmap.cli.save_cmd", "save"),
     "compare": ("devmap.cli.compare_cmd", "compare"),
+    "tune": ("devmap.cli.tune_cmd", "tune"),
 }
 
 

@@ -55,10 +55,11 @@ def describe_ratio(ratio: float) -> str:
 @click.option("--out", "out_dir", default="compare-out", show_default=True, type=click.Path(file_okay=False),
               help="Folder for results.json and the PNG plots.")
 @click.option("--json", "as_json", is_flag=True, help="Print results.json instead of the table (no progress bar).")
+@click.option("--no-devmap", "no_devmap", is_flag=True, help="Leave devmap's own pipeline out of the comparison.")
 @click.option("--toy", is_flag=True, help="Time the tutorial's ToyModel (Linear 10->10, relu, Linear 10->5) instead.")
 def compare(devices: str | None, batch_size: int, image_size: int, num_batches: int, num_classes: int, repeat: int,
             split_sizes: str, pipeline_split_size: int, warmup: int, device_map: str | None, out_dir: str,
-            as_json: bool, toy: bool) -> None:
+            as_json: bool, no_devmap: bool, toy: bool) -> None:
     """Time ResNet50 on one device, split over two (Model Parallel), and pipelined, as the PyTorch
     model-parallel tutorial does, then sweep the pipeline split size.
 
@@ -85,9 +86,15 @@ def compare(devices: str | None, batch_size: int, image_size: int, num_batches: 
 
         check_micro_batches(config)
         placement = dict(zip(RESNET_CHILDREN, resolve_placement(devs, device_map)))
-    with tqdm(total=total_runs(config), desc="compare", unit="run", file=sys.stderr, disable=as_json,
+    extra = None
+    if not toy and not no_devmap:  # tuned once here, outside the timed runs
+        from devmap.compare_systems import devmap_systems
+
+        extra = devmap_systems(devs, config)
+    with tqdm(total=total_runs(config, extra), desc="compare", unit="run", file=sys.stderr, disable=as_json or not sys.stderr.isatty(),
               leave=False) as bar:
-        result = run_comparison(devs, config, toy=toy, device_map=placement, progress=lambda: bar.update(1))
+        result = run_comparison(devs, config, toy=toy, device_map=placement, extra_systems=extra,
+                                progress=lambda: bar.update(1))
     save_results(result, out_dir)
     write_plots(result, out_dir)
     if as_json:
@@ -103,7 +110,8 @@ def render_comparison(result) -> str:  # type: ignore[no-untyped-def]
 
     cfg = result.config
     what = "ToyModel" if result.model == "toy" else (
-        f"ResNet50 · {cfg.num_batches} batches of {cfg.batch_size} x 3x{cfg.image_w}x{cfg.image_h}")
+        f"ResNet50 · {cfg.num_batches} batch{'es' if cfg.num_batches != 1 else ''} of {cfg.batch_size} x "
+        f"3x{cfg.image_w}x{cfg.image_h}")
     names = "; ".join(f"{d}: {result.device_names[d]}" for d in dict.fromkeys(result.devices))
     devices = f"{', '.join(result.devices)} ({names})"
     stages: list[list] = []
@@ -113,7 +121,8 @@ def render_comparison(result) -> str:  # type: ignore[no-untyped-def]
         else:
             stages.append([name, name, index])
     layout = " | ".join(f"{a}{' … ' + b if a != b else ''} → {result.devices[i]} (#{i})" for a, b, i in stages)
-    lines = [f"{what} · repeat {cfg.repeat} · torch {result.torch_version}", f"Devices: {devices}",
+    warm = f" · warmup {cfg.warmup}" if cfg.warmup else ""
+    lines = [f"{what} · repeat {cfg.repeat}{warm} · torch {result.torch_version}", f"Devices: {devices}",
              f"Model Parallel stages: {layout}", ""]
     rows = [[label, f"{t.mean:.3f} ± {t.std:.3f}",
              "baseline" if label == SINGLE_GPU else describe_ratio(result.ratios[label])]

@@ -28,6 +28,8 @@ def save(source: str, out_dir: str, dtype: str | None, max_shard_size: str, seed
     llama-3-8b/70b). Weights are random (same --seed, same bytes) or come from --weights. Tensors are
     made one at a time, so memory stays near one shard; OUT_DIR appears only when everything is written.
     """
+    import sys
+
     from tqdm import tqdm
 
     from devmap.memory import format_bytes
@@ -38,7 +40,7 @@ def save(source: str, out_dir: str, dtype: str | None, max_shard_size: str, seed
     def progress(done: int, total: int) -> None:
         if not bars:
             bars.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"Saving {source}",
-                             disable=as_json, leave=False))
+                             disable=as_json or not sys.stderr.isatty(), leave=False))
         bars[0].update(done - bars[0].n)
 
     try:

@@ -1,0 +1,197 @@
+"""W1 (the tutorial's harness) and W2 (GPU-bound, 224x224) for ResNet50 on 2 GPUs: devmap's pipeline vs the rest.
+
+Run on nvidia-h200-x2:
+  PYTHONPATH=. python3 benchmarks/pipeline_resnet50.py --w1 --out $OUT
+  PYTHONPATH=. python3 benchmarks/pipeline_resnet50.py --w2 --out $OUT
+Every system is measured in the same run; the tables give ratios to one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from devmap.loader import dispatch
+from devmap.pipeline import pipeline
+from devmap.stages import blocks_of
+from devmap.tune import tune
+
+TUTORIAL_SPLIT = {"conv1": 0, "bn1": 0, "relu": 0, "maxpool": 0, "layer1": 0, "layer2": 0,
+                  "layer3": 1, "layer4": 1, "avgpool": 1, "fc": 1}
+
+
+def balanced_resnet(micro: torch.Tensor, chunks: int):  # type: ignore[no-untyped-def]
+    """ResNet50 over cuda:0/cuda:1, stage boundary balanced by measured time at this micro-batch size."""
+    model = torchvision.models.resnet50()
+    dispatch(model, TUTORIAL_SPLIT)
+    return model, pipeline(model, chunks=chunks, balance="time", sample=micro)
+
+
+def one_gpu_two_stages(model: nn.Module, names: list[list[str]], chunks: int):  # type: ignore[no-untyped-def]
+    """The same stages, both on cuda:0: what lower launch overhead alone buys."""
+    blocks = dict(blocks_of(model))
+    stages = [(nn.Sequential(OrderedDict((n.replace(".", "_"), blocks[n]) for n in group)).to("cuda:0"), "cuda:0")
+              for group in names]
+    return pipeline(stages, chunks=chunks)
+
+
+# ---------------------------------------------------------------- W1
+def run_w1(args: argparse.Namespace) -> dict:
+    from devmap.timing import HarnessConfig, run_comparison
+
+    config = HarnessConfig(split_sizes=tuple(int(s) for s in args.split_sizes.split(",")), warmup=1)
+    sample = torch.randn(config.batch_size, 3, config.image_w, config.image_h, device="cuda:0")
+    # tune once (outside the timed harness): stage boundary by time, then the micro-batch count
+    model, _ = balanced_resnet(sample[: config.batch_size // 4], 4)
+    names = pipeline(model, chunks=1).block_names
+    placement = dict(model.hf_device_map)
+    two = tune(lambda c: pipeline(model, chunks=c), sample, candidates=[2, 3, 4, 5, 6, 8], steps=5)
+    one = tune(lambda c: one_gpu_two_stages(model, names, c), sample, candidates=[1, 2, 3, 4], steps=5)
+    print(f"W1 tuning: stages {names[0][-1]} | {names[1][0]}; 2 GPUs {two.table}; 1 GPU {one.table}", flush=True)
+    del model
+
+    def devmap_two(devs, cfg):  # type: ignore[no-untyped-def]
+        m = torchvision.models.resnet50(num_classes=cfg.num_classes)
+        dispatch(m, placement)
+        return pipeline(m, chunks=two.best_chunks).prepare(
+            torch.randn(cfg.batch_size, 3, cfg.image_w, cfg.image_h, device=devs[0]))
+
+    def devmap_one(devs, cfg):  # type: ignore[no-untyped-def]
+        m = torchvision.models.resnet50(num_classes=cfg.num_classes)
+        return one_gpu_two_stages(m, names, one.best_chunks).prepare(
+            torch.randn(cfg.batch_size, 3, cfg.image_w, cfg.image_h, device=devs[0]))
+
+    extra = {f"devmap pipeline, 2 GPUs (chunks={two.best_chunks})": devmap_two,
+             f"devmap pipeline, 1 GPU (chunks={one.best_chunks})": devmap_one}
+    result = run_comparison(["cuda:0", "cuda:1"], config, extra_systems=extra)
+    data = result.to_dict()
+    single = data["systems"]["Single GPU"]["mean"]
+    print(f"\nW1 — the tutorial's harness (ResNet50, 3 x 120 images at 128x128, timeit repeat=10), "
+          f"torch {torch.__version__}")
+    print(f"{'system':<44}{'s per train()':>18}{'vs one GPU':>14}")
+    rows = [(k, v["mean"], v["std"]) for k, v in data["systems"].items()]
+    best = min(data["sweep"], key=lambda p: p["mean"])
+    rows.insert(3, (f"Pipelining Model Parallel, best split ({best['split_size']})", best["mean"], best["std"]))
+    for name, mean, std in rows:
+        print(f"{name:<44}{mean:>10.3f} ± {std:.3f}{single / mean:>13.2f}x")
+    print("sweep: " + ", ".join(f"{p['split_size']}: {p['mean']:.3f}" for p in data["sweep"]))
+    return {"w1": data, "tuning": {"two_gpus": two.to_dict(), "one_gpu": one.to_dict(), "stages": names}}
+
+
+# ---------------------------------------------------------------- W2
+def time_steps(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, steps: int) -> float:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    loss_fn = nn.MSELoss()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        out = model(x)
+        loss_fn(out, labels.to(out.device)).backward()
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    for d in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(d)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    for d in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(d)
+    return (time.perf_counter() - start) / steps * 1000
+
+
+def run_w2(args: argparse.Namespace) -> dict:
+    from devmap import tutorial_models as tm
+
+    out: dict = {}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        torch.manual_seed(0)
+        x = torch.randn(batch, 3, 224, 224, device="cuda:0")
+        labels = torch.zeros(batch, 1000, device="cuda:0").scatter_(
+            1, torch.randint(0, 1000, (batch, 1), device="cuda:0"), 1)
+        rows: dict[str, float] = {}
+        steps = args.steps if batch <= 256 else max(4, args.steps // 2)
+        model = torchvision.models.resnet50().to("cuda:0")
+        rows["one GPU (eager)"] = time_steps(model, x, labels, steps)
+        del model
+        model = tm.ModelParallelResNet50(["cuda:0", "cuda:1"])
+        rows["tutorial model parallel"] = time_steps(model, x, labels, steps)
+        for split in (batch // 8, batch // 4):
+            model = tm.PipelineParallelResNet50(["cuda:0", "cuda:1"], split_size=split)
+            rows[f"tutorial pipeline (split {split})"] = time_steps(model, x, labels, steps)
+        del model
+        torch.cuda.empty_cache()
+        splits = {}
+        for chunks in [int(c) for c in (args.chunks_256 if batch <= 256 else args.chunks_1024).split(",")]:
+            model, pipe = balanced_resnet(x[: batch // chunks], chunks)
+            pipe.prepare(x)
+            rows[f"devmap pipeline (chunks {chunks})"] = time_steps(pipe, x, labels, steps)
+            splits[chunks] = pipe.block_names[0][-1]
+            print(f"  devmap chunks {chunks}: stage 0 ends at {splits[chunks]}; failures {pipe.graph_failures}",
+                  flush=True)
+            if chunks == max(splits):
+                names = pipe.block_names
+            del model, pipe
+            torch.cuda.empty_cache()
+        for chunks in (1, 2):
+            pipe = one_gpu_two_stages(torchvision.models.resnet50(), names, chunks).prepare(x)
+            rows[f"devmap pipeline, 1 GPU (chunks {chunks})"] = time_steps(pipe, x, labels, steps)
+            del pipe
+            torch.cuda.empty_cache()
+        best_split = splits[min(splits, key=lambda c: rows[f"devmap pipeline (chunks {c})"])]
+        for split in dict.fromkeys([best_split, "layer2.0"]):
+            chunks = args.chunks_256 if batch <= 256 else args.chunks_1024
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   str(Path(__file__).with_name("tdp_resnet50.py")), "--batch", str(batch), "--chunks", chunks,
+                   "--split", split, "--steps", str(steps)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": "."})
+            for line in proc.stdout.splitlines():
+                if line.startswith("{"):
+                    r = json.loads(line)
+                    rows[f"{r['system']} (split {split}, chunks {r['chunks']})"] = r["ms"]
+            if proc.returncode != 0:
+                print(f"torch.distributed.pipelining failed: {proc.stderr[-2000:]}", flush=True)
+        base = rows["one GPU (eager)"]
+        print(f"\nW2 — ResNet50 training step at 224x224, batch {batch}, inputs on the GPU, torch {torch.__version__}")
+        print(f"{'system':<66}{'ms/step':>9}{'images/s':>10}{'vs one GPU':>12}")
+        for name, ms in rows.items():
+            print(f"{name:<66}{ms:>9.1f}{batch / ms * 1000:>10.0f}{base / ms:>11.2f}x")
+        out[str(batch)] = rows
+    return {"w2": out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--w1", action="store_true")
+    parser.add_argument("--w2", action="store_true")
+    parser.add_argument("--split-sizes", default="10,20,30,40,60")
+    parser.add_argument("--batches", default="256,1024")
+    parser.add_argument("--chunks-256", default="4,8")
+    parser.add_argument("--chunks-1024", default="8,16")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = {}
+    if args.w1:
+        results |= run_w1(args)
+    if args.w2:
+        results |= run_w2(args)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        name = "pipeline_" + "_".join(k for k in ("w1", "w2") if getattr(args, k)) + ".json"
+        (Path(args.out) / name).write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
