@@ -134,9 +134,14 @@ def run_w2(args: argparse.Namespace) -> dict:
         torch.cuda.empty_cache()
         splits = {}
         for chunks in [int(c) for c in (args.chunks_256 if batch <= 256 else args.chunks_1024).split(",")]:
-            model, pipe = balanced_resnet(x[: batch // chunks], chunks)
-            pipe.prepare(x)
-            rows[f"devmap pipeline (chunks {chunks})"] = time_steps(pipe, x, labels, steps)
+            try:
+                model, pipe = balanced_resnet(x[: batch // chunks], chunks)
+                pipe.prepare(x)
+                rows[f"devmap pipeline (chunks {chunks})"] = time_steps(pipe, x, labels, steps)
+            except torch.OutOfMemoryError as exc:
+                print(f"  devmap chunks {chunks}: out of memory ({str(exc).splitlines()[0][:120]})", flush=True)
+                torch.cuda.empty_cache()
+                continue
             splits[chunks] = pipe.block_names[0][-1]
             print(f"  devmap chunks {chunks}: stage 0 ends at {splits[chunks]}; failures {pipe.graph_failures}",
                   flush=True)

@@ -34,6 +34,14 @@ def _tutorial_names() -> list[list[str]]:
     return [names[:cut], names[cut:]]
 
 
+def _usable(candidates: Sequence[int], batch: int) -> list[int]:
+    """Chunk counts whose micro-batches all hold 2+ rows (BatchNorm cannot train on one row at small sizes)."""
+    def sizes(c: int) -> list[int]:
+        rows = -(-batch // c)
+        return [rows] * (batch // rows) + ([batch % rows] if batch % rows else [])
+    return [c for c in candidates if min(sizes(c)) >= 2] or [1]
+
+
 def devmap_systems(devices: Sequence[torch.device], config: HarnessConfig, tune_steps: int = 5) -> dict[str, Builder]:
     """Builders for devmap's pipeline on `devices` (and, on two GPUs, both stages on the first GPU)."""
     sample = torch.randn(config.batch_size, 3, config.image_w, config.image_h, device=devices[0])
@@ -46,8 +54,8 @@ def devmap_systems(devices: Sequence[torch.device], config: HarnessConfig, tune_
         pipeline(model, chunks=chunks_guess, balance="time", sample=sample)
         names = pipeline(model, chunks=1).block_names
         placement = dict(model.hf_device_map)
-        two = tune(lambda c: pipeline(model, chunks=c), sample, [2, 3, 4, 5, 6, 8], steps=tune_steps)
-        one = tune(lambda c: pipeline(_stages(model, names, [gpus[0]] * 2), chunks=c), sample, [1, 2, 3, 4],
+        two = tune(lambda c: pipeline(model, chunks=c), sample, _usable([2, 3, 4, 5, 6, 8], config.batch_size), steps=tune_steps)
+        one = tune(lambda c: pipeline(_stages(model, names, [gpus[0]] * 2), chunks=c), sample, _usable([1, 2, 3, 4], config.batch_size),
                    steps=tune_steps)
 
         def on_two(devs: Sequence[torch.device], cfg: HarnessConfig) -> nn.Module:
@@ -63,7 +71,7 @@ def devmap_systems(devices: Sequence[torch.device], config: HarnessConfig, tune_
                 f"{LABEL}, 1 GPU (chunks {one.best_chunks})": on_one}
     names = _tutorial_names()
     result = tune(lambda c: pipeline(_stages(model, names, list(devices)[:2]), chunks=c), sample,
-                  [1, 2, 4], steps=1, warmup=0)
+                  _usable([1, 2, 4], config.batch_size), steps=1, warmup=0)
 
     def plain(devs: Sequence[torch.device], cfg: HarnessConfig) -> nn.Module:
         m = torchvision.models.resnet50(num_classes=cfg.num_classes)

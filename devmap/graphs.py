@@ -37,12 +37,13 @@ class StageGraph:
         torch.cuda.synchronize(device)
         self.fwd = torch.cuda.CUDAGraph()
         with torch.cuda.device(device), torch.set_grad_enabled(backward):
-            with torch.cuda.graph(self.fwd, pool=pool):
+            # torch.cuda.graph's default capture stream lives on the first device it was used on: pass ours
+            with torch.cuda.graph(self.fwd, pool=pool, stream=side):
                 self.static_out = module(self._input())
             if backward:
                 self.static_grad_out = torch.empty_like(self.static_out)
                 self.bwd = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.bwd, pool=pool):
+                with torch.cuda.graph(self.bwd, pool=pool, stream=side):
                     grads = torch.autograd.grad(self.static_out, self._grad_inputs(), self.static_grad_out,
                                                 allow_unused=True)
                 self.static_grads = tuple(grads)

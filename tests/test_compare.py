@@ -16,6 +16,7 @@ SPLITS = [2, 4, 8]  # with 32x32 images a micro-batch of 1 cannot train (see tes
 SMALL = ["--devices", "cpu,cpu", "--batch-size", "4", "--image-size", "32", "--num-batches", "1", "--repeat", "2",
          "--split-sizes", ",".join(map(str, SPLITS)), "--num-classes", "10"]
 PNGS = ["mp_vs_rn.png", "mp_vs_rn_vs_pp.png", "split_size_tradeoff.png"]
+WITH_DEVMAP = PNGS + ["mp_vs_rn_vs_pp_vs_devmap.png"]
 TOY = dict(num_batches=1, repeat=2, split_sizes=(1, 5, 20))
 
 
@@ -56,14 +57,17 @@ def test_defaults_are_the_tutorials():
 
 def test_results_json_has_every_system_and_split(resnet_run):
     data, out = resnet_run
-    assert list(data["systems"]) == list(TUTORIAL_SYSTEMS)
+    # devmap's own pipeline joins the tutorial's systems by default (--no-devmap leaves it out)
+    assert list(data["systems"])[:3] == list(TUTORIAL_SYSTEMS)
+    devmap_label = list(data["systems"])[3]
+    assert devmap_label.startswith("devmap pipeline") and len(data["systems"]) == 4
     for timing in data["systems"].values():
         assert len(timing["times"]) == 2 and timing["mean"] > 0 and timing["std"] >= 0
     assert [p["split_size"] for p in data["sweep"]] == SPLITS
     assert data["best_split_size"] in SPLITS
     assert data["ratios"]["Single GPU"] == 1.0
     assert data["config"]["batch_size"] == 4 and data["config"]["split_sizes"] == SPLITS
-    assert data["devices"] == ["cpu", "cpu"] and data["extra_systems"] == []
+    assert data["devices"] == ["cpu", "cpu"] and data["extra_systems"] == [devmap_label]
     assert data["placement"]["layer2"] == 0 and data["placement"]["layer3"] == 1
     assert json.loads((out / "results.json").read_text()) == data
 
@@ -72,9 +76,9 @@ def test_pngs_are_valid(resnet_run):
     from PIL import Image
 
     _, out = resnet_run
-    assert sorted(p.name for p in out.glob("*.png")) == sorted(PNGS)  # no fourth plot without an extra system
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(WITH_DEVMAP)  # the fourth adds devmap's pipeline
     assert not list(out.glob(".*"))  # no temporary files left behind
-    for name in PNGS:
+    for name in WITH_DEVMAP:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         with Image.open(out / name) as image:
             image.verify()

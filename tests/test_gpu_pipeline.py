@@ -45,13 +45,16 @@ def test_two_gpus_same_outputs_and_grads(graphs, chunks):
         assert not pipe.graph_failures
 
 
-def test_inference_eval_mode_equals_plain_model():
+def test_inference_eval_mode_equals_plain_model(monkeypatch):
+    # full fp32: with TF32 convolutions, cuDNN's choice of algorithm per batch size alone moves logits by ~1e-2
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     plain, model = placed_resnet()
     plain.eval()
     pipe = pipeline(model, chunks=4).eval()
     x = torch.randn(16, 3, 64, 64, device="cuda:0")
     with torch.no_grad():
-        torch.testing.assert_close(pipe(x).to("cuda:0"), plain(x), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(pipe(x).to("cuda:0"), plain(x), atol=1e-4, rtol=1e-4)
 
 
 def test_both_gpus_busy_at_once():
