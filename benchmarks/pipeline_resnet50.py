@@ -125,19 +125,32 @@ def run_w2(args: argparse.Namespace) -> dict:
         model = torchvision.models.resnet50().to("cuda:0")
         rows["one GPU (eager)"] = time_steps(model, x, labels, steps)
         del model
-        model = tm.ModelParallelResNet50(["cuda:0", "cuda:1"])
-        rows["tutorial model parallel"] = time_steps(model, x, labels, steps)
-        for split in (batch // 8, batch // 4):
-            model = tm.PipelineParallelResNet50(["cuda:0", "cuda:1"], split_size=split)
-            rows[f"tutorial pipeline (split {split})"] = time_steps(model, x, labels, steps)
-        del model
+        for split in () if args.skip_peers else (None, batch // 8, batch // 4):
+            if split is None:
+                model = tm.ModelParallelResNet50(["cuda:0", "cuda:1"])
+                rows["tutorial model parallel"] = time_steps(model, x, labels, steps)
+            else:
+                model = tm.PipelineParallelResNet50(["cuda:0", "cuda:1"], split_size=split)
+                rows[f"tutorial pipeline (split {split})"] = time_steps(model, x, labels, steps)
+            del model
         torch.cuda.empty_cache()
-        splits = {}
+        splits: dict[int, str] = {}
+        names = None
         for chunks in [int(c) for c in (args.chunks_256 if batch <= 256 else args.chunks_1024).split(",")]:
             try:
                 model, pipe = balanced_resnet(x[: batch // chunks], chunks)
                 pipe.prepare(x)
                 rows[f"devmap pipeline (chunks {chunks})"] = time_steps(pipe, x, labels, steps)
+                if args.refine:
+                    from devmap.tune import refine_split
+
+                    del pipe
+                    refined = refine_split(model, x, chunks)
+                    print(f"  devmap chunks {chunks}: refined split {refined['boundaries']}: {refined['tried']}",
+                          flush=True)
+                    pipe = pipeline(model, chunks=chunks).prepare(x)
+                    rows[f"devmap pipeline (chunks {chunks}, split measured: {refined['boundaries'][0]})"] = \
+                        time_steps(pipe, x, labels, steps)
             except torch.OutOfMemoryError as exc:
                 print(f"  devmap chunks {chunks}: out of memory ({str(exc).splitlines()[0][:120]})", flush=True)
                 torch.cuda.empty_cache()
@@ -145,17 +158,16 @@ def run_w2(args: argparse.Namespace) -> dict:
             splits[chunks] = pipe.block_names[0][-1]
             print(f"  devmap chunks {chunks}: stage 0 ends at {splits[chunks]}; failures {pipe.graph_failures}",
                   flush=True)
-            if chunks == max(splits):
-                names = pipe.block_names
+            names = pipe.block_names
             del model, pipe
             torch.cuda.empty_cache()
-        for chunks in (1, 2):
+        for chunks in (1, 2) if names and not args.skip_peers else ():
             pipe = one_gpu_two_stages(torchvision.models.resnet50(), names, chunks).prepare(x)
             rows[f"devmap pipeline, 1 GPU (chunks {chunks})"] = time_steps(pipe, x, labels, steps)
             del pipe
             torch.cuda.empty_cache()
-        best_split = splits[min(splits, key=lambda c: rows[f"devmap pipeline (chunks {c})"])]
-        for split in dict.fromkeys([best_split, "layer2.0"]):
+        best = [splits[min(splits, key=lambda c: rows[f"devmap pipeline (chunks {c})"])]] if splits else []
+        for split in () if args.skip_peers else dict.fromkeys([*best, "layer2.0"]):
             chunks = args.chunks_256 if batch <= 256 else args.chunks_1024
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                    str(Path(__file__).with_name("tdp_resnet50.py")), "--batch", str(batch), "--chunks", chunks,
@@ -185,6 +197,8 @@ def main() -> None:
     parser.add_argument("--chunks-256", default="4,8")
     parser.add_argument("--chunks-1024", default="8,16")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--refine", action="store_true", help="also refine devmap's split by measured steps")
+    parser.add_argument("--skip-peers", action="store_true", help="only one GPU and devmap (peers measured before)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = {}

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Sequence
 
@@ -66,7 +67,8 @@ def plot_bars(means: Sequence[float], stds: Sequence[float], labels: Sequence[st
     ax.bar(np.arange(len(means)), means, yerr=stds, align="center", alpha=0.5, ecolor="red", capsize=10, width=0.6)
     ax.set_ylabel(ylabel)
     ax.set_xticks(np.arange(len(means)))
-    ax.set_xticklabels(labels)
+    # long labels (devmap's systems) wrap instead of running into their neighbours
+    ax.set_xticklabels([textwrap.fill(label, 12) for label in labels], fontsize=10 if len(labels) <= 3 else 8)
     ax.yaxis.grid(True)
     fig.tight_layout()
     return _save(fig, path)

@@ -152,3 +152,15 @@ def test_tune_picks_a_candidate_and_keeps_weights():
     assert result.best_chunks in (1, 2, 4)
     for a, b in zip(before, [*seq.parameters(), *seq.buffers()]):
         torch.testing.assert_close(a, b)
+
+
+def test_refine_split_keeps_a_valid_placement():
+    from devmap.tune import refine_split
+
+    seq = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    dispatch(seq, {"0": "cpu", "1": "cpu", "2": "cpu", "3": "cpu", "4": "cpu"}, max_memory={"cpu": "1GiB"})
+    result = refine_split(seq, torch.randn(16, 8), chunks=2, steps=1, warmup=0)
+    assert result["seconds"] > 0 and result["boundaries"] == []  # one device: one stage, nothing to move
+    pipe = pipeline(seq, chunks=2)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(pipe(x), seq(x))
