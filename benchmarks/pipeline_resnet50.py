@@ -22,9 +22,9 @@ import torchvision
 from torch import nn
 
 from devmap.loader import dispatch
-from devmap.pipeline import pipeline
+from devmap.pipelining import pipeline
 from devmap.stages import blocks_of
-from devmap.tune import tune
+from devmap.tuning import tune
 
 TUTORIAL_SPLIT = {"conv1": 0, "bn1": 0, "relu": 0, "maxpool": 0, "layer1": 0, "layer2": 0,
                   "layer3": 1, "layer4": 1, "avgpool": 1, "fc": 1}
@@ -142,7 +142,7 @@ def run_w2(args: argparse.Namespace) -> dict:
                 pipe.prepare(x)
                 rows[f"devmap pipeline (chunks {chunks})"] = time_steps(pipe, x, labels, steps)
                 if args.refine:
-                    from devmap.tune import refine_split
+                    from devmap.tuning import refine_split
 
                     del pipe
                     refined = refine_split(model, x, chunks)

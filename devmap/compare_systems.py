@@ -11,10 +11,10 @@ import torchvision
 from torch import nn
 
 from .loader import dispatch
-from .pipeline import Pipeline, pipeline
+from .pipelining import Pipeline, pipeline
 from .stages import blocks_of
 from .timing import HarnessConfig
-from .tune import tune
+from .tuning import tune
 from .tutorial_models import RESNET_CHILDREN, TUTORIAL_SPLIT
 
 Builder = Callable[[Sequence[torch.device], HarnessConfig], nn.Module]

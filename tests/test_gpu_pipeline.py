@@ -7,7 +7,7 @@ import torch
 import torchvision
 
 from devmap import dispatch
-from devmap.pipeline import pipeline
+from devmap.pipelining import pipeline
 from devmap.testing import require_gpus
 
 pytestmark = require_gpus(2)

@@ -11,7 +11,7 @@ from torch import nn
 
 from devmap import dispatch
 from devmap.errors import PipelineError
-from devmap.pipeline import Pipeline, pipeline
+from devmap.pipelining import Pipeline, pipeline
 from devmap.stages import blocks_of
 from devmap.testing import ToyModel
 
@@ -142,7 +142,7 @@ def test_pipeline_is_a_module():
 
 
 def test_tune_picks_a_candidate_and_keeps_weights():
-    from devmap.tune import tune
+    from devmap.tuning import tune
 
     seq = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.BatchNorm1d(32), nn.Linear(32, 4))
     before = [t.detach().clone() for t in [*seq.parameters(), *seq.buffers()]]
@@ -155,7 +155,7 @@ def test_tune_picks_a_candidate_and_keeps_weights():
 
 
 def test_refine_split_keeps_a_valid_placement():
-    from devmap.tune import refine_split
+    from devmap.tuning import refine_split
 
     seq = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     dispatch(seq, {"0": "cpu", "1": "cpu", "2": "cpu", "3": "cpu", "4": "cpu"}, max_memory={"cpu": "1GiB"})
@@ -164,3 +164,34 @@ def test_refine_split_keeps_a_valid_placement():
     pipe = pipeline(seq, chunks=2)
     x = torch.randn(4, 8)
     torch.testing.assert_close(pipe(x), seq(x))
+
+
+@pytest.mark.parametrize("balance", ["time", "measure"])
+def test_balance_modes_on_a_dispatched_model(balance):
+    seq = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    dispatch(seq, {"0": "cpu", "1": "cpu", "2": "cpu"}, max_memory={"cpu": "1GiB"})
+    x = torch.randn(6, 8)
+    with pytest.raises(PipelineError, match="needs sample"):
+        pipeline(seq, chunks=2, balance=balance)
+    pipe = pipeline(seq, chunks=2, balance=balance, sample=x)
+    torch.testing.assert_close(pipe(x), seq(x))
+    with pytest.raises(PipelineError, match="invalid balance"):
+        pipeline(seq, balance="bytes")
+
+
+def test_tune_cli_on_cpu():
+    import json
+
+    from click.testing import CliRunner
+
+    from devmap.cli import main
+
+    result = CliRunner().invoke(main, ["tune", "resnet18", "--devices", "cpu", "--batch-size", "4", "--image-size",
+                                       "64", "--chunks", "1,2", "--steps", "1", "--balance", "memory", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["best_chunks"] in (1, 2) and [r["chunks"] for r in data["table"]] == [1, 2]
+    result = CliRunner().invoke(main, ["tune", "llama-tiny", "--devices", "cpu"])
+    assert result.exit_code == 2 and "measures torchvision ResNets" in result.output
+    result = CliRunner().invoke(main, ["tune", "resnet18", "--chunks", "0,x", "--devices", "cpu"])
+    assert result.exit_code == 2 and result.output.startswith("Error: ")

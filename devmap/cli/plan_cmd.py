@@ -55,9 +55,9 @@ def render_plan(result) -> str:  # type: ignore[no-untyped-def]
     """The per-device table and the condensed map of a Plan."""
     from devmap.memory import dtype_name, format_bytes, format_count
 
-    kind = "simulated" if result.budget.simulated else "this machine's"
+    kind = "simulated GPUs" if result.budget.simulated else "real devices"
     head = (f"{result.source} · {result.strategy} · {dtype_name(result.dtype)} · "
-            f"{format_count(result.total_params)} params · {format_bytes(result.total_bytes)} · {kind} budgets")
+            f"{format_count(result.total_params)} params · {format_bytes(result.total_bytes)} · budgets for {kind}")
     rows = [
         [name, len(u.modules), format_count(u.params), format_bytes(u.bytes),
          format_bytes(u.budget) if u.budget is not None else "-",

@@ -23,8 +23,8 @@ def _ints(text: str) -> list[int]:
 @click.option("--batch-size", default=120, show_default=True, type=click.IntRange(min=1))
 @click.option("--image-size", default=128, show_default=True, type=click.IntRange(min=16))
 @click.option("--chunks", "chunks_text", default="1,2,3,4,6,8", show_default=True, help="Micro-batch counts to try.")
-@click.option("--balance", type=click.Choice(["time", "memory"]), default="time", show_default=True,
-              help="Stage boundaries: by measured time, or the device map's memory balance.")
+@click.option("--balance", type=click.Choice(["measure", "time", "memory"]), default="measure", show_default=True,
+              help="Stage boundaries: profiled then refined by measured steps, profiled only, or the device map's memory balance.")
 @click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1), help="Timed steps per candidate.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def tune(source: str, devices: str | None, batch_size: int, image_size: int, chunks_text: str, balance: str,
@@ -39,8 +39,8 @@ def tune(source: str, devices: str | None, batch_size: int, image_size: int, chu
     from devmap.errors import UsageError
     from devmap.loader import dispatch
     from devmap.models import RESNETS
-    from devmap.pipeline import pipeline
-    from devmap.tune import tune as run_tune
+    from devmap.pipelining import pipeline
+    from devmap.tuning import tune as run_tune
 
     candidates = _ints(chunks_text)
     if source not in RESNETS:
@@ -63,7 +63,7 @@ def tune(source: str, devices: str | None, batch_size: int, image_size: int, chu
         dispatch(model, {"": "cpu"}, max_memory={"cpu": "100%"})
     sample = torch.randn(batch_size, 3, image_size, image_size, device=devs[0])
     middle = sorted(candidates)[len(candidates) // 2]
-    pipeline(model, chunks=min(middle, batch_size), balance="time" if balance == "time" else None, sample=sample)
+    pipeline(model, chunks=min(middle, batch_size), balance=None if balance == "memory" else balance, sample=sample)
     bar = tqdm(total=len(candidates), desc="tuning", leave=False, disable=as_json or not sys.stderr.isatty())
     try:
         result = run_tune(lambda c: pipeline(model, chunks=c), sample, candidates, steps=steps, progress=bar.update)

@@ -268,7 +268,9 @@ def pipeline(
     """Wrap a placed model (devmap.load / dispatch) or explicit [(module, device), ...] stages as a Pipeline.
 
     Stages come from the device map: consecutive blocks on one device form a stage. `balance="time"`
-    moves stage boundaries so stages take about equal time (needs `sample`, one input batch).
+    moves stage boundaries so stages take about equal time by profiling each block (needs `sample`, one
+    input batch); `balance="measure"` then moves each boundary a block either way while a measured
+    training step gets faster (slower to set up, best split).
     """
     if isinstance(model, (list, tuple)):
         return Pipeline(check_stage_devices(model), chunks, split_size, graphs)
@@ -289,18 +291,23 @@ def pipeline(
     remove_hook_from_module(model, recurse=True)  # the pipeline moves activations itself
     blocks = blocks_of(model)
     devices = block_devices(model, blocks)
-    if balance not in (None, "memory", "time"):
-        raise PipelineError(f"invalid balance={balance!r}: use 'memory' (the device map's) or 'time'")
-    if balance == "time":
+    if balance not in (None, "memory", "time", "measure"):
+        raise PipelineError(f"invalid balance={balance!r}: use 'memory' (the device map's), 'time' or 'measure'")
+    if balance in ("time", "measure"):
         from .balance import balance_by_time
 
         if sample is None:
-            raise PipelineError("balance='time' needs sample=<one input batch> to profile the blocks")
+            raise PipelineError(f"balance={balance!r} needs sample=<one input batch> to profile the blocks")
         micro = Pipeline([(nn.Identity(), devices[0])], chunks, split_size).micro_batches(sample)[0]
         devices = balance_by_time(blocks, devices, micro)
         # the placement is now per block; keep hf_device_map telling the truth
         model.hf_device_map = {name: (d.index if d.type == "cuda" else d.type)
                                for (name, _), d in zip(blocks, devices) if name != "flatten"}
+        if balance == "measure":  # per-block profiles miss what blocks cost together: measure whole steps
+            from .tuning import refine_split
+
+            refine_split(model, sample, chunks or (1 if split_size is None else -(-sample.shape[0] // split_size)))
+            devices = block_devices(model, blocks)
     stages = []
     for stage_blocks, device in group_stages(blocks, devices):
         module = nn.Sequential(OrderedDict((name.replace(".", "_"), block) for name, block in stage_blocks))
@@ -310,4 +317,3 @@ def pipeline(
     return pipe
 
 
-__all__ = ["Pipeline", "pipeline", "as_device"]

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .errors import UsageError
-from .pipeline import Pipeline
+from .pipelining import Pipeline
 
 DEFAULT_CHUNKS = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -111,7 +111,7 @@ def refine_split(model: torch.nn.Module, sample: torch.Tensor, chunks: int, step
                  warmup: int = 2) -> dict[str, Any]:
     """Move each stage boundary of a placed model by one block either way while a measured training step gets
     faster (per-block profiles miss what blocks cost together); returns the times tried and the block split kept."""
-    from .pipeline import pipeline
+    from .pipelining import pipeline
     from .stages import block_devices, blocks_of
 
     blocks = blocks_of(model)
