@@ -61,26 +61,11 @@ def tune(
         raise UsageError("steps must be at least 1 and warmup non-negative")
     table = []
     for chunks in usable:
-        pipe = build(chunks).train()
-        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.0)
-        saved = [b.detach().clone() for b in pipe.buffers()]
-        pipe.prepare(sample)
-        for _ in range(warmup):
-            train_step(pipe, sample, optimizer)
-        _sync(pipe)
-        start = time.perf_counter()
-        for _ in range(steps):
-            train_step(pipe, sample, optimizer)
-        _sync(pipe)
-        seconds = (time.perf_counter() - start) / steps
-        with torch.no_grad():
-            for buffer, value in zip(pipe.buffers(), saved):
-                buffer.copy_(value)
-        for p in pipe.parameters():
-            p.grad = None
+        pipe = build(chunks)
+        seconds = _measure(pipe, sample, steps, warmup)
         table.append({"chunks": chunks, "micro_batch": -(-sample.shape[0] // chunks), "seconds": seconds,
                       "samples_per_s": sample.shape[0] / seconds, "graph_failures": list(pipe.graph_failures)})
-        del pipe, optimizer
+        del pipe
         if progress is not None:
             progress()
     best = min(table, key=lambda row: row["seconds"])
