@@ -19,6 +19,7 @@ _EXPORTS = {
     "pipeline": "devmap.pipelining",
     "Pipeline": "devmap.pipelining",
     "tune": "devmap.tuning",
+    "generate": "devmap.generation",
     "save": "devmap.saver",
     "dispatch": "devmap.loader",
     "LoadReport": "devmap.loader",

@@ -270,8 +270,10 @@ def _attach_hooks(model: nn.Module, plan: Plan, folder: str | None) -> None:
     gpus = [d for d in plan.device_map.values() if isinstance(d, int)]
     main: DeviceKey = gpus[0] if gpus else "cpu"  # accelerate compares main_device with the string "cpu"
     with _quiet():
+        # like transformers: the KV cache is not moved by the hooks (each layer keeps its own on its device)
         dispatch_model(model, device_map=dict(plan.device_map), main_device=main,
-                       offload_dir=folder if "disk" in plan.device_map.values() else None, force_hooks=True)
+                       offload_dir=folder if "disk" in plan.device_map.values() else None, force_hooks=True,
+                       skip_keys=getattr(model, "_skip_keys_device_placement", None))
     model.hf_device_map = dict(plan.device_map)
     model.devmap_plan = plan
 

@@ -2,8 +2,8 @@
 
 Schedule: fill-drain (GPipe). At clock k, stage j runs micro-batch k - j; one worker thread per stage
 launches its work, so no stage waits for another stage's kernel launches. On CUDA each stage has a
-compute stream, and each hand-off a send stream on the source device and a receive stream on the
-destination, ordered by events: a copy never waits for (or holds up) either stage's compute. Backward
+compute stream, and hand-offs go through devmap.streams (ordered by events; a copy never waits for,
+or holds up, either stage's compute). Backward
 is run by PyTorch's autograd engine, which keeps one thread per device and each backward op on its
 forward op's stream, so the stages' backwards also overlap. Each (stage, micro-batch) is replayed as a
 CUDA graph where it can be captured (see devmap.graphs); otherwise it runs eagerly.
@@ -26,6 +26,7 @@ from torch import nn
 from .errors import PipelineError
 from .graphs import StageGraph
 from .stages import StageSpec, as_device, block_devices, blocks_of, check_stage_devices, group_stages
+from .streams import StreamSet, hand_off
 
 GRAPH_MODES = ("auto", "on", "off")
 
@@ -88,7 +89,7 @@ class Pipeline(nn.Module):
         self.graphs = graphs
         self.graph_failures: list[str] = []
         self._graphs: dict[tuple, list[list[StageGraph | None]]] = {}
-        self._streams: dict[tuple, torch.cuda.Stream] = {}
+        self._streams = StreamSet()
         self.trace: list[tuple[int, int, Any, Any]] | None = None  # (stage, micro-batch, start, end) events
 
     def timeline(self, origins: dict[torch.device, Any] | None = None) -> list[tuple[int, int, float, float]]:
@@ -145,12 +146,6 @@ class Pipeline(nn.Module):
                 workers.run(tasks)
         return self._gather(carry)
 
-    def _stream(self, kind: str, stage: int, device: torch.device) -> torch.cuda.Stream:
-        key = (kind, stage, device)
-        if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device)
-        return self._streams[key]
-
     def _task(self, i: int, j: int, carry: list, runners: list[list[Callable]], grad: bool) -> Callable[[], None]:
         def task() -> None:
             torch.set_grad_enabled(grad)  # grad mode is thread-local
@@ -159,14 +154,9 @@ class Pipeline(nn.Module):
             if device.type != "cuda":
                 carry[i] = (runners[j][i](x.to(device)), None)
                 return
-            compute = self._stream("compute", j, device)
+            compute = self._streams.get("compute", j, device)
             with torch.cuda.device(device):
-                if x.device != device:
-                    x = self._hand_off(x, event, j, device, compute)
-                else:
-                    if event is not None:
-                        compute.wait_event(event)
-                    x.record_stream(compute)
+                x = hand_off(x, event, device, j, self._streams, compute)
                 if self.trace is not None:
                     begin = torch.cuda.Event(enable_timing=True)
                     begin.record(compute)
@@ -179,26 +169,6 @@ class Pipeline(nn.Module):
             carry[i] = (out, done)
 
         return task
-
-    def _hand_off(self, x: torch.Tensor, event: Any, j: int, device: torch.device,
-                  compute: torch.cuda.Stream) -> torch.Tensor:
-        """Copy x to this stage's device on a send stream (source) and a receive stream (destination):
-        PyTorch copies across devices on the source's current stream after waiting for the destination's,
-        so with two otherwise idle streams the copy waits only for x itself."""
-        recv = self._stream("recv", j, device)
-        if x.is_cuda:
-            send = self._stream("send", j, x.device)
-            if event is not None:
-                send.wait_event(event)
-            with torch.cuda.stream(send), torch.cuda.stream(recv):
-                y = x.to(device, non_blocking=True)
-            x.record_stream(send)
-        else:
-            with torch.cuda.stream(recv):
-                y = x.to(device, non_blocking=True)
-        compute.wait_stream(recv)
-        y.record_stream(compute)
-        return y
 
     def _gather(self, carry: list) -> torch.Tensor:
         outputs = [out for out, _ in carry]

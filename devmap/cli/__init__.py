@@ -16,6 +16,7 @@ _COMMANDS = {
     "save": ("devmap.cli.save_cmd", "save"),
     "compare": ("devmap.cli.compare_cmd", "compare"),
     "tune": ("devmap.cli.tune_cmd", "tune"),
+    "generate": ("devmap.cli.generate_cmd", "generate"),
 }
 
 

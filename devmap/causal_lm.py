@@ -1,0 +1,133 @@
+"""A placed Hugging Face causal LM (LLaMA-style) as stages: embeddings, runs of decoder layers per device, norm + head.
+
+Each stage runs transformers' own modules; only the glue of `LlamaModel.forward` (positions from the
+attention mask, the causal mask, rotary embeddings) is redone here so that the layers can run one stage
+at a time, with a KV cache per lane.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .errors import PipelineError
+
+
+@dataclass
+class LMStage:
+    """Consecutive decoder layers on one device (stage 0 also embeds; the last also normalizes and projects)."""
+
+    device: torch.device
+    layers: list[nn.Module]
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    hook = getattr(module, "_hf_hook", None)
+    execution = getattr(hook, "execution_device", None)
+    if execution is not None:  # accelerate offloads: the hook's device is where it runs
+        return torch.device(execution if not isinstance(execution, int) else f"cuda:{execution}")
+    param = next(module.parameters(), None)
+    if param is None or param.device.type == "meta":
+        raise PipelineError("the model has offloaded or unloaded weights; load it onto devices first")
+    return param.device
+
+
+class CausalLMStages:
+    """The stages of a LLaMA-style model, split where consecutive decoder layers change device (and before
+    each index in `split_layers`, which is how tests run two stages on one CPU)."""
+
+    def __init__(self, model: nn.Module, split_layers: Sequence[int] | None = None) -> None:
+        base = getattr(model, "model", None)
+        if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
+            raise PipelineError(
+                f"{type(model).__name__} is not a LLaMA-style causal LM (model.layers, model.norm, lm_head)"
+            )
+        self.model, self.base, self.config = model, base, model.config
+        devices_used = set(getattr(model, "hf_device_map", {}).values())
+        if "disk" in devices_used or ("cpu" in devices_used and any(isinstance(d, int) for d in devices_used)):
+            raise PipelineError("the model has offloaded blocks (cpu or disk beside GPUs): pipelined inference "
+                                "needs every block on a device; load it with enough GPU memory")
+        starts = set(split_layers or ())
+        if any(not 0 < i < len(base.layers) for i in starts):
+            raise PipelineError(f"split_layers must be layer indices between 1 and {len(base.layers) - 1}")
+        self.stages: list[LMStage] = []
+        for index, layer in enumerate(base.layers):
+            device = _device_of(layer)
+            if self.stages and self.stages[-1].device == device and index not in starts:
+                self.stages[-1].layers.append(layer)
+            else:
+                self.stages.append(LMStage(device, [layer]))
+        self.embed_device = _device_of(base.embed_tokens)
+        self.head_device = _device_of(model.lm_head)
+        self._mask_args = set(inspect.signature(_create_causal_mask()).parameters)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [s.device for s in self.stages]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.base.embed_tokens(input_ids.to(self.embed_device))
+
+    def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                cache: Any) -> dict[str, Any]:
+        """The per-step inputs every layer takes: causal mask and rotary embeddings (on hidden's device)."""
+        args: dict[str, Any] = {"config": self.config, "attention_mask": attention_mask,
+                                "past_key_values": cache, "position_ids": position_ids}
+        args["inputs_embeds" if "inputs_embeds" in self._mask_args else "input_embeds"] = hidden
+        if "cache_position" in self._mask_args:  # transformers releases that still take cache_position
+            past = cache.get_seq_length() if cache is not None else 0
+            args["cache_position"] = torch.arange(past, past + hidden.shape[1], device=hidden.device)
+        args = {k: v for k, v in args.items() if k in self._mask_args}
+        mask = _create_causal_mask()(**args)
+        extra = {"cache_position": args["cache_position"]} if "cache_position" in args else {}
+        return {"attention_mask": mask, "position_ids": position_ids,
+                "position_embeddings": self.base.rotary_emb(hidden, position_ids=position_ids), **extra}
+
+    def run(self, stage: int, hidden: torch.Tensor, context: dict[str, Any], cache: Any) -> torch.Tensor:
+        """Stage `stage`'s decoder layers; `context` tensors must already be on the stage's device."""
+        for layer in self.stages[stage].layers:
+            out = layer(hidden, past_key_values=cache, use_cache=cache is not None, **context)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head (logits in float32)."""
+        hidden = hidden.to(self.head_device)
+        return self.model.lm_head(self.base.norm(hidden)).float()
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.config)
+        except TypeError:  # releases whose DynamicCache takes no config
+            return DynamicCache()
+
+
+def _create_causal_mask():  # type: ignore[no-untyped-def]
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask
+
+
+def move_context(context: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The step context on another device (tensors and tuples of tensors moved, the rest kept)."""
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.to(device, non_blocking=True)
+        if isinstance(v, tuple):
+            return tuple(move(x) for x in v)
+        return v
+
+    return {k: move(v) for k, v in context.items()}
+
+
+def positions(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Position ids of the last `length` tokens, counting only attended tokens (left padding), as transformers does."""
+    ids = attention_mask.long().cumsum(-1) - 1
+    ids.masked_fill_(attention_mask == 0, 1)
+    return ids[:, -length:]

@@ -1,0 +1,72 @@
+"""`devmap generate`: load a LLaMA-style model onto its devices and generate with the stages working at once."""
+
+from __future__ import annotations
+
+import click
+
+from .output import echo_json
+
+
+@click.command()
+@click.argument("source")
+@click.option("--device-map", "device_map", default="balanced", show_default=True,
+              help="auto, balanced, balanced_low_0 or sequential.")
+@click.option("--max-memory", default=None, help="Budget per device, e.g. 0=20GiB,1=20GiB.")
+@click.option("--dtype", default=None, help="float32, float16 or bfloat16.")
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-len", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Length of the random prompts (without --prompt).")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--lanes", default=None, type=click.IntRange(min=1), help="Micro-batches in flight (default: stages).")
+@click.option("--prompt", default=None, help="Text prompt (needs a tokenizer in the model directory).")
+@click.option("--do-sample", is_flag=True, help="Sample instead of greedy decoding.")
+@click.option("--temperature", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def generate(source: str, device_map: str, max_memory: str | None, dtype: str | None, batch_size: int,
+             prompt_len: int, max_new_tokens: int, lanes: int | None, prompt: str | None, do_sample: bool,
+             temperature: float, top_k: int, top_p: float, seed: int, as_json: bool) -> None:
+    """Generate with SOURCE (a local LLaMA-style directory or preset) and report new tokens per second."""
+    import torch
+
+    from devmap.generation import generate as run_generate
+    from devmap.generation import timed
+    from devmap.loader import load
+
+    model = load(source, device_map, max_memory, dtype)
+    source_info = model.devmap_plan.model_source
+    tokenizer = None
+    if prompt is not None:
+        if source_info.path is None:
+            raise click.UsageError("--prompt needs a model directory with a tokenizer; presets have none")
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(source_info.path), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise click.UsageError(f"{source_info.path} has no usable tokenizer ({str(exc).splitlines()[0]})") from None
+        encoded = tokenizer([prompt] * batch_size, return_tensors="pt", padding=True)
+        input_ids, attention_mask = encoded["input_ids"], encoded["attention_mask"]
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(0, model.config.vocab_size, (batch_size, prompt_len), generator=generator)
+        attention_mask = None
+    out, seconds = timed(run_generate, model, input_ids, attention_mask, max_new_tokens, lanes, do_sample=do_sample,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    new = out.shape[1] - input_ids.shape[1]
+    data = {
+        "source": source, "device_map": {k: str(v) for k, v in model.hf_device_map.items()},
+        "batch_size": batch_size, "prompt_len": input_ids.shape[1], "new_tokens": new,
+        "lanes": lanes, "seconds": seconds, "new_tokens_per_s": batch_size * new / seconds,
+    }
+    if tokenizer is not None:
+        data["text"] = tokenizer.decode(out[0], skip_special_tokens=True)
+    if as_json:
+        echo_json(data)
+        return
+    click.echo(f"{source}: batch {batch_size}, prompt {input_ids.shape[1]}, {new} new tokens in {seconds:.2f} s "
+               f"= {data['new_tokens_per_s']:.0f} new tokens/s")
+    if "text" in data:
+        click.echo(data["text"])

@@ -1,0 +1,50 @@
+"""Cross-device hand-offs ordered by events, on streams that never make a copy wait for a stage's compute."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class StreamSet:
+    """Lazily created CUDA streams, keyed by (purpose, stage, device)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[tuple, torch.cuda.Stream] = {}
+
+    def get(self, kind: str, stage: int, device: torch.device) -> torch.cuda.Stream:
+        key = (kind, stage, device)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]
+
+
+def hand_off(x: torch.Tensor, event: Any, device: torch.device, stage: int, streams: StreamSet,
+             compute: torch.cuda.Stream) -> torch.Tensor:
+    """Make `x` (ready once `event` fires) usable on `compute`, a stream of `device`, copying it if needed.
+
+    PyTorch copies across devices on the source's current stream after waiting for the destination's
+    current stream; with a send stream (source) and a receive stream (destination) that do nothing else,
+    the copy waits only for x itself, and neither stage's compute waits for the copy's neighbours.
+    """
+    if x.device == device:
+        if event is not None:
+            compute.wait_event(event)
+        if x.is_cuda:
+            x.record_stream(compute)
+        return x
+    recv = streams.get("recv", stage, device)
+    if x.is_cuda:
+        send = streams.get("send", stage, x.device)
+        if event is not None:
+            send.wait_event(event)
+        with torch.cuda.stream(send), torch.cuda.stream(recv):
+            y = x.to(device, non_blocking=True)
+        x.record_stream(send)
+    else:
+        with torch.cuda.stream(recv):
+            y = x.to(device, non_blocking=True)
+    compute.wait_stream(recv)
+    y.record_stream(compute)
+    return y

@@ -1,0 +1,128 @@
+"""Pipelined LLaMA inference on CPU, two stages: greedy tokens equal transformers' generate; forward equals the model."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from devmap import generate, load
+from devmap.cli import main
+from devmap.errors import PipelineError, UsageError
+from devmap.generation import forward
+
+CONFIG = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval()
+
+
+def prompts(batch=5, length=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 512, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding of different lengths
+    mask[3, :5] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, 5])
+def test_greedy_equals_transformers(model, lanes):
+    ids, mask = prompts()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+    out = generate(model, ids, mask, max_new_tokens=12, lanes=lanes, split_layers=[2], eos_token_id=[])
+    assert torch.equal(out, expected)
+
+
+def test_eos_stops_each_row_like_transformers(model):
+    ids, mask = prompts(seed=3)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                          eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 2])  # a token that row 0 produces third
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                              eos_token_id=eos)
+    out = generate(model, ids, mask, max_new_tokens=10, lanes=2, split_layers=[1, 3], eos_token_id=eos,
+                   pad_token_id=0)
+    assert torch.equal(out, expected)
+    assert (out[0, ids.shape[1] + 3:] == 0).all()  # padded after EOS
+
+
+def test_forward_equals_the_model(model):
+    ids, mask = prompts()
+    logits = forward(model, ids, mask, lanes=3, split_layers=[1, 3])
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(ids, attention_mask=mask).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
+    ids, mask = prompts()
+    kwargs = dict(max_new_tokens=8, lanes=2, split_layers=[2], eos_token_id=[])
+    a = generate(model, ids, mask, do_sample=True, temperature=0.7, top_p=0.9, seed=5, **kwargs)
+    b = generate(model, ids, mask, do_sample=True, temperature=0.7, top_p=0.9, seed=5, **kwargs)
+    c = generate(model, ids, mask, do_sample=True, temperature=0.7, top_p=0.9, seed=6, **kwargs)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    greedy = generate(model, ids, mask, **kwargs)
+    assert torch.equal(generate(model, ids, mask, do_sample=True, top_k=1, seed=1, **kwargs), greedy)
+
+
+def test_loaded_model_generates_like_transformers(tmp_path):
+    from devmap.saver import save
+
+    save("llama-tiny", tmp_path / "ckpt", seed=1)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    placed = load(str(tmp_path / "ckpt"), max_memory={"cpu": "1GiB"})
+    ids, mask = prompts()
+    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None)
+    assert torch.equal(generate(placed, ids, mask, max_new_tokens=6, split_layers=[2], eos_token_id=[]), expected)
+
+
+def test_bad_arguments(model):
+    ids, mask = prompts()
+    with pytest.raises(UsageError, match="max_new_tokens"):
+        generate(model, ids, max_new_tokens=0)
+    with pytest.raises(UsageError, match="lanes"):
+        generate(model, ids, lanes=0)
+    with pytest.raises(UsageError, match="temperature"):
+        generate(model, ids, do_sample=True, temperature=0)
+    with pytest.raises(UsageError, match="attention_mask has shape"):
+        generate(model, ids, mask[:, 1:])
+    with pytest.raises(UsageError, match="non-empty"):
+        generate(model, ids[0])
+    with pytest.raises(PipelineError, match="split_layers"):
+        generate(model, ids, split_layers=[9])
+    import torchvision
+
+    with pytest.raises(PipelineError, match="not a LLaMA-style causal LM"):
+        generate(torchvision.models.resnet18(), ids)
+
+
+def test_errors_in_a_stage_reach_the_caller(model, monkeypatch):
+    from devmap import causal_lm
+
+    def boom(self, stage, hidden, context, cache):
+        raise RuntimeError("stage failed")
+
+    monkeypatch.setattr(causal_lm.CausalLMStages, "run", boom)
+    ids, mask = prompts()
+    with pytest.raises(RuntimeError, match="stage failed"):
+        generate(model, ids, mask, lanes=2, split_layers=[2])
+
+
+def test_cli_generate():
+    runner = CliRunner()
+    result = runner.invoke(main, ["generate", "llama-tiny", "--max-memory", "cpu=1GB", "--batch-size", "3",
+                                  "--prompt-len", "5", "--max-new-tokens", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["new_tokens"] <= 4 and data["new_tokens_per_s"] > 0
+    result = runner.invoke(main, ["generate", "llama-tiny", "--prompt", "hi", "--max-memory", "cpu=1GB"])
+    assert result.exit_code == 2 and "needs a model directory with a tokenizer" in result.output
+    result = runner.invoke(main, ["generate", "resnet18", "--max-memory", "cpu=1GB"])
+    assert result.exit_code != 0 and result.output.startswith("Error: ")
