@@ -95,9 +95,9 @@ class CausalLMStages:
         return hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and lm_head (logits in float32)."""
+        """Final norm and lm_head (logits in the model's dtype, as transformers returns them)."""
         hidden = hidden.to(self.head_device)
-        return self.model.lm_head(self.base.norm(hidden)).float()
+        return self.model.lm_head(self.base.norm(hidden))
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache

@@ -142,7 +142,7 @@ class _Run:
             lane.logits = self.s.head(hidden)
             self._retire()
             return
-        logits = self.s.head(hidden[:, -1:, :])[:, -1]
+        logits = self.s.head(hidden[:, -1:, :])[:, -1].float()
         token = _choose(logits, self.sampling, self.generator)
         if lane.unfinished is None:
             lane.unfinished = torch.ones_like(token, dtype=torch.bool)
@@ -253,7 +253,7 @@ def generate(
 @torch.no_grad()
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
             lanes: int | None = None, split_layers: list[int] | None = None) -> torch.Tensor:
-    """Logits (float32, on the last stage's device) of a whole batch, its lanes flowing through the stages
+    """Logits (on the last stage's device) of a whole batch, its lanes flowing through the stages
     concurrently (prefill / scoring)."""
     stages = CausalLMStages(model, split_layers)
     lane_list = _lanes(stages, input_ids, attention_mask, lanes, cache=False)

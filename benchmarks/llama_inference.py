@@ -1,0 +1,87 @@
+"""W3 (prefill) and W4 (generation) for a LLaMA-style model on 2 GPUs: one GPU, accelerate's dispatch, devmap.
+
+Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/llama_inference.py --out $OUT
+W3: forward of batch 32 x 512 tokens; W4: greedy generation, batch 32, prompt 64, 32 new tokens (no early
+stop). Weights are random (bf16); every system is measured in the same run, best of --repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import devmap
+from devmap.generation import forward, generate, timed
+from devmap.models import llama_config
+
+
+def best(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
+    fn()  # warm-up
+    return min(timed(fn)[1] for _ in range(repeat))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tinyllama-1.1b")
+    parser.add_argument("--lanes", default="2,4,8")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--skip-generate", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    config = llama_config(args.model)
+    prefill = torch.randint(0, config.vocab_size, (32, 512), device="cuda:0")
+    prompt = torch.randint(0, config.vocab_size, (32, 64), device="cuda:0")
+    rows: dict[str, dict[str, float]] = {"W3": {}, "W4": {}}
+
+    def systems():  # type: ignore[no-untyped-def]
+        with torch.device("cuda:0"):
+            one = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        yield "one GPU", one
+        from accelerate import dispatch_model, infer_auto_device_map
+        from accelerate.utils import get_balanced_memory
+
+        budget = get_balanced_memory(one, dtype=torch.bfloat16, no_split_module_classes=["LlamaDecoderLayer"])
+        device_map = infer_auto_device_map(one, budget, no_split_module_classes=["LlamaDecoderLayer"],
+                                           dtype=torch.bfloat16)
+        yield "accelerate dispatch (balanced)", dispatch_model(one, device_map)
+        del one
+        gc.collect()
+        torch.cuda.empty_cache()
+        yield "devmap", devmap.load(args.model, "balanced", dtype="bf16")
+
+    for name, model in systems():
+        with torch.no_grad():
+            if name == "devmap":
+                for lanes in [int(x) for x in args.lanes.split(",")]:
+                    rows["W3"][f"devmap (lanes {lanes})"] = best(lambda: forward(model, prefill, lanes=lanes), args.repeat)
+                    if not args.skip_generate:
+                        rows["W4"][f"devmap (lanes {lanes})"] = best(
+                            lambda: generate(model, prompt, max_new_tokens=32, lanes=lanes, eos_token_id=[]), args.repeat)
+            else:
+                rows["W3"][name] = best(lambda: model(prefill), args.repeat)
+                if not args.skip_generate:
+                    rows["W4"][name] = best(lambda: model.generate(
+                        prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0), args.repeat)
+        print(f"{name}: {[(w, {k: round(v, 4) for k, v in r.items()}) for w, r in rows.items()]}", flush=True)
+    base = "accelerate dispatch (balanced)"
+    for workload, unit in (("W3", 32 * 512), ("W4", 32 * 32)):
+        if not rows[workload]:
+            continue
+        print(f"\n{workload} {'prefill 32 x 512' if workload == 'W3' else 'generate 32 x (64 + 32 new)'}, "
+              f"{args.model} bf16, torch {torch.__version__}")
+        print(f"{'system':<34}{'seconds':>9}{'tokens/s':>11}{'vs accelerate':>15}{'vs one GPU':>12}")
+        for name, seconds in rows[workload].items():
+            print(f"{name:<34}{seconds:>9.4f}{unit / seconds:>11.0f}{rows[workload][base] / seconds:>14.2f}x"
+                  f"{rows[workload]['one GPU'] / seconds:>11.2f}x")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "llama_inference.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

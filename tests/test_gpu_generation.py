@@ -1,0 +1,45 @@
+"""GPU-only: pipelined LLaMA inference over two GPUs gives one GPU's greedy tokens (fp32) and logits (bf16)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from devmap import dispatch, generate
+from devmap.generation import forward
+from devmap.testing import require_gpus
+
+pytestmark = require_gpus(2)
+
+CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=6, num_attention_heads=8,
+              num_key_value_heads=2, vocab_size=1000, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def two_gpu_copy(model):
+    placed = copy.deepcopy(model).cpu()
+    layers = model.config.num_hidden_layers
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1}
+    device_map |= {f"model.layers.{i}": 0 if i < layers // 2 else 1 for i in range(layers)}
+    return dispatch(placed, device_map)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_gpus_match_one(dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=dtype).to("cuda:0").eval()
+    placed = two_gpu_copy(reference)
+    ids = torch.randint(3, 1000, (6, 16), device="cuda:0")
+    mask = torch.ones_like(ids)
+    mask[2, :4] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        expected_logits = reference(ids, attention_mask=mask).logits.float()
+    logits = forward(placed, ids, mask, lanes=3).float().to("cuda:0")
+    tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16: rounding of a different kernel order
+    torch.testing.assert_close(logits, expected_logits, atol=tol, rtol=tol)
+    if dtype == torch.float32:
+        expected = reference.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                                      pad_token_id=0, eos_token_id=None).cpu()
+        assert torch.equal(generate(placed, ids, mask, max_new_tokens=16, lanes=2, eos_token_id=[]), expected)
