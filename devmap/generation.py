@@ -51,6 +51,7 @@ class _Lane:
     tokens: list[torch.Tensor] = field(default_factory=list)
     unfinished: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    padded: bool = True
 
 
 def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
@@ -96,18 +97,24 @@ class _Run:
             raise self.errors[0]
 
     def _worker(self, j: int) -> None:
+        # grad mode is thread-local: without this every op would record autograd history, and the KV caches
+        # would keep every step's graph alive
         try:
-            while True:
-                item = self.queues[j].get()
-                if item is None:
-                    if j + 1 < len(self.queues):
-                        self.queues[j + 1].put(None)
-                    return
-                self._step(j, *item)
+            with torch.no_grad():
+                self._loop(j)
         except BaseException as exc:  # raised in the caller; unblock every other worker
             self.errors.append(exc)
             for q in self.queues:
                 q.put(None)
+
+    def _loop(self, j: int) -> None:
+        while True:
+            item = self.queues[j].get()
+            if item is None:
+                if j + 1 < len(self.queues):
+                    self.queues[j + 1].put(None)
+                return
+            self._step(j, *item)
 
     def _step(self, j: int, lane: _Lane, hidden: Any, context: Any, event: Any) -> None:
         stage = self.s.stages[j]
@@ -119,7 +126,9 @@ class _Run:
                 ids = hand_off(lane.ids, lane.event, device, j, self.streams, compute) if cuda else lane.ids
                 hidden = self.s.embed(ids)
                 length = hidden.shape[1]
-                context = self.s.context(hidden, lane.mask, positions(lane.mask, length), lane.cache)
+                # no padding: no mask, so attention keeps its causal fast path (as transformers does)
+                mask = lane.mask if lane.padded else None
+                context = self.s.context(hidden, mask, positions(lane.mask, length), lane.cache)
             elif cuda:
                 hidden = hand_off(hidden, event, device, j, self.streams, compute)
                 context = {k: _move(v, event, device, j, self.streams, compute) for k, v in context.items()}
@@ -200,8 +209,9 @@ def _lanes(stages: CausalLMStages, input_ids: torch.Tensor, attention_mask: torc
     out = []
     for start in range(0, batch, size):
         rows = slice(start, min(batch, start + size))
-        out.append(_Lane(rows, input_ids[rows].to(stages.embed_device), mask[rows].to(stages.embed_device),
-                         stages.new_cache() if cache else None))
+        lane_mask = mask[rows].to(stages.embed_device)
+        out.append(_Lane(rows, input_ids[rows].to(stages.embed_device), lane_mask,
+                         stages.new_cache() if cache else None, padded=bool((lane_mask == 0).any())))
     return out
 
 
