@@ -58,10 +58,14 @@ def main() -> None:
         with torch.no_grad():
             if name == "devmap":
                 for lanes in [int(x) for x in args.lanes.split(",")]:
-                    rows["W3"][f"devmap (lanes {lanes})"] = best(lambda: forward(model, prefill, lanes=lanes), args.repeat)
-                    if not args.skip_generate:
-                        rows["W4"][f"devmap (lanes {lanes})"] = best(
-                            lambda: generate(model, prompt, max_new_tokens=32, lanes=lanes, eos_token_id=[]), args.repeat)
+                    for threads in (True, False):  # a worker thread per stage, or one thread issuing all
+                        label = f"devmap (lanes {lanes}, {'thread per stage' if threads else 'one thread'})"
+                        rows["W3"][label] = best(lambda: forward(model, prefill, lanes=lanes, threads=threads),
+                                                 args.repeat)
+                        if not args.skip_generate:
+                            rows["W4"][label] = best(lambda: generate(
+                                model, prompt, max_new_tokens=32, lanes=lanes, eos_token_id=[], threads=threads),
+                                args.repeat)
             else:
                 rows["W3"][name] = best(lambda: model(prefill), args.repeat)
                 if not args.skip_generate:
@@ -74,9 +78,9 @@ def main() -> None:
             continue
         print(f"\n{workload} {'prefill 32 x 512' if workload == 'W3' else 'generate 32 x (64 + 32 new)'}, "
               f"{args.model} bf16, torch {torch.__version__}")
-        print(f"{'system':<34}{'seconds':>9}{'tokens/s':>11}{'vs accelerate':>15}{'vs one GPU':>12}")
+        print(f"{'system':<44}{'seconds':>9}{'tokens/s':>11}{'vs accelerate':>15}{'vs one GPU':>12}")
         for name, seconds in rows[workload].items():
-            print(f"{name:<34}{seconds:>9.4f}{unit / seconds:>11.0f}{rows[workload][base] / seconds:>14.2f}x"
+            print(f"{name:<44}{seconds:>9.4f}{unit / seconds:>11.0f}{rows[workload][base] / seconds:>14.2f}x"
                   f"{rows[workload]['one GPU'] / seconds:>11.2f}x")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

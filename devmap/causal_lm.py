@@ -25,6 +25,14 @@ class LMStage:
     layers: list[nn.Module]
 
 
+def _unhooked(module: nn.Module) -> Any:
+    """The module's own forward, past accelerate's AlignDevicesHook (which re-checks every argument's device on
+    every call: it doubled the cost of a decode step). Safe because offloaded models are refused."""
+    if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward"):
+        return module._old_forward
+    return module
+
+
 def _device_of(module: nn.Module) -> torch.device:
     hook = getattr(module, "_hf_hook", None)
     execution = getattr(hook, "execution_device", None)
@@ -70,7 +78,7 @@ class CausalLMStages:
         return [s.device for s in self.stages]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.base.embed_tokens(input_ids.to(self.embed_device))
+        return _unhooked(self.base.embed_tokens)(input_ids.to(self.embed_device))
 
     def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 cache: Any) -> dict[str, Any]:
@@ -85,19 +93,19 @@ class CausalLMStages:
         mask = _create_causal_mask()(**args)
         extra = {"cache_position": args["cache_position"]} if "cache_position" in args else {}
         return {"attention_mask": mask, "position_ids": position_ids,
-                "position_embeddings": self.base.rotary_emb(hidden, position_ids=position_ids), **extra}
+                "position_embeddings": _unhooked(self.base.rotary_emb)(hidden, position_ids=position_ids), **extra}
 
     def run(self, stage: int, hidden: torch.Tensor, context: dict[str, Any], cache: Any) -> torch.Tensor:
         """Stage `stage`'s decoder layers; `context` tensors must already be on the stage's device."""
         for layer in self.stages[stage].layers:
-            out = layer(hidden, past_key_values=cache, use_cache=cache is not None, **context)
+            out = _unhooked(layer)(hidden, past_key_values=cache, use_cache=cache is not None, **context)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head (logits in the model's dtype, as transformers returns them)."""
         hidden = hidden.to(self.head_device)
-        return self.model.lm_head(self.base.norm(hidden))
+        return _unhooked(self.model.lm_head)(_unhooked(self.base.norm)(hidden))
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache

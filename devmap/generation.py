@@ -85,9 +85,12 @@ class _Run:
         if sampling.do_sample:
             self.generator = torch.Generator(device=stages.head_device).manual_seed(sampling.seed)
 
-    def run(self) -> None:
+    def run(self, threads: bool = True) -> None:
         for lane in self.lanes:
             self.queues[0].put((lane, None, None, None))
+        if not threads:
+            self._run_inline()
+            return
         threads = [threading.Thread(target=self._worker, args=(j,), daemon=True) for j in range(len(self.queues))]
         for t in threads:
             t.start()
@@ -95,6 +98,24 @@ class _Run:
             t.join()
         if self.errors:
             raise self.errors[0]
+
+    def _run_inline(self) -> None:
+        """One thread issues every lane-step, latest stage first: on GPUs the work still overlaps (launches are
+        asynchronous) and no thread waits for another to release the GIL."""
+        with torch.no_grad():
+            while True:
+                for j in reversed(range(len(self.queues))):
+                    try:
+                        item = self.queues[j].get_nowait()
+                    except queue.Empty:
+                        continue
+                    if item is None:
+                        if j + 1 == len(self.queues):
+                            return
+                        self.queues[j + 1].put(None)
+                    else:
+                        self._step(j, *item)
+                    break
 
     def _worker(self, j: int) -> None:
         # grad mode is thread-local: without this every op would record autograd history, and the KV caches
@@ -231,12 +252,14 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     split_layers: list[int] | None = None,
+    threads: bool = True,
 ) -> torch.Tensor:
     """Generate up to `max_new_tokens` per row; returns prompt + new tokens (on the CPU), like transformers'
     generate: a row that ends (EOS) is padded with `pad_token_id` until every row has ended.
 
     Left-pad prompts of different lengths and pass their `attention_mask`. `lanes` (default: the number of
-    stages, at least 2) splits the batch so that the stages work on different lanes at once.
+    stages, at least 2) splits the batch so that the stages work on different lanes at once. `threads`:
+    one worker thread per stage (default), or one thread issuing every stage's work in pipeline order.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -249,7 +272,7 @@ def generate(
     pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
     pad = pad if pad is not None else (eos_list[0] if eos_list else 0)
     lane_list = _lanes(stages, input_ids, attention_mask, lanes, cache=True)
-    _Run(stages, lane_list, max_new_tokens, sampling, eos_list, pad, full_logits=False).run()
+    _Run(stages, lane_list, max_new_tokens, sampling, eos_list, pad, full_logits=False).run(threads)
     steps = max(len(lane.tokens) for lane in lane_list)
     rows = []
     for lane in lane_list:
@@ -262,12 +285,12 @@ def generate(
 
 @torch.no_grad()
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-            lanes: int | None = None, split_layers: list[int] | None = None) -> torch.Tensor:
+            lanes: int | None = None, split_layers: list[int] | None = None, threads: bool = True) -> torch.Tensor:
     """Logits (on the last stage's device) of a whole batch, its lanes flowing through the stages
     concurrently (prefill / scoring)."""
     stages = CausalLMStages(model, split_layers)
     lane_list = _lanes(stages, input_ids, attention_mask, lanes, cache=False)
-    _Run(stages, lane_list, 1, Sampling(), [], 0, full_logits=True).run()
+    _Run(stages, lane_list, 1, Sampling(), [], 0, full_logits=True).run(threads)
     return torch.cat([lane.logits for lane in lane_list])
 
 

@@ -126,3 +126,11 @@ def test_cli_generate():
     assert result.exit_code == 2 and "needs a model directory with a tokenizer" in result.output
     result = runner.invoke(main, ["generate", "resnet18", "--max-memory", "cpu=1GB"])
     assert result.exit_code != 0 and result.output.startswith("Error: ")
+
+
+def test_single_thread_driver_gives_the_same_tokens(model):
+    ids, mask = prompts()
+    kwargs = dict(max_new_tokens=9, lanes=3, split_layers=[1, 3], eos_token_id=[])
+    assert torch.equal(generate(model, ids, mask, threads=False, **kwargs), generate(model, ids, mask, **kwargs))
+    torch.testing.assert_close(forward(model, ids, mask, lanes=2, split_layers=[2], threads=False),
+                               forward(model, ids, mask, lanes=2, split_layers=[2]))
