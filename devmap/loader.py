@@ -188,6 +188,19 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[leaf] = value
 
 
+@dataclass
+class _Deferred:
+    """A parameter bound for disk: allocated, filled and written only when its module's turn comes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    entry: TensorEntry | None
+    init: bool
+    aliases: list[str] = field(default_factory=list)
+
+
 def _materialize(
     model: nn.Module, plan: Plan, entries: dict[str, TensorEntry], missing: set[str], std: float, seed: int,
     folder: str | None, workers: int | None, progress: Callable[[int], None] | None,
@@ -199,20 +212,25 @@ def _materialize(
     persistent = set(model.state_dict(keep_vars=True))
     made: dict[int, torch.Tensor] = {}
     jobs: list[CopyJob] = []
-    disk_jobs: list[tuple[str, CopyJob | None, torch.Tensor]] = []
+    deferred: dict[int, _Deferred] = {}
     to_init: dict[str, torch.device] = {}
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     for name, tensor in named:
         key = _target(plan, name)
         device = torch.device("cpu") if key in ("cpu", "disk") else torch.device("cuda", key)
-        if id(tensor) in made:  # a tied alias: same tensor; on disk it needs its own index entry
+        if id(tensor) in deferred:  # a tied alias of a parameter bound for disk: its own index entry
+            deferred[id(tensor)].aliases.append(name)
+            continue
+        if id(tensor) in made:  # a tied alias: the same tensor
             _set_tensor(model, name, made[id(tensor)])
-            if key == "disk" and isinstance(tensor, nn.Parameter):
-                disk_jobs.append((name, None, made[id(tensor)]))
             continue
         floating = tensor.is_floating_point() and name in persistent
         dtype = plan.dtype if floating else tensor.dtype
         entry = entries.get(name) or entries.get(aliases.get(name, ""))
+        needs_init = entry is None and (tensor.device.type == "meta" or name in missing)
+        if key == "disk" and isinstance(tensor, nn.Parameter):  # buffers stay in memory (accelerate moves them)
+            deferred[id(tensor)] = _Deferred(name, tuple(tensor.shape), dtype, tensor.requires_grad, entry, needs_init)
+            continue
         if tensor.device.type == "meta" or entry is not None:
             value = torch.empty(tensor.shape, dtype=dtype, device=device)
         else:
@@ -221,20 +239,17 @@ def _materialize(
             value = nn.Parameter(value, requires_grad=tensor.requires_grad)
         made[id(tensor)] = value
         _set_tensor(model, name, value)
-        if entry is None and (tensor.device.type == "meta" or name in missing):
+        if needs_init:
             to_init[name.rpartition(".")[0]] = device
-        job = CopyJob(entry, value.data) if entry is not None else None
-        if key == "disk" and isinstance(value, nn.Parameter):  # buffers stay in memory (accelerate moves them)
-            disk_jobs.append((name, job, value))
-        elif job is not None:
-            jobs.append(job)
+        if entry is not None:
+            jobs.append(CopyJob(entry, value.data))
     generators: dict[torch.device, torch.Generator] = {}
     for module_name, device in to_init.items():
         generator = generators.setdefault(device, torch.Generator(device=device).manual_seed(seed))
         init_module_(model.get_submodule(module_name), std=std, generator=generator)
     finished = copy_into(jobs, workers=workers, progress=progress)
-    if disk_jobs:
-        finished["disk"] = _offload(model, disk_jobs, folder, progress)
+    if deferred:
+        finished["disk"] = _offload(model, list(deferred.values()), folder, std, seed, progress)
     devices = {}
     for label, usage in plan.devices.items():
         gpu = int(label.split(":")[1]) if label.startswith("cuda:") else None
@@ -246,19 +261,35 @@ def _materialize(
     return {"devices": devices, "bytes_read": sum(e.nbytes for e in entries.values()) if entries else 0}
 
 
-def _offload(model: nn.Module, disk_jobs: list, folder: str | None, progress: Callable[[int], None] | None) -> float:
-    """Write disk-bound tensors one at a time into accelerate's offload format; their modules keep meta tensors."""
+def _offload(model: nn.Module, tensors: list[_Deferred], folder: str | None, std: float, seed: int,
+             progress: Callable[[int], None] | None) -> float:
+    """Module by module: allocate its disk-bound parameters in host memory, fill them (checkpoint or random
+    init), write them in accelerate's offload format and drop them, so host memory holds one module at most."""
     from accelerate.utils import offload_weight, save_offload_index
 
     start = time.perf_counter()
     index: dict[str, Any] = {}
-    for name, job, value in disk_jobs:
-        if job is not None:
-            copy_into([job], workers=1, progress=progress)
-        index = offload_weight(value.data, name, folder, index=index)
-        meta = torch.empty_like(value, device="meta")
-        _set_tensor(model, name, nn.Parameter(meta, requires_grad=value.requires_grad)
-                    if isinstance(value, nn.Parameter) else meta)
+    generator = torch.Generator().manual_seed(seed)
+    by_module: dict[str, list[_Deferred]] = {}
+    for item in tensors:
+        by_module.setdefault(item.name.rpartition(".")[0], []).append(item)
+    for module_name, items in by_module.items():
+        module = model.get_submodule(module_name)
+        values = {}
+        for item in items:
+            values[item.name] = nn.Parameter(torch.empty(item.shape, dtype=item.dtype), requires_grad=item.requires_grad)
+            _set_tensor(model, item.name, values[item.name])
+        if any(item.init for item in items):
+            init_module_(module, std=std, generator=generator)  # a module's own parameters share one device
+        copy_into([CopyJob(item.entry, values[item.name].data) for item in items if item.entry is not None],
+                  workers=1, progress=progress)
+        for item in items:
+            meta = nn.Parameter(torch.empty(item.shape, dtype=item.dtype, device="meta"),
+                                requires_grad=item.requires_grad)
+            for name in [item.name, *item.aliases]:
+                index = offload_weight(values[item.name].data, name, folder, index=index)
+                _set_tensor(model, name, meta)
+        del values
     save_offload_index(index, folder)
     return time.perf_counter() - start
 

@@ -236,3 +236,13 @@ def test_cli_load_json_and_errors(llama_dir, llama_copy):
     assert result.exit_code == 1 and result.output.startswith("Error: ") and "truncated" in result.output
     result = runner.invoke(main, ["load", "a/b"])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+
+
+def test_random_init_straight_to_disk_keeps_ties(tmp_path):
+    # disk-bound weights are made one module at a time; a tied alias gets its own index entry
+    model = load("llama-tiny", "sequential", max_memory={"cpu": "100KB", "disk": "1GiB"}, offload_folder=tmp_path)
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(index)
+    with torch.no_grad():
+        logits = model(tokens()).logits
+    assert torch.isfinite(logits).all() and logits.std() > 0
