@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -23,8 +22,7 @@ from torch import nn
 
 from devmap.loader import dispatch
 from devmap.pipelining import pipeline
-from devmap.stages import blocks_of
-from devmap.tuning import tune
+from devmap.compare_systems import stages_from_names
 
 TUTORIAL_SPLIT = {"conv1": 0, "bn1": 0, "relu": 0, "maxpool": 0, "layer1": 0, "layer2": 0,
                   "layer3": 1, "layer4": 1, "avgpool": 1, "fc": 1}
@@ -39,41 +37,18 @@ def balanced_resnet(micro: torch.Tensor, chunks: int):  # type: ignore[no-untype
 
 def one_gpu_two_stages(model: nn.Module, names: list[list[str]], chunks: int):  # type: ignore[no-untyped-def]
     """The same stages, both on cuda:0: what lower launch overhead alone buys."""
-    blocks = dict(blocks_of(model))
-    stages = [(nn.Sequential(OrderedDict((n.replace(".", "_"), blocks[n]) for n in group)).to("cuda:0"), "cuda:0")
-              for group in names]
-    return pipeline(stages, chunks=chunks)
+    return pipeline(stages_from_names(model, names, [torch.device("cuda:0")] * 2), chunks=chunks)
 
 
 # ---------------------------------------------------------------- W1
 def run_w1(args: argparse.Namespace) -> dict:
+    """The same systems `devmap compare` times (devmap's tuned once, outside the timed runs)."""
+    from devmap.compare_systems import devmap_systems
     from devmap.timing import HarnessConfig, run_comparison
 
     config = HarnessConfig(split_sizes=tuple(int(s) for s in args.split_sizes.split(",")), warmup=1)
-    sample = torch.randn(config.batch_size, 3, config.image_w, config.image_h, device="cuda:0")
-    # tune once (outside the timed harness): stage boundary by time, then the micro-batch count
-    model, _ = balanced_resnet(sample[: config.batch_size // 4], 4)
-    names = pipeline(model, chunks=1).block_names
-    placement = dict(model.hf_device_map)
-    two = tune(lambda c: pipeline(model, chunks=c), sample, candidates=[2, 3, 4, 5, 6, 8], steps=5)
-    one = tune(lambda c: one_gpu_two_stages(model, names, c), sample, candidates=[1, 2, 3, 4], steps=5)
-    print(f"W1 tuning: stages {names[0][-1]} | {names[1][0]}; 2 GPUs {two.table}; 1 GPU {one.table}", flush=True)
-    del model
-
-    def devmap_two(devs, cfg):  # type: ignore[no-untyped-def]
-        m = torchvision.models.resnet50(num_classes=cfg.num_classes)
-        dispatch(m, placement)
-        return pipeline(m, chunks=two.best_chunks).prepare(
-            torch.randn(cfg.batch_size, 3, cfg.image_w, cfg.image_h, device=devs[0]))
-
-    def devmap_one(devs, cfg):  # type: ignore[no-untyped-def]
-        m = torchvision.models.resnet50(num_classes=cfg.num_classes)
-        return one_gpu_two_stages(m, names, one.best_chunks).prepare(
-            torch.randn(cfg.batch_size, 3, cfg.image_w, cfg.image_h, device=devs[0]))
-
-    extra = {f"devmap pipeline, 2 GPUs (chunks={two.best_chunks})": devmap_two,
-             f"devmap pipeline, 1 GPU (chunks={one.best_chunks})": devmap_one}
-    result = run_comparison(["cuda:0", "cuda:1"], config, extra_systems=extra)
+    devices = [torch.device("cuda:0"), torch.device("cuda:1")]
+    result = run_comparison(devices, config, extra_systems=devmap_systems(devices, config))
     data = result.to_dict()
     single = data["systems"]["Single GPU"]["mean"]
     print(f"\nW1 — the tutorial's harness (ResNet50, 3 x 120 images at 128x128, timeit repeat=10), "
@@ -85,7 +60,7 @@ def run_w1(args: argparse.Namespace) -> dict:
     for name, mean, std in rows:
         print(f"{name:<44}{mean:>10.3f} ± {std:.3f}{single / mean:>13.2f}x")
     print("sweep: " + ", ".join(f"{p['split_size']}: {p['mean']:.3f}" for p in data["sweep"]))
-    return {"w1": data, "tuning": {"two_gpus": two.to_dict(), "one_gpu": one.to_dict(), "stages": names}}
+    return {"w1": data}
 
 
 # ---------------------------------------------------------------- W2

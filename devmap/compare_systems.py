@@ -21,7 +21,8 @@ Builder = Callable[[Sequence[torch.device], HarnessConfig], nn.Module]
 LABEL = "devmap pipeline"
 
 
-def _stages(model: nn.Module, names: list[list[str]], devices: Sequence[torch.device]) -> list:
+def stages_from_names(model: nn.Module, names: list[list[str]], devices: Sequence[torch.device]) -> list:
+    """[(nn.Sequential of the named blocks, device), ...] for explicit pipeline stages."""
     blocks = dict(blocks_of(model))
     return [(nn.Sequential(OrderedDict((n.replace(".", "_"), blocks[n]) for n in group)).to(d), d)
             for group, d in zip(names, devices)]
@@ -55,7 +56,7 @@ def devmap_systems(devices: Sequence[torch.device], config: HarnessConfig, tune_
         names = pipeline(model, chunks=1).block_names
         placement = dict(model.hf_device_map)
         two = tune(lambda c: pipeline(model, chunks=c), sample, _usable([2, 3, 4, 5, 6, 8], config.batch_size), steps=tune_steps)
-        one = tune(lambda c: pipeline(_stages(model, names, [gpus[0]] * 2), chunks=c), sample, _usable([1, 2, 3, 4], config.batch_size),
+        one = tune(lambda c: pipeline(stages_from_names(model, names, [gpus[0]] * 2), chunks=c), sample, _usable([1, 2, 3, 4], config.batch_size),
                    steps=tune_steps)
 
         def on_two(devs: Sequence[torch.device], cfg: HarnessConfig) -> nn.Module:
@@ -65,17 +66,17 @@ def devmap_systems(devices: Sequence[torch.device], config: HarnessConfig, tune_
 
         def on_one(devs: Sequence[torch.device], cfg: HarnessConfig) -> nn.Module:
             m = torchvision.models.resnet50(num_classes=cfg.num_classes)
-            return _prepared(pipeline(_stages(m, names, [devs[0]] * 2), chunks=one.best_chunks), devs, cfg)
+            return _prepared(pipeline(stages_from_names(m, names, [devs[0]] * 2), chunks=one.best_chunks), devs, cfg)
 
         return {f"{LABEL}, 2 GPUs (chunks {two.best_chunks})": on_two,
                 f"{LABEL}, 1 GPU (chunks {one.best_chunks})": on_one}
     names = _tutorial_names()
-    result = tune(lambda c: pipeline(_stages(model, names, list(devices)[:2]), chunks=c), sample,
+    result = tune(lambda c: pipeline(stages_from_names(model, names, list(devices)[:2]), chunks=c), sample,
                   _usable([1, 2, 4], config.batch_size), steps=1, warmup=0)
 
     def plain(devs: Sequence[torch.device], cfg: HarnessConfig) -> nn.Module:
         m = torchvision.models.resnet50(num_classes=cfg.num_classes)
-        return pipeline(_stages(m, names, list(devs)[:2]), chunks=result.best_chunks)
+        return pipeline(stages_from_names(m, names, list(devs)[:2]), chunks=result.best_chunks)
 
     return {f"{LABEL} (chunks {result.best_chunks})": plain}
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from .errors import PipelineError
 from .graphs import StageGraph
-from .stages import StageSpec, as_device, block_devices, blocks_of, check_stage_devices, group_stages
+from .stages import StageSpec, block_devices, blocks_of, check_stage_devices, group_stages
 from .streams import StreamSet, hand_off
 
 GRAPH_MODES = ("auto", "on", "off")

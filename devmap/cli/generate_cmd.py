@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import click
 
+from .options import load_options
 from .output import echo_json
 
 
 @click.command()
 @click.argument("source")
-@click.option("--device-map", "device_map", default="balanced", show_default=True,
-              help="auto, balanced, balanced_low_0 or sequential.")
-@click.option("--max-memory", default=None, help="Budget per device, e.g. 0=20GiB,1=20GiB.")
-@click.option("--dtype", default=None, help="float32, float16 or bfloat16.")
+@load_options
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt-len", default=64, show_default=True, type=click.IntRange(min=1),
               help="Length of the random prompts (without --prompt).")

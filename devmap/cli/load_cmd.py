@@ -6,15 +6,13 @@ import time
 
 import click
 
+from .options import load_options
 from .output import echo_json, table
 
 
 @click.command()
 @click.argument("source")
-@click.option("--device-map", "device_map", default="auto", show_default=True,
-              help="auto, balanced, balanced_low_0 or sequential (GPUs first, then cpu, then disk).")
-@click.option("--max-memory", default=None, help="Budget per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=200GB.")
-@click.option("--dtype", default=None, help="float32, float16 or bfloat16 (weights are cast on load).")
+@load_options
 @click.option("--offload-folder", default=None, help="Folder for blocks offloaded to disk.")
 @click.option("--weights", default=None, help="A .safetensors file (e.g. a ResNet's weights).")
 @click.option("--allow-missing", is_flag=True, help="Initialize tensors the checkpoint lacks instead of failing.")

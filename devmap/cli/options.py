@@ -26,3 +26,15 @@ def placement_options(func: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def load_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--device-map, --max-memory, --dtype (real devices: loading never simulates GPUs)."""
+    options = [
+        click.option("--device-map", "device_map", default="auto", show_default=True, help=STRATEGY_HELP),
+        click.option("--max-memory", default=None, help="Budget per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=200GB."),
+        click.option("--dtype", default=None, help="float32, float16 or bfloat16 (weights are cast on load)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
