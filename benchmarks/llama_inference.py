@@ -25,12 +25,31 @@ def best(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
     return min(timed(fn)[1] for _ in range(repeat))
 
 
+def profile(fn) -> None:  # type: ignore[no-untyped-def]
+    """Kernel time per GPU and the top kernels of one call (after a warm-up)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, seconds = timed(fn)
+    busy: dict[int, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            busy[event.device_index] = busy.get(event.device_index, 0.0) + event.time_range.elapsed_us() / 1e6
+    print(f"profiled call: {seconds:.4f} s; kernel seconds per GPU: { {k: round(v, 4) for k, v in busy.items()} }")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tinyllama-1.1b")
     parser.add_argument("--lanes", default="2,4,8")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip-generate", action="store_true")
+    parser.add_argument("--eager-lanes", default="4", help="lane counts also measured without CUDA graphs")
+    parser.add_argument("--device-map", default="balanced", help="devmap's strategy, or a JSON file of a map")
+    parser.add_argument("--profile", type=int, default=0, help="profile devmap's prefill at this many lanes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config = llama_config(args.model)
@@ -52,20 +71,27 @@ def main() -> None:
         del one
         gc.collect()
         torch.cuda.empty_cache()
-        yield "devmap", devmap.load(args.model, "balanced", dtype="bf16")
+        device_map = args.device_map
+        if device_map.endswith(".json"):
+            device_map = json.loads(Path(device_map).read_text())
+        yield "devmap", devmap.load(args.model, device_map, dtype="bf16")
 
     for name, model in systems():
         with torch.no_grad():
             if name == "devmap":
+                eager = [int(x) for x in args.eager_lanes.split(",") if x]
                 for lanes in [int(x) for x in args.lanes.split(",")]:
-                    for threads in (True, False):  # a worker thread per stage, or one thread issuing all
-                        label = f"devmap (lanes {lanes}, {'thread per stage' if threads else 'one thread'})"
-                        rows["W3"][label] = best(lambda: forward(model, prefill, lanes=lanes, threads=threads),
-                                                 args.repeat)
-                        if not args.skip_generate:
-                            rows["W4"][label] = best(lambda: generate(
-                                model, prompt, max_new_tokens=32, lanes=lanes, eos_token_id=[], threads=threads),
-                                args.repeat)
+                    rows["W3"][f"devmap (lanes {lanes})"] = best(lambda: forward(model, prefill, lanes=lanes),
+                                                                 args.repeat)
+                    if args.skip_generate:
+                        continue
+                    for graphs in (True, False) if lanes in eager else (True,):
+                        label = f"devmap (lanes {lanes}{', CUDA graphs' if graphs else ', eager'})"
+                        rows["W4"][label] = best(lambda: generate(
+                            model, prompt, max_new_tokens=32, lanes=lanes, eos_token_id=[], graphs=graphs),
+                            args.repeat)
+                if args.profile:
+                    profile(lambda: forward(model, prefill, lanes=args.profile))
             else:
                 rows["W3"][name] = best(lambda: model(prefill), args.repeat)
                 if not args.skip_generate:

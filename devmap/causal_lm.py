@@ -7,6 +7,7 @@ at a time, with a KV cache per lane.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -72,6 +73,7 @@ class CausalLMStages:
         self.embed_device = _device_of(base.embed_tokens)
         self.head_device = _device_of(model.lm_head)
         self._mask_args = set(inspect.signature(_create_causal_mask()).parameters)
+        self._rotary: dict[torch.device, nn.Module] = {}
 
     @property
     def devices(self) -> list[torch.device]:
@@ -80,20 +82,20 @@ class CausalLMStages:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return _unhooked(self.base.embed_tokens)(input_ids.to(self.embed_device))
 
-    def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                cache: Any) -> dict[str, Any]:
-        """The per-step inputs every layer takes: causal mask and rotary embeddings (on hidden's device)."""
+    def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor) -> dict[str, Any]:
+        """What every layer takes for a whole prompt (no cache before it): causal mask and rotary embeddings,
+        on hidden's device."""
         args: dict[str, Any] = {"config": self.config, "attention_mask": attention_mask,
-                                "past_key_values": cache, "position_ids": position_ids}
+                                "past_key_values": None, "position_ids": position_ids}
         args["inputs_embeds" if "inputs_embeds" in self._mask_args else "input_embeds"] = hidden
         if "cache_position" in self._mask_args:  # transformers releases that still take cache_position
-            past = cache.get_seq_length() if cache is not None else 0
-            args["cache_position"] = torch.arange(past, past + hidden.shape[1], device=hidden.device)
+            args["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
         args = {k: v for k, v in args.items() if k in self._mask_args}
         mask = _create_causal_mask()(**args)
         extra = {"cache_position": args["cache_position"]} if "cache_position" in args else {}
         return {"attention_mask": mask, "position_ids": position_ids,
-                "position_embeddings": _unhooked(self.base.rotary_emb)(hidden, position_ids=position_ids), **extra}
+                "position_embeddings": self.rotary(hidden, position_ids), **extra}
 
     def run(self, stage: int, hidden: torch.Tensor, context: dict[str, Any], cache: Any) -> torch.Tensor:
         """Stage `stage`'s decoder layers; `context` tensors must already be on the stage's device."""
@@ -102,36 +104,55 @@ class CausalLMStages:
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
+    def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary cos/sin computed on hidden's device, from a copy of the rotary module's buffers there (no
+        cross-device read inside a captured decode step)."""
+        module = self._rotary.get(hidden.device)
+        if module is None:
+            original = self.base.rotary_emb
+            module = copy.copy(original)  # same attributes; own buffers on this device; no hooks
+            module._buffers = {k: v.to(hidden.device) if v is not None else v for k, v in original._buffers.items()}
+            module.__dict__.pop("forward", None)
+            self._rotary[hidden.device] = module
+        return type(module).forward(module, hidden, position_ids)
+
+    def float_mask_dtype(self) -> torch.dtype | None:
+        """The decode mask's form for this model's attention: booleans for sdpa, additive floats for eager."""
+        implementation = getattr(self.config, "_attn_implementation", None) or "eager"
+        if implementation == "sdpa":
+            return None
+        if implementation == "eager":
+            return next(self.stages[0].layers[0].parameters()).dtype
+        raise PipelineError(f"generation supports attn_implementation 'sdpa' or 'eager', not {implementation!r}; "
+                            "load the model with one of those")
+
+    def decode(self, stage: int, hidden: torch.Tensor, inputs: Any) -> torch.Tensor:
+        """One decode step of one lane on stage `stage`, reading and writing only fixed buffers: token ids in
+        (stage 0) or the hidden state; the hidden state out, or the last stage's float logits (rows × vocab).
+        `inputs` is the lane's `DecodeInputs` on this stage; the step advances its cache slot."""
+        device = self.stages[stage].device
+        if stage == 0:
+            hidden = self.embed(hidden)
+        hidden = hidden.to(device)
+        position_ids = inputs.position_ids()
+        context = {"attention_mask": inputs.mask(), "position_ids": position_ids,
+                   "position_embeddings": self.rotary(hidden, position_ids)}
+        hidden = self.run(stage, hidden, context, inputs.cache)
+        inputs.cache.slot.add_(1)
+        if stage + 1 < len(self.stages):
+            return hidden
+        return self.head(hidden)[:, -1].float()
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head (logits in the model's dtype, as transformers returns them)."""
         hidden = hidden.to(self.head_device)
         return _unhooked(self.model.lm_head)(_unhooked(self.base.norm)(hidden))
-
-    def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        try:
-            return DynamicCache(config=self.config)
-        except TypeError:  # releases whose DynamicCache takes no config
-            return DynamicCache()
 
 
 def _create_causal_mask():  # type: ignore[no-untyped-def]
     from transformers.masking_utils import create_causal_mask
 
     return create_causal_mask
-
-
-def move_context(context: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The step context on another device (tensors and tuples of tensors moved, the rest kept)."""
-    def move(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return v.to(device, non_blocking=True)
-        if isinstance(v, tuple):
-            return tuple(move(x) for x in v)
-        return v
-
-    return {k: move(v) for k, v in context.items()}
 
 
 def positions(attention_mask: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,26 +1,30 @@
 """Pipelined inference for a placed LLaMA-style model: batched forward and generation in lanes, stages concurrent.
 
-The batch is split into lanes (micro-batches), each with its own KV cache on every stage's device. One
-worker thread per stage takes lane steps in order from its queue, so while stage 1 runs lane k's step,
-stage 0 runs lane k+1's; the last stage picks each lane's next token and hands it back to stage 0.
-With at least as many lanes as stages every stage stays busy. Greedy decoding gives transformers'
-tokens; sampling applies temperature, then top-k, then top-p, with a seeded generator.
+The batch is split into lanes (micro-batches), each with its own static KV cache on every stage's device.
+One thread issues every lane-step in pipeline order on per-stage CUDA streams, ordered by events, and
+never waits for a GPU: while stage 1 runs lane k's step, stage 0 runs lane k+1's, and the last stage's
+token goes straight back to stage 0 for the lane's next step. Decode steps are replayed as CUDA graphs
+(one per stage and lane). Greedy decoding gives transformers' tokens; sampling applies temperature,
+then top-k, then top-p, with a seeded generator.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from .causal_lm import CausalLMStages, positions
+from .decode_step import DecodeStep
 from .errors import UsageError
-from .streams import StreamSet, hand_off
+from .lane_cache import DecodeInputs, LaneCache
+from .streams import StreamSet, copy_into, hand_off
+
+EOS_CHECK_LAG = 2  # steps between a lane's last token and the host reading whether its rows all ended
 
 
 @dataclass
@@ -43,15 +47,16 @@ class Sampling:
 @dataclass
 class _Lane:
     rows: slice
-    ids: torch.Tensor  # next input ids (the prompt, then one token per row)
-    mask: torch.Tensor  # attention mask so far, on the embedding device
-    cache: Any
-    event: Any = None
-    step: int = 0
+    ids: torch.Tensor  # the prompt, on the embedding device
+    mask: torch.Tensor  # its attention mask, on the embedding device
+    padded: bool
+    caches: list[LaneCache] = field(default_factory=list)
+    steps: list[DecodeStep] = field(default_factory=list)
     tokens: list[torch.Tensor] = field(default_factory=list)
-    unfinished: torch.Tensor | None = None
+    unfinished: list[torch.Tensor] = field(default_factory=list)  # after each token: rows still generating
+    ended: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # (event, host flag "all rows ended")
+    done: bool = False
     logits: torch.Tensor | None = None
-    padded: bool = True
 
 
 def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
@@ -70,140 +75,147 @@ def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
 
 
 class _Run:
-    """One generate() or forward() call: lanes flowing through per-stage worker threads."""
+    """One generate() or forward() call: every lane-step issued from this thread, stages on their own streams."""
 
-    def __init__(self, stages: CausalLMStages, lanes: list[_Lane], max_new_tokens: int, sampling: Sampling,
-                 eos: list[int], pad: int, full_logits: bool) -> None:
-        self.s, self.lanes, self.max_new, self.sampling = stages, lanes, max_new_tokens, sampling
-        self.eos = torch.tensor(eos, device=stages.head_device) if eos else None
-        self.pad, self.full_logits = pad, full_logits
-        self.queues: list[queue.Queue] = [queue.Queue() for _ in stages.stages]
+    def __init__(self, stages: CausalLMStages, lanes: list[_Lane], graphs: bool) -> None:
+        self.s, self.lanes = stages, lanes
         self.streams = StreamSet()
-        self.errors: list[BaseException] = []
-        self.active = len(lanes)
-        self.generator = None
-        if sampling.do_sample:
-            self.generator = torch.Generator(device=stages.head_device).manual_seed(sampling.seed)
+        self.graphs = graphs and all(d.type == "cuda" for d in stages.devices)
+        self.pools: dict[torch.device, Any] = {}
 
-    def run(self, threads: bool = True) -> None:
+    def start(self) -> None:
+        """Every stage's stream waits for the caller's work so far (inputs, fresh buffers)."""
+        for j, stage in enumerate(self.s.stages):
+            if stage.device.type == "cuda":
+                self.streams.get("compute", j, stage.device).wait_stream(torch.cuda.current_stream(stage.device))
+        if self.s.embed_device.type == "cuda":
+            self.streams.get("compute", 0, self.s.stages[0].device).wait_stream(
+                torch.cuda.current_stream(self.s.embed_device))
+
+    @contextlib.contextmanager
+    def on(self, j: int) -> Iterator[Any]:
+        """Stage j's device and compute stream (None on a CPU)."""
+        device = self.s.stages[j].device
+        if device.type != "cuda":
+            yield None
+            return
+        compute = self.streams.get("compute", j, device)
+        with torch.cuda.device(device), torch.cuda.stream(compute):
+            yield compute
+
+    def through(self, lane: _Lane, caches: bool) -> torch.Tensor:
+        """A lane's whole prompt through every stage (caches filled when asked); the last stage's hidden state."""
+        hidden = context = event = None
+        for j, stage in enumerate(self.s.stages):
+            with self.on(j) as compute:
+                if j == 0:
+                    hidden = self.s.embed(lane.ids).to(stage.device)
+                    mask = lane.mask if lane.padded else None  # no padding: attention's causal fast path
+                    context = self.s.context(hidden, mask, positions(lane.mask, hidden.shape[1]))
+                elif compute is not None:
+                    hidden = hand_off(hidden, event, stage.device, j, self.streams, compute)
+                    context = {k: _move(v, event, stage.device, j, self.streams, compute) for k, v in context.items()}
+                else:
+                    hidden = hidden.to(stage.device)
+                    context = {k: _move(v, None, stage.device, j, self.streams, None) for k, v in context.items()}
+                hidden = self.s.run(j, hidden, context, lane.caches[j] if caches else None)
+                event = _record(compute)
+        return hidden
+
+    def forward(self) -> None:
+        self.start()
         for lane in self.lanes:
-            self.queues[0].put((lane, None, None, None))
-        if not threads:
-            self._run_inline()
-            return
-        threads = [threading.Thread(target=self._worker, args=(j,), daemon=True) for j in range(len(self.queues))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if self.errors:
-            raise self.errors[0]
+            hidden = self.through(lane, caches=False)
+            with self.on(len(self.s.stages) - 1):
+                lane.logits = self.s.head(hidden)
 
-    def _run_inline(self) -> None:
-        """One thread issues every lane-step, latest stage first: on GPUs the work still overlaps (launches are
-        asynchronous) and no thread waits for another to release the GIL."""
-        with torch.no_grad():
-            while True:
-                for j in reversed(range(len(self.queues))):
-                    try:
-                        item = self.queues[j].get_nowait()
-                    except queue.Empty:
-                        continue
-                    if item is None:
-                        if j + 1 == len(self.queues):
-                            return
-                        self.queues[j + 1].put(None)
-                    else:
-                        self._step(j, *item)
-                    break
-
-    def _worker(self, j: int) -> None:
-        # grad mode is thread-local: without this every op would record autograd history, and the KV caches
-        # would keep every step's graph alive
-        try:
-            with torch.no_grad():
-                self._loop(j)
-        except BaseException as exc:  # raised in the caller; unblock every other worker
-            self.errors.append(exc)
-            for q in self.queues:
-                q.put(None)
-
-    def _loop(self, j: int) -> None:
-        while True:
-            item = self.queues[j].get()
-            if item is None:
-                if j + 1 < len(self.queues):
-                    self.queues[j + 1].put(None)
-                return
-            self._step(j, *item)
-
-    def _step(self, j: int, lane: _Lane, hidden: Any, context: Any, event: Any) -> None:
-        stage = self.s.stages[j]
-        device = stage.device
-        cuda = device.type == "cuda"
-        compute = self.streams.get("compute", j, device) if cuda else None
-        with torch.cuda.device(device) if cuda else _Null(), torch.cuda.stream(compute) if cuda else _Null():
+    def prepare_decode(self, lane: _Lane, max_len: int) -> None:
+        """The lane's static caches and decode steps on every stage."""
+        float_mask = self.s.float_mask_dtype()
+        rows = lane.ids.shape[0]
+        for j, stage in enumerate(self.s.stages):
+            cache = LaneCache(rows, max_len, stage.device)
+            inputs = DecodeInputs(cache, lane.mask, float_mask)
             if j == 0:
-                ids = hand_off(lane.ids, lane.event, device, j, self.streams, compute) if cuda else lane.ids
-                hidden = self.s.embed(ids)
-                length = hidden.shape[1]
-                # no padding: no mask, so attention keeps its causal fast path (as transformers does)
-                mask = lane.mask if lane.padded else None
-                context = self.s.context(hidden, mask, positions(lane.mask, length), lane.cache)
-            elif cuda:
-                hidden = hand_off(hidden, event, device, j, self.streams, compute)
-                context = {k: _move(v, event, device, j, self.streams, compute) for k, v in context.items()}
+                static_in = torch.zeros(rows, 1, dtype=torch.long, device=self.s.embed_device)
             else:
-                hidden = hidden.to(device)
-                context = {k: _move(v, None, device, j, self.streams, None) for k, v in context.items()}
-            hidden = self.s.run(j, hidden, context, lane.cache)
-            done = None
-            if cuda:
-                done = torch.cuda.Event()
-                done.record(compute)
-            if j + 1 < len(self.queues):
-                self.queues[j + 1].put((lane, hidden, context, done))
-                return
-            self._finish(lane, hidden)
+                sample = stage.layers[0].input_layernorm.weight if hasattr(stage.layers[0], "input_layernorm") \
+                    else next(stage.layers[0].parameters())
+                static_in = torch.zeros(rows, 1, self.s.config.hidden_size, dtype=sample.dtype, device=stage.device)
+            if self.graphs and stage.device not in self.pools:
+                self.pools[stage.device] = torch.cuda.graph_pool_handle()
+            capture = self.streams.get("capture", j, stage.device) if self.graphs else None
+            lane.caches.append(cache)
+            lane.steps.append(DecodeStep(lambda x, j=j, inputs=inputs: self.s.decode(j, x, inputs), static_in,
+                                         self.graphs, self.pools.get(stage.device), capture))
 
-    def _finish(self, lane: _Lane, hidden: torch.Tensor) -> None:
-        """Last stage: logits, the next token, and the lane's next step (or its end)."""
-        if self.full_logits:
-            lane.logits = self.s.head(hidden)
-            self._retire()
-            return
-        logits = self.s.head(hidden[:, -1:, :])[:, -1].float()
-        token = _choose(logits, self.sampling, self.generator)
-        if lane.unfinished is None:
-            lane.unfinished = torch.ones_like(token, dtype=torch.bool)
-        token = torch.where(lane.unfinished, token, torch.full_like(token, self.pad))
-        if self.eos is not None:
-            lane.unfinished = lane.unfinished & ~torch.isin(token, self.eos)
-        lane.tokens.append(token)
-        lane.step += 1
-        if lane.step >= self.max_new or not bool(lane.unfinished.any()):
-            self._retire()
-            return
-        embed_device = self.s.embed_device
-        lane.ids = token.view(-1, 1).to(embed_device, non_blocking=True)
-        lane.mask = torch.cat([lane.mask, lane.mask.new_ones(lane.mask.shape[0], 1)], dim=1)
-        if token.is_cuda:
-            lane.event = torch.cuda.Event()
-            lane.event.record(torch.cuda.current_stream(token.device))
-        self.queues[0].put((lane, None, None, None))
+    def generate(self, max_new_tokens: int, sampling: Sampling, eos: list[int], pad: int) -> None:
+        head_device = self.s.head_device
+        eos_ids = torch.tensor(eos, device=head_device) if eos else None
+        generator = torch.Generator(device=head_device).manual_seed(sampling.seed) if sampling.do_sample else None
+        last = len(self.s.stages) - 1
+        self.start()
 
-    def _retire(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self.queues[0].put(None)
+        def finish(lane: _Lane, logits: torch.Tensor, compute: Any, step: int) -> None:
+            """The lane's next token from its logits, on the last stage; sent to stage 0 if another step follows."""
+            token = _choose(logits, sampling, generator)
+            if lane.unfinished:
+                token = torch.where(lane.unfinished[-1], token, torch.full_like(token, pad))
+                unfinished = lane.unfinished[-1]
+            else:
+                unfinished = torch.ones_like(token, dtype=torch.bool)
+            if eos_ids is not None:
+                unfinished = unfinished & ~torch.isin(token, eos_ids)
+                flag = torch.empty((), dtype=torch.bool, pin_memory=token.is_cuda)
+                flag.copy_(~unfinished.any(), non_blocking=True)
+                lane.ended.append((_record(compute), flag))
+            lane.tokens.append(token)
+            lane.unfinished.append(unfinished)
+            if step + 1 < max_new_tokens:
+                with self.on(0) as first:
+                    copy_into(lane.steps[0].static_in.view(-1), token, _record(compute), 0, self.streams, first)
+
+        for lane in self.lanes:  # prefill, lane after lane: the stages overlap on different lanes
+            hidden = self.through(lane, caches=True)
+            for j, cache in enumerate(lane.caches):
+                with self.on(j):
+                    cache.start_decoding(lane.ids.shape[1])
+            with self.on(last) as compute:
+                finish(lane, self.s.head(hidden[:, -1:, :])[:, -1].float(), compute, 0)
+        for step in range(1, max_new_tokens):
+            for lane in self.lanes:
+                if lane.done or _ended(lane, step):
+                    lane.done = True
+                    continue
+                out = event = None
+                for j, stage in enumerate(self.s.stages):
+                    with self.on(j) as compute:
+                        if j > 0:
+                            copy_into(lane.steps[j].static_in, out, event, j, self.streams, compute)
+                        out = lane.steps[j]()
+                        event = _record(compute)
+                with self.on(last) as compute:
+                    finish(lane, out, compute, step)
 
 
-class _Null:
-    def __enter__(self) -> None:
+def _ended(lane: _Lane, step: int) -> bool:
+    """Whether every row of the lane had ended EOS_CHECK_LAG steps ago (so the host rarely waits for the GPU;
+    the extra steps of an ended lane only produce padding, trimmed at the end)."""
+    index = step - 1 - (EOS_CHECK_LAG if lane.tokens[0].is_cuda else 0)
+    if not lane.ended or index < 0:
+        return False
+    event, flag = lane.ended[index]
+    if event is not None:
+        event.synchronize()
+    return bool(flag)
+
+
+def _record(stream: Any) -> Any:
+    if stream is None:
         return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def _move(value: Any, event: Any, device: torch.device, j: int, streams: StreamSet, compute: Any) -> Any:
@@ -215,7 +227,7 @@ def _move(value: Any, event: Any, device: torch.device, j: int, streams: StreamS
 
 
 def _lanes(stages: CausalLMStages, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-           lanes: int | None, cache: bool) -> list[_Lane]:
+           lanes: int | None) -> list[_Lane]:
     if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise UsageError(f"input_ids must be a non-empty (batch, length) tensor, got shape {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -232,7 +244,7 @@ def _lanes(stages: CausalLMStages, input_ids: torch.Tensor, attention_mask: torc
         rows = slice(start, min(batch, start + size))
         lane_mask = mask[rows].to(stages.embed_device)
         out.append(_Lane(rows, input_ids[rows].to(stages.embed_device), lane_mask,
-                         stages.new_cache() if cache else None, padded=bool((lane_mask == 0).any())))
+                         padded=bool((lane_mask == 0).any())))
     return out
 
 
@@ -252,31 +264,41 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     split_layers: list[int] | None = None,
-    threads: bool = True,
+    graphs: bool = True,
 ) -> torch.Tensor:
     """Generate up to `max_new_tokens` per row; returns prompt + new tokens (on the CPU), like transformers'
     generate: a row that ends (EOS) is padded with `pad_token_id` until every row has ended.
 
     Left-pad prompts of different lengths and pass their `attention_mask`. `lanes` (default: the number of
-    stages, at least 2) splits the batch so that the stages work on different lanes at once. `threads`:
-    one worker thread per stage (default), or one thread issuing every stage's work in pipeline order.
+    stages, at least 2) splits the batch so that the stages work on different lanes at once. `graphs`:
+    replay each (stage, lane) decode step as a CUDA graph when every stage is on a GPU (steps that cannot
+    be captured run eagerly). Each lane keeps a static KV cache of prompt + `max_new_tokens` tokens.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     sampling = Sampling(do_sample, temperature, top_k, top_p, seed)
     sampling.check()
     stages = CausalLMStages(model, split_layers)
+    stages.float_mask_dtype()  # refuses attention implementations the decode mask does not fit
     config = getattr(model, "generation_config", None) or model.config
     eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
     eos_list = [eos] if isinstance(eos, int) else list(eos or [])
     pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
     pad = pad if pad is not None else (eos_list[0] if eos_list else 0)
-    lane_list = _lanes(stages, input_ids, attention_mask, lanes, cache=True)
-    _Run(stages, lane_list, max_new_tokens, sampling, eos_list, pad, full_logits=False).run(threads)
-    steps = max(len(lane.tokens) for lane in lane_list)
+    lane_list = _lanes(stages, input_ids, attention_mask, lanes)
+    run = _Run(stages, lane_list, graphs)
+    for lane in lane_list:
+        run.prepare_decode(lane, input_ids.shape[1] + max_new_tokens)
+    run.generate(max_new_tokens, sampling, eos_list, pad)
+    run.streams.join([t for lane in lane_list for t in lane.tokens + lane.unfinished])
+    lengths = []
+    for lane in lane_list:  # a lane's tokens after all its rows ended are padding: trim to where it ended
+        ended = ~torch.stack(lane.unfinished).any(dim=1).cpu()
+        lengths.append(int(ended.long().argmax()) + 1 if bool(ended.any()) else len(lane.tokens))
+    steps = max(lengths)
     rows = []
     for lane in lane_list:
-        new = torch.stack(lane.tokens, dim=1).cpu()
+        new = torch.stack(lane.tokens, dim=1).cpu()[:, :steps]
         if new.shape[1] < steps:
             new = torch.cat([new, new.new_full((new.shape[0], steps - new.shape[1]), pad)], dim=1)
         rows.append(torch.cat([input_ids[lane.rows].cpu(), new], dim=1))
@@ -285,13 +307,15 @@ def generate(
 
 @torch.no_grad()
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-            lanes: int | None = None, split_layers: list[int] | None = None, threads: bool = True) -> torch.Tensor:
+            lanes: int | None = None, split_layers: list[int] | None = None) -> torch.Tensor:
     """Logits (on the last stage's device) of a whole batch, its lanes flowing through the stages
     concurrently (prefill / scoring)."""
     stages = CausalLMStages(model, split_layers)
-    lane_list = _lanes(stages, input_ids, attention_mask, lanes, cache=False)
-    _Run(stages, lane_list, 1, Sampling(), [], 0, full_logits=True).run(threads)
-    return torch.cat([lane.logits for lane in lane_list])
+    lane_list = _lanes(stages, input_ids, attention_mask, lanes)
+    run = _Run(stages, lane_list, graphs=False)
+    run.forward()
+    run.streams.join([lane.logits for lane in lane_list if lane.logits is not None])
+    return torch.cat([lane.logits for lane in lane_list if lane.logits is not None])
 
 
 def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:

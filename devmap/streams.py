@@ -19,6 +19,15 @@ class StreamSet:
             self._streams[key] = torch.cuda.Stream(device)
         return self._streams[key]
 
+    def join(self, outputs: list[torch.Tensor]) -> None:
+        """The caller's current streams wait for all of this set's work; `outputs` become safe to use (and
+        free) there."""
+        for stream in self._streams.values():
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        for tensor in outputs:
+            if tensor.is_cuda:
+                tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
 
 def hand_off(x: torch.Tensor, event: Any, device: torch.device, stage: int, streams: StreamSet,
              compute: torch.cuda.Stream) -> torch.Tensor:
@@ -48,3 +57,30 @@ def hand_off(x: torch.Tensor, event: Any, device: torch.device, stage: int, stre
     compute.wait_stream(recv)
     y.record_stream(compute)
     return y
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor, event: Any, stage: int, streams: StreamSet,
+              compute: Any) -> None:
+    """`dst.copy_(src)` once `event` fires, then `compute` (a stream of dst's device, or None on a CPU) waits
+    for the copy. For fixed buffers: the caller guarantees nothing still reads `dst`."""
+    if compute is None:
+        dst.copy_(src)
+        return
+    if src.device == dst.device:
+        if event is not None:
+            compute.wait_event(event)
+        with torch.cuda.stream(compute):
+            dst.copy_(src, non_blocking=True)
+        return
+    recv = streams.get("recv", stage, dst.device)
+    if src.is_cuda:
+        send = streams.get("send", stage, src.device)
+        if event is not None:
+            send.wait_event(event)
+        with torch.cuda.stream(send), torch.cuda.stream(recv):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(send)
+    else:
+        with torch.cuda.stream(recv):
+            dst.copy_(src, non_blocking=True)
+    compute.wait_stream(recv)

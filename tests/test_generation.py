@@ -128,9 +128,18 @@ def test_cli_generate():
     assert result.exit_code != 0 and result.output.startswith("Error: ")
 
 
-def test_single_thread_driver_gives_the_same_tokens(model):
+def test_eager_attention_generates_like_transformers():
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), attn_implementation="eager").eval()
+    ids, mask = prompts(seed=2)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=7, lanes=2, split_layers=[2], eos_token_id=[]),
+                       expected)
+
+
+def test_unsupported_attention_is_refused(model, monkeypatch):
+    monkeypatch.setattr(model.config, "_attn_implementation", "flash_attention_2")
     ids, mask = prompts()
-    kwargs = dict(max_new_tokens=9, lanes=3, split_layers=[1, 3], eos_token_id=[])
-    assert torch.equal(generate(model, ids, mask, threads=False, **kwargs), generate(model, ids, mask, **kwargs))
-    torch.testing.assert_close(forward(model, ids, mask, lanes=2, split_layers=[2], threads=False),
-                               forward(model, ids, mask, lanes=2, split_layers=[2]))
+    with pytest.raises(PipelineError, match="attn_implementation 'sdpa' or 'eager'"):
+        generate(model, ids, mask, max_new_tokens=2)

@@ -43,3 +43,37 @@ def test_two_gpus_match_one(dtype, monkeypatch):
         expected = reference.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
                                       pad_token_id=0, eos_token_id=None).cpu()
         assert torch.equal(generate(placed, ids, mask, max_new_tokens=16, lanes=2, eos_token_id=[]), expected)
+
+
+def test_decode_steps_are_replayed_graphs_and_eos_stops_like_transformers(monkeypatch):
+    from devmap import generation
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.manual_seed(1)
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
+    placed = two_gpu_copy(reference)
+    ids = torch.randint(3, 1000, (8, 12), device="cuda:0")
+    mask = torch.ones_like(ids)
+    mask[5, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    free = reference.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                              eos_token_id=None).cpu()
+    eos = int(free[0, 12 + 4])
+    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                                  eos_token_id=eos).cpu()
+    runs = []
+    original = generation._Run
+
+    class Recording(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            runs.append(self)
+
+    monkeypatch.setattr(generation, "_Run", Recording)
+    out = generate(placed, ids, mask, max_new_tokens=20, lanes=3, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, expected)
+    steps = [step for lane in runs[0].lanes for step in lane.steps]
+    assert len(steps) == 6 and all(step.capture_error is None for step in steps)
+    assert all(step.graph is not None for step in steps if step.calls > 1)
+    eager = generate(placed, ids, mask, max_new_tokens=20, lanes=3, eos_token_id=eos, pad_token_id=0, graphs=False)
+    assert torch.equal(eager, expected)

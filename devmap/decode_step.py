@@ -1,0 +1,73 @@
+"""One lane's decode step on one stage: run eagerly once, then captured as a CUDA graph and replayed per token.
+
+A decode step of a 1B model is hundreds of small kernels whose launches cost far more than their work;
+replaying a captured graph issues them as one launch. The step reads a fixed input buffer and the lane's
+static cache, and advances the cache slot itself, so the same graph serves every token. Where capture
+fails (an operation that syncs with the host, say) the step stays eager and generation still works.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+class DecodeStep:
+    """`step()` runs the decode of one (stage, lane) on the current stream and returns its output tensor.
+
+    `static_in` is the buffer the step reads (token ids on stage 0, else the hidden state); fill it before
+    each call. With `graph=True` the first call runs eagerly (it also warms up kernels and allocations),
+    the second captures the step into `pool` and replays it, later calls only replay; a graph's output is
+    the same tensor each time, valid until the next replay.
+    """
+
+    def __init__(self, body: Callable[[torch.Tensor], torch.Tensor], static_in: torch.Tensor, graph: bool,
+                 pool: Any = None, capture_stream: torch.cuda.Stream | None = None) -> None:
+        self.body, self.static_in = body, static_in
+        self.use_graph = graph and static_in.is_cuda
+        self.pool, self.capture_stream = pool, capture_stream
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_out: torch.Tensor | None = None
+        self.capture_error: BaseException | None = None
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        if self.graph is not None:
+            self.graph.replay()
+            assert self.static_out is not None
+            return self.static_out
+        if self.use_graph and self.calls > 1 and self._capture():
+            assert self.graph is not None and self.static_out is not None
+            self.graph.replay()
+            return self.static_out
+        return self.body(self.static_in)
+
+    def _capture(self) -> bool:
+        """Capture the step (nothing runs while capturing); False, and eager from now on, where it can't be."""
+        current = torch.cuda.current_stream(self.static_in.device)
+        side = self.capture_stream or torch.cuda.Stream(self.static_in.device)
+        side.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        # capture_begin/end rather than torch.cuda.graph(): that one synchronizes the device, collects garbage
+        # and empties the allocator's cache on entry, once per captured step
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = self.body(self.static_in)
+            except Exception as exc:  # not capturable: end the capture, stay eager
+                self.capture_error = exc
+                out = None
+            finally:
+                try:
+                    graph.capture_end()
+                except Exception as exc:  # an invalidated capture fails here
+                    self.capture_error = self.capture_error or exc
+                    out = None
+        current.wait_stream(side)
+        if out is None:
+            self.use_graph = False
+            return False
+        self.graph, self.static_out = graph, out
+        return True

@@ -1,0 +1,77 @@
+"""Static KV caches for one lane on one stage, and the decode-step inputs computed from them on the device.
+
+Every buffer has a fixed address and shape for the whole generation (prompt + new tokens), so a decode
+step reads and writes only fixed memory and can be captured once as a CUDA graph and replayed each token.
+The slot a step writes is a device tensor that the step itself advances.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class LaneCache:
+    """Keys and values of one lane for the decoder layers of one stage (transformers' `Cache.update` protocol).
+
+    While `prefilling`, `update` stores the prompt's keys at slots 0..L-1 and returns them unchanged (attention
+    runs over the prompt with its usual causal mask); afterwards it writes one token at `slot` and returns
+    the whole buffer, whose unwritten slots the decode mask hides.
+    """
+
+    def __init__(self, rows: int, max_len: int, device: torch.device) -> None:
+        self.rows, self.max_len, self.device = rows, max_len, device
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.prefilling = True
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+
+    def start_decoding(self, prompt_len: int) -> None:
+        """After the prompt: the next token goes to slot `prompt_len` (issued on the current stream)."""
+        self.prefilling = False
+        self.slot.fill_(prompt_len)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.prefilling:
+            if layer_idx not in self.keys:
+                shape = (key.shape[0], key.shape[1], self.max_len, key.shape[3])
+                self.keys[layer_idx] = key.new_zeros(shape)
+                self.values[layer_idx] = value.new_zeros(shape)
+            length = key.shape[2]
+            self.keys[layer_idx][:, :, :length].copy_(key)
+            self.values[layer_idx][:, :, :length].copy_(value)
+            return key, value
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.slot, key)
+        values.index_copy_(2, self.slot, value)
+        return keys, values
+
+
+class DecodeInputs:
+    """What a decode step needs besides the hidden state, derived on the device from the lane's slot.
+
+    `prompt_mask` (rows × prompt length, 1 for attended tokens) fixes each row's left padding; a token written
+    at slot s sits at position (attended prompt tokens) + (s - prompt length), as transformers counts them.
+    """
+
+    def __init__(self, cache: LaneCache, prompt_mask: torch.Tensor, float_mask_dtype: torch.dtype | None) -> None:
+        device, length = cache.device, prompt_mask.shape[1]
+        self.cache, self.prompt_len = cache, length
+        attended = torch.ones(prompt_mask.shape[0], cache.max_len, dtype=torch.bool, device=device)
+        attended[:, :length] = prompt_mask.to(device).bool()
+        self.attended = attended
+        self.first_position = prompt_mask.to(device).long().sum(-1, keepdim=True)
+        self.columns = torch.arange(cache.max_len, device=device)
+        self.float_mask_dtype = float_mask_dtype  # eager attention adds its mask; sdpa takes booleans
+
+    def mask(self) -> torch.Tensor:
+        keep = (self.attended & (self.columns <= self.cache.slot))[:, None, None, :]
+        if self.float_mask_dtype is None:
+            return keep
+        zero = torch.zeros((), dtype=self.float_mask_dtype, device=keep.device)
+        return torch.where(keep, zero, torch.finfo(self.float_mask_dtype).min)
+
+    def position_ids(self) -> torch.Tensor:
+        return self.first_position + (self.cache.slot - self.prompt_len)
