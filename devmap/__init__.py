@@ -20,6 +20,7 @@ _EXPORTS = {
     "Pipeline": "devmap.pipelining",
     "tune": "devmap.tuning",
     "generate": "devmap.generation",
+    "release_graphs": "devmap.step_cache",
     "save": "devmap.saver",
     "dispatch": "devmap.loader",
     "LoadReport": "devmap.loader",

@@ -71,6 +71,7 @@ class CausalLMStages:
             else:
                 self.stages.append(LMStage(device, [layer]))
         self.embed_device = _device_of(base.embed_tokens)
+        self.dtype = base.embed_tokens.weight.dtype
         self.head_device = _device_of(model.lm_head)
         self._mask_args = set(inspect.signature(_create_causal_mask()).parameters)
         self._rotary: dict[torch.device, nn.Module] = {}
@@ -82,20 +83,26 @@ class CausalLMStages:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return _unhooked(self.base.embed_tokens)(input_ids.to(self.embed_device))
 
-    def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor) -> dict[str, Any]:
-        """What every layer takes for a whole prompt (no cache before it): causal mask and rotary embeddings,
-        on hidden's device."""
+    def prompt_context(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                       like: torch.Tensor) -> dict[str, Any]:
+        """transformers' causal mask for a whole prompt (no cache before it; None where attention can use its
+        causal fast path) with the position ids; `like` gives batch, length, dtype and device."""
         args: dict[str, Any] = {"config": self.config, "attention_mask": attention_mask,
                                 "past_key_values": None, "position_ids": position_ids}
-        args["inputs_embeds" if "inputs_embeds" in self._mask_args else "input_embeds"] = hidden
+        args["inputs_embeds" if "inputs_embeds" in self._mask_args else "input_embeds"] = like
         if "cache_position" in self._mask_args:  # transformers releases that still take cache_position
-            args["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+            args["cache_position"] = torch.arange(like.shape[1], device=like.device)
         args = {k: v for k, v in args.items() if k in self._mask_args}
         mask = _create_causal_mask()(**args)
         extra = {"cache_position": args["cache_position"]} if "cache_position" in args else {}
-        return {"attention_mask": mask, "position_ids": position_ids,
-                "position_embeddings": self.rotary(hidden, position_ids), **extra}
+        return {"attention_mask": mask, "position_ids": position_ids, **extra}
+
+    def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor) -> dict[str, Any]:
+        """What every layer takes for a whole prompt: causal mask and rotary embeddings, on hidden's device."""
+        context = self.prompt_context(attention_mask, position_ids, hidden)
+        context["position_embeddings"] = self.rotary(hidden, position_ids)
+        return context
 
     def run(self, stage: int, hidden: torch.Tensor, context: dict[str, Any], cache: Any) -> torch.Tensor:
         """Stage `stage`'s decoder layers; `context` tensors must already be on the stage's device."""

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from .causal_lm import CausalLMStages, positions
-from .decode_step import DecodeStep
+from .graphed_step import GraphedStep
 from .errors import UsageError
 from .lane_cache import DecodeInputs, LaneCache
+from .step_cache import StepCache, step_cache, weight_pointers
 from .streams import StreamSet, copy_into, hand_off
 
 EOS_CHECK_LAG = 2  # steps between a lane's last token and the host reading whether its rows all ended
@@ -50,8 +51,8 @@ class _Lane:
     ids: torch.Tensor  # the prompt, on the embedding device
     mask: torch.Tensor  # its attention mask, on the embedding device
     padded: bool
-    caches: list[LaneCache] = field(default_factory=list)
-    steps: list[DecodeStep] = field(default_factory=list)
+    caches: list[LaneCache] = field(default_factory=list)  # per stage
+    steps: list[GraphedStep] = field(default_factory=list)  # decode step per stage
     tokens: list[torch.Tensor] = field(default_factory=list)
     unfinished: list[torch.Tensor] = field(default_factory=list)  # after each token: rows still generating
     ended: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # (event, host flag "all rows ended")
@@ -80,8 +81,15 @@ class _Run:
     def __init__(self, stages: CausalLMStages, lanes: list[_Lane], graphs: bool) -> None:
         self.s, self.lanes = stages, lanes
         self.streams = StreamSet()
-        self.graphs = graphs and all(d.type == "cuda" for d in stages.devices)
-        self.pools: dict[torch.device, Any] = {}
+        self.graphs = graphs and _graphs_possible(stages.devices)
+
+    def _capture_stream(self, j: int) -> Any:
+        device = self.s.stages[j].device
+        return self.streams.get("capture", j, device) if device.type == "cuda" else None
+
+    def layout(self) -> tuple:
+        """What identifies the stages for cached steps."""
+        return tuple((str(st.device), id(st.layers[0]), len(st.layers)) for st in self.s.stages)
 
     def start(self) -> None:
         """Every stage's stream waits for the caller's work so far (inputs, fresh buffers)."""
@@ -122,34 +130,99 @@ class _Run:
                 event = _record(compute)
         return hidden
 
-    def forward(self) -> None:
+    def forward(self, cache: StepCache | None) -> None:
+        """Every lane's logits; with a step cache, each (stage, lane) prefill is a replayed graph."""
         self.start()
-        for lane in self.lanes:
-            hidden = self.through(lane, caches=False)
+        entries = None
+        if cache is not None and self.graphs:
+            signature = (self.layout(), tuple(tuple(lane.ids.shape) for lane in self.lanes))
+            entries = cache.use(signature, weight_pointers(self.s.model))
+        for k, lane in enumerate(self.lanes):
+            hidden = self.through(lane, caches=False) if entries is None else self.through_graphed(k, lane, entries,
+                                                                                                  cache)
             with self.on(len(self.s.stages) - 1):
                 lane.logits = self.s.head(hidden)
 
-    def prepare_decode(self, lane: _Lane, max_len: int) -> None:
-        """The lane's static caches and decode steps on every stage."""
+    def through_graphed(self, k: int, lane: _Lane, entries: dict, cache: StepCache, caches: bool = False
+                        ) -> torch.Tensor:
+        """`through` with every stage's prefill of this lane shape captured once and replayed after (writing
+        the lane's static KV caches when `caches`)."""
+        rows, length = lane.ids.shape
+        dtype = self.s.dtype
+        with self.on(0) as first:
+            position_ids = positions(lane.mask, length).to(self.s.stages[0].device)
+            like = torch.empty(rows, length, 0, dtype=dtype, device=self.s.stages[0].device)
+            mask = self.s.prompt_context(lane.mask if lane.padded else None, position_ids, like)["attention_mask"]
+            ready = _record(first)
+        mask_key = None if mask is None else (tuple(mask.shape), mask.dtype)
+        out = event = None
+        for j, stage in enumerate(self.s.stages):
+            with self.on(j) as compute:
+                key = ("prefill", j, k, mask_key)
+                if key not in entries:
+                    entries[key] = self.prefill_step(j, rows, length, mask, cache, lane.caches[j] if caches else None)
+                step, static_positions, static_mask = entries[key]
+                copy_into(step.static_in, lane.ids if j == 0 else out, None if j == 0 else event, j, self.streams,
+                          compute)
+                copy_into(static_positions, position_ids, ready, j, self.streams, compute)
+                if static_mask is not None:
+                    copy_into(static_mask, mask, ready, j, self.streams, compute)
+                out = step()
+                event = _record(compute)
+        return out
+
+    def prefill_step(self, j: int, rows: int, length: int, mask: torch.Tensor | None, cache: StepCache,
+                     lane_cache: LaneCache | None) -> tuple[GraphedStep, torch.Tensor, torch.Tensor | None]:
+        """Stage j's layers over a whole prompt of this shape, reading fixed buffers (ids or hidden state,
+        positions, mask)."""
+        stage = self.s.stages[j]
+        device = stage.device
+        if j == 0:
+            static_in = torch.zeros(rows, length, dtype=torch.long, device=self.s.embed_device)
+        else:
+            static_in = torch.zeros(rows, length, self.s.config.hidden_size, dtype=self.s.dtype, device=device)
+        static_positions = torch.zeros(rows, length, dtype=torch.long, device=device)
+        static_mask = None if mask is None else torch.zeros(mask.shape, dtype=mask.dtype, device=device)
+        extra = self.s.prompt_context(None, static_positions, torch.empty(rows, length, 0, device=device))
+        extra.pop("attention_mask")
+
+        def body(x: torch.Tensor) -> torch.Tensor:
+            hidden = self.s.embed(x).to(device) if j == 0 else x
+            context = {**extra, "attention_mask": static_mask,
+                       "position_embeddings": self.s.rotary(hidden, static_positions)}
+            return self.s.run(j, hidden, context, lane_cache)
+
+        step = GraphedStep(body, static_in, True, cache.pool(device), self._capture_stream(j))
+        return step, static_positions, static_mask
+
+    def prepare_decode(self, k: int, lane: _Lane, max_len: int, entries: dict | None, cache: StepCache | None) -> None:
+        """The lane's static caches and decode steps on every stage (kept from an earlier call of the same
+        shapes when `entries` has them)."""
+        if entries is not None and k in entries:
+            lane.caches, lane.steps, inputs = entries[k]
+            for item in inputs:
+                item.reset(lane.mask)
+            return
         float_mask = self.s.float_mask_dtype()
         rows = lane.ids.shape[0]
+        inputs = []
         for j, stage in enumerate(self.s.stages):
-            cache = LaneCache(rows, max_len, stage.device)
-            inputs = DecodeInputs(cache, lane.mask, float_mask)
+            lane_cache = LaneCache(rows, max_len, stage.device)
+            inputs.append(DecodeInputs(lane_cache, lane.mask, float_mask))
             if j == 0:
                 static_in = torch.zeros(rows, 1, dtype=torch.long, device=self.s.embed_device)
             else:
-                sample = stage.layers[0].input_layernorm.weight if hasattr(stage.layers[0], "input_layernorm") \
-                    else next(stage.layers[0].parameters())
-                static_in = torch.zeros(rows, 1, self.s.config.hidden_size, dtype=sample.dtype, device=stage.device)
-            if self.graphs and stage.device not in self.pools:
-                self.pools[stage.device] = torch.cuda.graph_pool_handle()
-            capture = self.streams.get("capture", j, stage.device) if self.graphs else None
-            lane.caches.append(cache)
-            lane.steps.append(DecodeStep(lambda x, j=j, inputs=inputs: self.s.decode(j, x, inputs), static_in,
-                                         self.graphs, self.pools.get(stage.device), capture))
+                static_in = torch.zeros(rows, 1, self.s.config.hidden_size, dtype=self.s.dtype, device=stage.device)
+            pool = cache.pool(stage.device) if cache is not None and self.graphs else None
+            capture = self._capture_stream(j) if self.graphs else None
+            lane.caches.append(lane_cache)
+            lane.steps.append(GraphedStep(lambda x, j=j, item=inputs[-1]: self.s.decode(j, x, item), static_in,
+                                          self.graphs, pool, capture))
+        if entries is not None:
+            entries[k] = (lane.caches, lane.steps, inputs)
 
-    def generate(self, max_new_tokens: int, sampling: Sampling, eos: list[int], pad: int) -> None:
+    def generate(self, max_new_tokens: int, sampling: Sampling, eos: list[int], pad: int,
+                 entries: dict | None, cache: StepCache | None) -> None:
         head_device = self.s.head_device
         eos_ids = torch.tensor(eos, device=head_device) if eos else None
         generator = torch.Generator(device=head_device).manual_seed(sampling.seed) if sampling.do_sample else None
@@ -175,11 +248,14 @@ class _Run:
                 with self.on(0) as first:
                     copy_into(lane.steps[0].static_in.view(-1), token, _record(compute), 0, self.streams, first)
 
-        for lane in self.lanes:  # prefill, lane after lane: the stages overlap on different lanes
-            hidden = self.through(lane, caches=True)
-            for j, cache in enumerate(lane.caches):
+        for k, lane in enumerate(self.lanes):  # prefill, lane after lane: the stages overlap on different lanes
+            if entries is None:
+                hidden = self.through(lane, caches=True)
+            else:
+                hidden = self.through_graphed(k, lane, entries, cache, caches=True)
+            for j, lane_cache in enumerate(lane.caches):
                 with self.on(j):
-                    cache.start_decoding(lane.ids.shape[1])
+                    lane_cache.start_decoding(lane.ids.shape[1])
             with self.on(last) as compute:
                 finish(lane, self.s.head(hidden[:, -1:, :])[:, -1].float(), compute, 0)
         for step in range(1, max_new_tokens):
@@ -196,6 +272,12 @@ class _Run:
                         event = _record(compute)
                 with self.on(last) as compute:
                     finish(lane, out, compute, step)
+
+
+def _graphs_possible(devices: list[torch.device]) -> bool:
+    """CUDA graphs need every stage on a GPU (tests make this True on a CPU to run the cached-step paths,
+    whose steps then stay eager)."""
+    return all(d.type == "cuda" for d in devices)
 
 
 def _ended(lane: _Lane, step: int) -> bool:
@@ -287,9 +369,15 @@ def generate(
     pad = pad if pad is not None else (eos_list[0] if eos_list else 0)
     lane_list = _lanes(stages, input_ids, attention_mask, lanes)
     run = _Run(stages, lane_list, graphs)
-    for lane in lane_list:
-        run.prepare_decode(lane, input_ids.shape[1] + max_new_tokens)
-    run.generate(max_new_tokens, sampling, eos_list, pad)
+    max_len = input_ids.shape[1] + max_new_tokens
+    cache = entries = None
+    if run.graphs:
+        cache = step_cache(model, "generate")
+        signature = (run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), input_ids.shape[1], max_len)
+        entries = cache.use(signature, weight_pointers(model))
+    for k, lane in enumerate(lane_list):
+        run.prepare_decode(k, lane, max_len, entries, cache)
+    run.generate(max_new_tokens, sampling, eos_list, pad, entries, cache)
     run.streams.join([t for lane in lane_list for t in lane.tokens + lane.unfinished])
     lengths = []
     for lane in lane_list:  # a lane's tokens after all its rows ended are padding: trim to where it ended
@@ -307,13 +395,18 @@ def generate(
 
 @torch.no_grad()
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-            lanes: int | None = None, split_layers: list[int] | None = None) -> torch.Tensor:
+            lanes: int | None = None, split_layers: list[int] | None = None, graphs: bool = True) -> torch.Tensor:
     """Logits (on the last stage's device) of a whole batch, its lanes flowing through the stages
-    concurrently (prefill / scoring)."""
+    concurrently (prefill / scoring).
+
+    With `graphs` and every stage on a GPU, each (stage, lane) runs eagerly the first time a batch shape is
+    seen, is captured as a CUDA graph the second time and replayed from then on; the graphs and their
+    buffers stay on the model until another shape comes or `devmap.release_graphs(model)`.
+    """
     stages = CausalLMStages(model, split_layers)
     lane_list = _lanes(stages, input_ids, attention_mask, lanes)
-    run = _Run(stages, lane_list, graphs=False)
-    run.forward()
+    run = _Run(stages, lane_list, graphs)
+    run.forward(step_cache(model, "forward") if run.graphs else None)
     run.streams.join([lane.logits for lane in lane_list if lane.logits is not None])
     return torch.cat([lane.logits for lane in lane_list if lane.logits is not None])
 

@@ -59,12 +59,18 @@ class DecodeInputs:
     def __init__(self, cache: LaneCache, prompt_mask: torch.Tensor, float_mask_dtype: torch.dtype | None) -> None:
         device, length = cache.device, prompt_mask.shape[1]
         self.cache, self.prompt_len = cache, length
-        attended = torch.ones(prompt_mask.shape[0], cache.max_len, dtype=torch.bool, device=device)
-        attended[:, :length] = prompt_mask.to(device).bool()
-        self.attended = attended
-        self.first_position = prompt_mask.to(device).long().sum(-1, keepdim=True)
+        self.attended = torch.ones(prompt_mask.shape[0], cache.max_len, dtype=torch.bool, device=device)
+        self.first_position = torch.zeros(prompt_mask.shape[0], 1, dtype=torch.long, device=device)
         self.columns = torch.arange(cache.max_len, device=device)
         self.float_mask_dtype = float_mask_dtype  # eager attention adds its mask; sdpa takes booleans
+        self.reset(prompt_mask)
+
+    def reset(self, prompt_mask: torch.Tensor) -> None:
+        """A new prompt of the same shape: its padding, and the cache back to prefilling."""
+        mask = prompt_mask.to(self.cache.device)
+        self.attended[:, :self.prompt_len].copy_(mask.bool())
+        self.first_position.copy_(mask.long().sum(-1, keepdim=True))
+        self.cache.prefilling = True
 
     def mask(self) -> torch.Tensor:
         keep = (self.attended & (self.columns <= self.cache.slot))[:, None, None, :]

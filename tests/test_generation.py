@@ -143,3 +143,39 @@ def test_unsupported_attention_is_refused(model, monkeypatch):
     ids, mask = prompts()
     with pytest.raises(PipelineError, match="attn_implementation 'sdpa' or 'eager'"):
         generate(model, ids, mask, max_new_tokens=2)
+
+
+def test_cached_steps_are_reused_across_calls_and_dropped_on_change(model, monkeypatch):
+    """The paths that keep fixed-buffer steps on the model between calls (graphs on GPUs; eager here)."""
+    from devmap import generation, release_graphs
+
+    monkeypatch.setattr(generation, "_graphs_possible", lambda devices: True)
+    ids, mask = prompts()
+    kwargs = dict(max_new_tokens=6, lanes=2, split_layers=[2], eos_token_id=[])
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+    assert torch.equal(generate(model, ids, mask, **kwargs), expected)
+    steps = model._devmap_steps["generate"].entries[0][1]
+    other_ids, other_mask = prompts(seed=4)
+    other_mask[0, :2] = 0  # another padding, same shapes: the same steps, reset
+    other_ids = other_ids.masked_fill(other_mask == 0, 0)
+    again = model.generate(other_ids, attention_mask=other_mask, max_new_tokens=6, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)
+    assert torch.equal(generate(model, other_ids, other_mask, **kwargs), again)
+    assert model._devmap_steps["generate"].entries[0][1] is steps
+    assert torch.equal(generate(model, ids[:, 2:], mask[:, 2:], **kwargs)[:, :3], ids[:, 2:5])  # new shapes
+    assert model._devmap_steps["generate"].entries[0][1] is not steps
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).logits
+    for _ in range(2):
+        torch.testing.assert_close(forward(model, ids, mask, lanes=3, split_layers=[1, 3]), reference,
+                                   atol=1e-5, rtol=1e-5)
+    no_padding = torch.ones_like(mask)
+    with torch.no_grad():
+        plain = model(ids, attention_mask=no_padding).logits
+    torch.testing.assert_close(forward(model, ids, no_padding, lanes=3, split_layers=[1, 3]), plain,
+                               atol=1e-5, rtol=1e-5)
+    # 3 stages x (3 lanes without padding + the 2 lanes that had some: rows 1 and 3)
+    assert len(model._devmap_steps["forward"].entries) == 3 * (3 + 2)
+    release_graphs(model)
+    assert not hasattr(model, "_devmap_steps")

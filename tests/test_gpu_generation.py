@@ -36,9 +36,10 @@ def test_two_gpus_match_one(dtype, monkeypatch):
     ids = ids.masked_fill(mask == 0, 0)
     with torch.no_grad():
         expected_logits = reference(ids, attention_mask=mask).logits.float()
-    logits = forward(placed, ids, mask, lanes=3).float().to("cuda:0")
     tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16: rounding of a different kernel order
-    torch.testing.assert_close(logits, expected_logits, atol=tol, rtol=tol)
+    for _ in range(3):  # eager, captured, replayed
+        logits = forward(placed, ids, mask, lanes=3).float().to("cuda:0")
+        torch.testing.assert_close(logits, expected_logits, atol=tol, rtol=tol)
     if dtype == torch.float32:
         expected = reference.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
                                       pad_token_id=0, eos_token_id=None).cpu()
@@ -77,3 +78,12 @@ def test_decode_steps_are_replayed_graphs_and_eos_stops_like_transformers(monkey
     assert all(step.graph is not None for step in steps if step.calls > 1)
     eager = generate(placed, ids, mask, max_new_tokens=20, lanes=3, eos_token_id=eos, pad_token_id=0, graphs=False)
     assert torch.equal(eager, expected)
+    for seed in (2, 3):  # same shapes, other prompts: cached steps, prefill captured then replayed
+        other = torch.randint(3, 1000, ids.shape, generator=torch.Generator().manual_seed(seed)).to("cuda:0")
+        other_mask = torch.ones_like(other)
+        other_mask[seed, :seed] = 0
+        other = other.masked_fill(other_mask == 0, 0)
+        want = reference.generate(other, attention_mask=other_mask, max_new_tokens=20, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None).cpu()
+        got = generate(placed, other, other_mask, max_new_tokens=20, lanes=3, eos_token_id=[], pad_token_id=0)
+        assert torch.equal(got, want)

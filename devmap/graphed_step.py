@@ -1,9 +1,10 @@
-"""One lane's decode step on one stage: run eagerly once, then captured as a CUDA graph and replayed per token.
+"""One stage's work on one lane (a decode step, or a prompt's prefill): eager once, then a replayed CUDA graph.
 
-A decode step of a 1B model is hundreds of small kernels whose launches cost far more than their work;
-replaying a captured graph issues them as one launch. The step reads a fixed input buffer and the lane's
-static cache, and advances the cache slot itself, so the same graph serves every token. Where capture
-fails (an operation that syncs with the host, say) the step stays eager and generation still works.
+A stage of a LLaMA-style model is hundreds of kernels issued from transformers' Python; one thread issuing
+every stage's work spends longer launching them than the GPUs take to run them, at decode sizes and even
+for a 1B model's prefill. Replaying a captured graph issues them as one launch. A step reads fixed
+buffers only (a decode step also advances its cache slot itself), so the same graph serves every token
+or every call. Where capture fails (an operation that syncs with the host, say) the step stays eager.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any, Callable
 import torch
 
 
-class DecodeStep:
-    """`step()` runs the decode of one (stage, lane) on the current stream and returns its output tensor.
+class GraphedStep:
+    """`step()` runs the work of one (stage, lane) on the current stream and returns its output tensor.
 
     `static_in` is the buffer the step reads (token ids on stage 0, else the hidden state); fill it before
     each call. With `graph=True` the first call runs eagerly (it also warms up kernels and allocations),
