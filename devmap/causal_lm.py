@@ -155,6 +155,15 @@ class CausalLMStages:
         hidden = hidden.to(self.head_device)
         return _unhooked(self.model.lm_head)(_unhooked(self.base.norm)(hidden))
 
+    def head_into(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
+        """`head(hidden)` written straight into `out` (a slice of the batch's logits: no concatenation after)."""
+        head = self.model.lm_head
+        if type(head) is not nn.Linear or head.bias is not None or not out.is_contiguous():
+            out.copy_(self.head(hidden))
+            return
+        normed = _unhooked(self.base.norm)(hidden.to(self.head_device))
+        torch.mm(normed.reshape(-1, normed.shape[-1]), head.weight.t(), out=out.view(-1, out.shape[-1]))
+
 
 def _create_causal_mask():  # type: ignore[no-untyped-def]
     from transformers.masking_utils import create_causal_mask

@@ -57,7 +57,6 @@ class _Lane:
     unfinished: list[torch.Tensor] = field(default_factory=list)  # after each token: rows still generating
     ended: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # (event, host flag "all rows ended")
     done: bool = False
-    logits: torch.Tensor | None = None
 
 
 def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
@@ -130,8 +129,8 @@ class _Run:
                 event = _record(compute)
         return hidden
 
-    def forward(self, cache: StepCache | None) -> None:
-        """Every lane's logits; with a step cache, each (stage, lane) prefill is a replayed graph."""
+    def forward(self, cache: StepCache | None, out: torch.Tensor) -> None:
+        """Every lane's logits, into `out`; with a step cache, each (stage, lane) prefill is a replayed graph."""
         self.start()
         entries = None
         if cache is not None and self.graphs:
@@ -141,7 +140,7 @@ class _Run:
             hidden = self.through(lane, caches=False) if entries is None else self.through_graphed(k, lane, entries,
                                                                                                   cache)
             with self.on(len(self.s.stages) - 1):
-                lane.logits = self.s.head(hidden)
+                self.s.head_into(hidden, out[lane.rows])
 
     def through_graphed(self, k: int, lane: _Lane, entries: dict, cache: StepCache, caches: bool = False
                         ) -> torch.Tensor:
@@ -309,13 +308,13 @@ def _move(value: Any, event: Any, device: torch.device, j: int, streams: StreamS
 
 
 def _lanes(stages: CausalLMStages, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-           lanes: int | None) -> list[_Lane]:
+           lanes: int | None, default: int) -> list[_Lane]:
     if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise UsageError(f"input_ids must be a non-empty (batch, length) tensor, got shape {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise UsageError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
     batch = input_ids.shape[0]
-    count = lanes if lanes is not None else min(batch, max(2, len(stages.stages)))
+    count = lanes if lanes is not None else default
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise UsageError(f"invalid lanes={lanes!r}: it must be a positive integer")
     count = min(count, batch)
@@ -367,7 +366,9 @@ def generate(
     eos_list = [eos] if isinstance(eos, int) else list(eos or [])
     pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
     pad = pad if pad is not None else (eos_list[0] if eos_list else 0)
-    lane_list = _lanes(stages, input_ids, attention_mask, lanes)
+    # decoding: every lane-step costs a few hundred small kernels whatever its rows, so the fewest lanes that
+    # keep every stage busy (one per stage) are fastest
+    lane_list = _lanes(stages, input_ids, attention_mask, lanes, default=max(2, len(stages.stages)))
     run = _Run(stages, lane_list, graphs)
     max_len = input_ids.shape[1] + max_new_tokens
     cache = entries = None
@@ -397,18 +398,24 @@ def generate(
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
             lanes: int | None = None, split_layers: list[int] | None = None, graphs: bool = True) -> torch.Tensor:
     """Logits (on the last stage's device) of a whole batch, its lanes flowing through the stages
-    concurrently (prefill / scoring).
+    concurrently (prefill / scoring). `lanes` defaults to 4 per stage.
 
     With `graphs` and every stage on a GPU, each (stage, lane) runs eagerly the first time a batch shape is
     seen, is captured as a CUDA graph the second time and replayed from then on; the graphs and their
     buffers stay on the model until another shape comes or `devmap.release_graphs(model)`.
     """
     stages = CausalLMStages(model, split_layers)
-    lane_list = _lanes(stages, input_ids, attention_mask, lanes)
+    # prefill: lanes big enough to keep GEMMs efficient, enough of them that filling and draining the
+    # pipeline (one lane's time per stage) stays small
+    lane_list = _lanes(stages, input_ids, attention_mask, lanes, default=4 * len(stages.stages))
     run = _Run(stages, lane_list, graphs)
-    run.forward(step_cache(model, "forward") if run.graphs else None)
-    run.streams.join([lane.logits for lane in lane_list if lane.logits is not None])
-    return torch.cat([lane.logits for lane in lane_list if lane.logits is not None])
+    vocab = stages.model.lm_head.out_features if hasattr(stages.model.lm_head, "out_features") \
+        else stages.model.config.vocab_size
+    dtype = getattr(stages.model.lm_head, "weight", torch.empty(0, dtype=stages.dtype)).dtype
+    out = torch.empty(*input_ids.shape, vocab, dtype=dtype, device=stages.head_device)
+    run.forward(step_cache(model, "forward") if run.graphs else None, out)
+    run.streams.join([out])
+    return out
 
 
 def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
