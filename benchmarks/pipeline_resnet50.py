@@ -116,15 +116,12 @@ def run_w2(args: argparse.Namespace) -> dict:
                 model, pipe = balanced_resnet(x[: batch // chunks], chunks)
                 pipe.prepare(x)
                 rows[f"devmap pipeline (chunks {chunks})"] = time_steps(pipe, x, labels, steps)
-                if args.refine:
-                    from devmap.tuning import refine_split
-
+                print(f"  devmap chunks {chunks}, balance 'time': stage 0 ends at {pipe.block_names[0][-1]}",
+                      flush=True)
+                if args.refine:  # whole-block split refined by measured steps, then a block cut at the boundary
                     del pipe
-                    refined = refine_split(model, x, chunks)
-                    print(f"  devmap chunks {chunks}: refined split {refined['boundaries']}: {refined['tried']}",
-                          flush=True)
-                    pipe = pipeline(model, chunks=chunks).prepare(x)
-                    rows[f"devmap pipeline (chunks {chunks}, split measured: {refined['boundaries'][0]})"] = \
+                    pipe = pipeline(model, chunks=chunks, balance="measure", sample=x).prepare(x)
+                    rows[f"devmap pipeline (chunks {chunks}, split measured: {pipe.block_names[0][-1]})"] = \
                         time_steps(pipe, x, labels, steps)
             except torch.OutOfMemoryError as exc:
                 print(f"  devmap chunks {chunks}: out of memory ({str(exc).splitlines()[0][:120]})", flush=True)

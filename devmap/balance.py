@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .errors import PipelineError
+from .stages import merge_units, split_units
 
 Block = tuple[str, nn.Module]
 
@@ -103,15 +104,23 @@ def partition(times: list[float], stages: int, sizes: list[int] | None = None,
     return owner
 
 
-def balance_by_time(blocks: list[Block], devices: list[torch.device], sample: torch.Tensor) -> list[torch.device]:
-    """New device of each block so that the stages (one per distinct device, in order) take equal time."""
+def balance_by_time(blocks: list[Block], devices: list[torch.device], sample: torch.Tensor,
+                    cut_blocks: bool = True) -> tuple[list[Block], list[torch.device]]:
+    """Units (whole blocks, or the head and tail of a residual block cut at a stage boundary) and the device of
+    each, so that the stages (one per distinct device, in order) take about equal time."""
     targets = list(dict.fromkeys(devices))
-    times = profile_blocks(blocks, devices, sample)
-    sizes = [sum(p.numel() * p.element_size() for p in block.parameters()) for _, block in blocks]
+    units = split_units(blocks) if cut_blocks else blocks
+    if cut_blocks:
+        by_name = {name: device for (name, _), device in zip(blocks, devices)}
+        unit_devices = [by_name[name.split("[")[0]] for name, _ in units]
+    else:
+        unit_devices = list(devices)
+    times = profile_blocks(units, unit_devices, sample)
+    sizes = [sum(p.numel() * p.element_size() for p in unit.parameters()) for _, unit in units]
     budgets = [int(torch.cuda.mem_get_info(d)[0] * 0.9) + sum(
-        s for s, dev in zip(sizes, devices) if dev == d) if d.type == "cuda" else None for d in targets]
+        s for s, dev in zip(sizes, unit_devices) if dev == d) if d.type == "cuda" else None for d in targets]
     owner = partition(times, len(targets), sizes, None if None in budgets else budgets)  # type: ignore[arg-type]
-    return [targets[s] for s in owner]
+    return merge_units(units, [targets[s] for s in owner], blocks)
 
 
 class _nothing:

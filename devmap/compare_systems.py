@@ -12,7 +12,7 @@ from torch import nn
 
 from .loader import dispatch
 from .pipelining import Pipeline, pipeline
-from .stages import blocks_of
+from .stages import blocks_of, split_units
 from .timing import HarnessConfig
 from .tuning import tune
 from .tutorial_models import RESNET_CHILDREN, TUTORIAL_SPLIT
@@ -22,10 +22,16 @@ LABEL = "devmap pipeline"
 
 
 def stages_from_names(model: nn.Module, names: list[list[str]], devices: Sequence[torch.device]) -> list:
-    """[(nn.Sequential of the named blocks, device), ...] for explicit pipeline stages."""
+    """[(nn.Sequential of the named blocks, device), ...] for explicit pipeline stages (a name may be the
+    head or tail of a cut residual block, "layer2.0[head]")."""
     blocks = dict(blocks_of(model))
-    return [(nn.Sequential(OrderedDict((n.replace(".", "_"), blocks[n]) for n in group)).to(d), d)
+    blocks.update(split_units(list(blocks.items())))
+    return [(nn.Sequential(OrderedDict((_child(n), blocks[n]) for n in group)).to(d), d)
             for group, d in zip(names, devices)]
+
+
+def _child(name: str) -> str:
+    return name.replace(".", "_").replace("[", "_").replace("]", "")
 
 
 def _tutorial_names() -> list[list[str]]:

@@ -25,7 +25,8 @@ from torch import nn
 
 from .errors import PipelineError
 from .graphs import StageGraph
-from .stages import StageSpec, block_devices, blocks_of, check_stage_devices, group_stages
+from .stages import (StageSpec, apply_units, block_devices, check_stage_devices, group_stages, placed_units,
+                     whole_block_devices)
 from .streams import StreamSet, hand_off
 
 GRAPH_MODES = ("auto", "on", "off")
@@ -259,8 +260,8 @@ def pipeline(
     from accelerate.hooks import remove_hook_from_module
 
     remove_hook_from_module(model, recurse=True)  # the pipeline moves activations itself
-    blocks = blocks_of(model)
-    devices = block_devices(model, blocks)
+    units = placed_units(model)
+    devices = block_devices(model, units)
     if balance not in (None, "memory", "time", "measure"):
         raise PipelineError(f"invalid balance={balance!r}: use 'memory' (the device map's), 'time' or 'measure'")
     if balance in ("time", "measure"):
@@ -269,21 +270,29 @@ def pipeline(
         if sample is None:
             raise PipelineError(f"balance={balance!r} needs sample=<one input batch> to profile the blocks")
         micro = Pipeline([(nn.Identity(), devices[0])], chunks, split_size).micro_batches(sample)[0]
-        devices = balance_by_time(blocks, devices, micro)
-        # the placement is now per block; keep hf_device_map telling the truth
-        model.hf_device_map = {name: (d.index if d.type == "cuda" else d.type)
-                               for (name, _), d in zip(blocks, devices) if name != "flatten"}
+        blocks, block_devs = whole_block_devices(model)
+        # "time" may cut a residual block at a boundary; "measure" cuts only after refining whole blocks
+        units, devices = balance_by_time(blocks, block_devs, micro, cut_blocks=balance == "time")
+        apply_units(model, units, devices)  # the placement is now per unit; hf_device_map tells the truth
         if balance == "measure":  # per-block profiles miss what blocks cost together: measure whole steps
-            from .tuning import refine_split
+            from .tuning import refine_cut, refine_split
 
-            refine_split(model, sample, chunks or (1 if split_size is None else -(-sample.shape[0] // split_size)))
-            devices = block_devices(model, blocks)
+            count = chunks or (1 if split_size is None else -(-sample.shape[0] // split_size))
+            refine_split(model, sample, count)
+            refine_cut(model, sample, count)
+            units = placed_units(model)
+            devices = block_devices(model, units)
     stages = []
-    for stage_blocks, device in group_stages(blocks, devices):
-        module = nn.Sequential(OrderedDict((name.replace(".", "_"), block) for name, block in stage_blocks))
+    for stage_blocks, device in group_stages(units, devices):
+        module = nn.Sequential(OrderedDict((_child_name(name), block) for name, block in stage_blocks))
         stages.append((module.to(device), device))
     pipe = Pipeline(stages, chunks, split_size, graphs)
-    pipe.block_names = [[name for name, _ in s] for s, _ in group_stages(blocks, devices)]
+    pipe.block_names = [[name for name, _ in s] for s, _ in group_stages(units, devices)]
     return pipe
+
+
+def _child_name(unit: str) -> str:
+    """An nn.Sequential child name for a unit ("layer2.0[head]" -> "layer2_0_head")."""
+    return unit.replace(".", "_").replace("[", "_").replace("]", "")
 
 

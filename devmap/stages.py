@@ -54,12 +54,106 @@ def blocks_of(model: nn.Module) -> list[Block]:
     )
 
 
+def split_units(blocks: list[Block]) -> list[Block]:
+    """Every residual block as its head and tail (the finest units a stage boundary can fall between)."""
+    from .residual_parts import HEAD_SUFFIX, TAIL_SUFFIX, split_residual
+
+    units: list[Block] = []
+    for name, block in blocks:
+        parts = split_residual(block)
+        units += [(name, block)] if parts is None else [(name + HEAD_SUFFIX, parts[0]), (name + TAIL_SUFFIX, parts[1])]
+    return units
+
+
+def merge_units(units: list[Block], devices: list[torch.device], blocks: list[Block]) -> tuple[list[Block],
+                                                                                              list[torch.device]]:
+    """Head and tail of one block on the same device become the whole block again (no stacking between them)."""
+    from .residual_parts import HEAD_SUFFIX, TAIL_SUFFIX
+
+    whole = dict(blocks)
+    out_units: list[Block] = []
+    out_devices: list[torch.device] = []
+    k = 0
+    while k < len(units):
+        name = units[k][0]
+        if name.endswith(HEAD_SUFFIX) and devices[k] == devices[k + 1]:
+            base = name[: -len(HEAD_SUFFIX)]
+            assert units[k + 1][0] == base + TAIL_SUFFIX
+            out_units.append((base, whole[base]))
+            out_devices.append(devices[k])
+            k += 2
+            continue
+        out_units.append(units[k])
+        out_devices.append(devices[k])
+        k += 1
+    return out_units, out_devices
+
+
+def placement_entries(units: list[Block], devices: list[torch.device]) -> dict[str, int | str]:
+    """hf_device_map entries for units: a cut block is placed by the submodules each part runs."""
+    from .residual_parts import HEAD_SUFFIX, TAIL_SUFFIX
+
+    entries: dict[str, int | str] = {}
+    for (name, module), device in zip(units, devices):
+        value: int | str = device.index if device.type == "cuda" else device.type  # type: ignore[assignment]
+        if name == "flatten":
+            continue
+        if name.endswith((HEAD_SUFFIX, TAIL_SUFFIX)):
+            base = name[: -len(HEAD_SUFFIX)]
+            entries.update({f"{base}.{child}": value for child in module.source_names})  # type: ignore[union-attr]
+        else:
+            entries[name] = value
+    return entries
+
+
+def apply_units(model: nn.Module, units: list[Block], devices: list[torch.device]) -> None:
+    """Move each unit to its device and make the model's hf_device_map say so."""
+    for (_, module), device in zip(units, devices):
+        module.to(device)
+    model.hf_device_map = placement_entries(units, devices)
+
+
+def whole_block_devices(model: nn.Module) -> tuple[list[Block], list[torch.device]]:
+    """The model's whole blocks and their devices (a cut block counts as on its head's device)."""
+    from .residual_parts import TAIL_SUFFIX
+
+    units = placed_units(model)
+    unit_devices = block_devices(model, units)
+    return blocks_of(model), [d for (name, _), d in zip(units, unit_devices) if not name.endswith(TAIL_SUFFIX)]
+
+
+def placed_units(model: nn.Module) -> list[Block]:
+    """The model's blocks, with each residual block that the device map cuts between head and tail as its two parts."""
+    from .residual_parts import HEAD_SUFFIX, TAIL_SUFFIX, head_tail_names, split_residual
+
+    device_map = getattr(model, "hf_device_map", None) or {}
+    units: list[Block] = []
+    for name, block in blocks_of(model):
+        inner = {k: v for k, v in device_map.items() if k.startswith(name + ".")}
+        names = head_tail_names(block) if inner and name not in device_map else None
+        if names is not None:
+            head_devices = {inner.get(f"{name}.{n}") for n in names[0]}
+            tail_devices = {inner.get(f"{name}.{n}") for n in names[1]}
+            if len(head_devices) == 1 and len(tail_devices) == 1 and set(inner) <= {f"{name}.{n}" for n in
+                                                                                      names[0] + names[1]}:
+                head, tail = split_residual(block)  # type: ignore[misc]
+                units += [(name + HEAD_SUFFIX, head), (name + TAIL_SUFFIX, tail)]
+                continue
+        units.append((name, block))
+    return units
+
+
 def block_devices(model: nn.Module, blocks: list[Block]) -> list[torch.device]:
     """Each block's device, read from the model's placement (hf_device_map) or from its parameters."""
+    from .residual_parts import HEAD_SUFFIX, TAIL_SUFFIX
+
     device_map = getattr(model, "hf_device_map", None)
     devices = []
     for name, module in blocks:
-        if device_map:
+        if device_map and name.endswith((HEAD_SUFFIX, TAIL_SUFFIX)):
+            param = next(module.parameters())
+            devices.append(param.device)
+        elif device_map:
             from .planner import owner_of
 
             owner = owner_of(name, device_map)
@@ -68,7 +162,8 @@ def block_devices(model: nn.Module, blocks: list[Block]) -> list[torch.device]:
                 if inner:
                     raise PipelineError(
                         f"block {name} is split over devices by the device map ({', '.join(inner[:3])}); "
-                        "keep each block whole (no-split classes) to pipeline it"
+                        "keep each block whole (no-split classes), or cut a ResNet block between its "
+                        "head and tail only, to pipeline it"
                     )
                 devices.append(devices[-1] if devices else torch.device("cpu"))
                 continue

@@ -195,3 +195,35 @@ def test_tune_cli_on_cpu():
     assert result.exit_code == 2 and "measures torchvision ResNets" in result.output
     result = CliRunner().invoke(main, ["tune", "resnet18", "--chunks", "0,x", "--devices", "cpu"])
     assert result.exit_code == 2 and result.output.startswith("Error: ")
+
+
+@pytest.mark.parametrize("arch,cut", [("resnet50", "layer2.0"), ("resnet50", "layer1.1"), ("resnet18", "layer3.0")])
+def test_stage_boundary_inside_a_residual_block(arch, cut):
+    """A residual block cut between head and tail computes what the block does, outputs and gradients."""
+    from devmap.stages import merge_units, placed_units, placement_entries, split_units
+
+    torch.manual_seed(0)
+    plain = getattr(torchvision.models, arch)(num_classes=10)
+    ref = copy.deepcopy(plain)
+    blocks = blocks_of(plain)
+    units = split_units(blocks)
+    at = [n for n, _ in units].index(f"{cut}[tail]")
+    first, second = torch.device("cuda", 0), torch.device("cuda", 1)  # labels only: nothing moves here
+    merged, devices = merge_units(units, [first] * at + [second] * (len(units) - at), blocks)
+    assert [n for n, _ in merged].count(f"{cut}[head]") == 1 and len(merged) == len(blocks) + 1
+    boundary = devices.index(second)
+    stages = [(nn.Sequential(*[m for _, m in merged[:boundary]]), "cpu"),
+              (nn.Sequential(*[m for _, m in merged[boundary:]]), "cpu")]
+    pipe = pipeline(stages, chunks=2)
+    x = torch.randn(4, 3, 64, 64)
+    out = pipe(x)
+    expected = reference_per_micro_batch(ref, x, pipe)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), ref.parameters()):  # the split sums in another order
+        torch.testing.assert_close(p.grad, q.grad, msg=name, rtol=1e-4, atol=1e-5 * float(q.grad.abs().max()))
+    # the device map of such a placement names the parts' submodules, and reads back as the same units
+    plain.hf_device_map = placement_entries(merged, devices)
+    assert plain.hf_device_map[f"{cut}.conv1"] == 0 and plain.hf_device_map[f"{cut}.bn2"] == 1 - (arch == "resnet50")
+    assert [n for n, _ in placed_units(plain)] == [n for n, _ in merged]
