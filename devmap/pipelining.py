@@ -271,6 +271,7 @@ def pipeline(
             raise PipelineError(f"balance={balance!r} needs sample=<one input batch> to profile the blocks")
         micro = Pipeline([(nn.Identity(), devices[0])], chunks, split_size).micro_batches(sample)[0]
         blocks, block_devs = whole_block_devices(model)
+        apply_units(model, blocks, block_devs)  # a block cut by an earlier balance is whole again
         # "time" may cut a residual block at a boundary; "measure" cuts only after refining whole blocks
         units, devices = balance_by_time(blocks, block_devs, micro, cut_blocks=balance == "time")
         apply_units(model, units, devices)  # the placement is now per unit; hf_device_map tells the truth
