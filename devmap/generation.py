@@ -346,6 +346,7 @@ def generate(
     pad_token_id: int | None = None,
     split_layers: list[int] | None = None,
     graphs: bool = True,
+    keep_graphs: bool = True,
 ) -> torch.Tensor:
     """Generate up to `max_new_tokens` per row; returns prompt + new tokens (on the CPU), like transformers'
     generate: a row that ends (EOS) is padded with `pad_token_id` until every row has ended.
@@ -354,6 +355,9 @@ def generate(
     stages, at least 2) splits the batch so that the stages work on different lanes at once. `graphs`:
     replay each (stage, lane) decode step as a CUDA graph when every stage is on a GPU (steps that cannot
     be captured run eagerly). Each lane keeps a static KV cache of prompt + `max_new_tokens` tokens.
+    `keep_graphs`: keep the caches and captured steps on the model for the next call of the same shapes
+    (which then replays its prefill too); they hold GPU memory until another shape comes or
+    `devmap.release_graphs(model)`. With False, everything is freed when the call returns.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -373,12 +377,12 @@ def generate(
     max_len = input_ids.shape[1] + max_new_tokens
     cache = entries = None
     if run.graphs:
-        cache = step_cache(model, "generate")
+        cache = step_cache(model, "generate") if keep_graphs else StepCache()
         signature = (run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), input_ids.shape[1], max_len)
         entries = cache.use(signature, weight_pointers(model))
     for k, lane in enumerate(lane_list):
         run.prepare_decode(k, lane, max_len, entries, cache)
-    run.generate(max_new_tokens, sampling, eos_list, pad, entries, cache)
+    run.generate(max_new_tokens, sampling, eos_list, pad, entries if keep_graphs else None, cache)
     run.streams.join([t for lane in lane_list for t in lane.tokens + lane.unfinished])
     lengths = []
     for lane in lane_list:  # a lane's tokens after all its rows ended are padding: trim to where it ended
@@ -396,13 +400,15 @@ def generate(
 
 @torch.no_grad()
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-            lanes: int | None = None, split_layers: list[int] | None = None, graphs: bool = True) -> torch.Tensor:
+            lanes: int | None = None, split_layers: list[int] | None = None, graphs: bool = True,
+            keep_graphs: bool = True) -> torch.Tensor:
     """Logits (on the last stage's device) of a whole batch, its lanes flowing through the stages
     concurrently (prefill / scoring). `lanes` defaults to 4 per stage.
 
     With `graphs` and every stage on a GPU, each (stage, lane) runs eagerly the first time a batch shape is
     seen, is captured as a CUDA graph the second time and replayed from then on; the graphs and their
-    buffers stay on the model until another shape comes or `devmap.release_graphs(model)`.
+    buffers stay on the model until another shape comes or `devmap.release_graphs(model)`
+    (`keep_graphs=False`: nothing is kept, every call runs eagerly).
     """
     stages = CausalLMStages(model, split_layers)
     # prefill: lanes big enough to keep GEMMs efficient, enough of them that filling and draining the
@@ -413,7 +419,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         else stages.model.config.vocab_size
     dtype = getattr(stages.model.lm_head, "weight", torch.empty(0, dtype=stages.dtype)).dtype
     out = torch.empty(*input_ids.shape, vocab, dtype=dtype, device=stages.head_device)
-    run.forward(step_cache(model, "forward") if run.graphs else None, out)
+    run.forward(step_cache(model, "forward") if run.graphs and keep_graphs else None, out)
     run.streams.join([out])
     return out
 

@@ -179,3 +179,6 @@ def test_cached_steps_are_reused_across_calls_and_dropped_on_change(model, monke
     assert len(model._devmap_steps["forward"].entries) == 3 * (3 + 2)
     release_graphs(model)
     assert not hasattr(model, "_devmap_steps")
+    assert torch.equal(generate(model, ids, mask, keep_graphs=False, **kwargs), expected)
+    forward(model, ids, mask, keep_graphs=False)
+    assert not hasattr(model, "_devmap_steps")
