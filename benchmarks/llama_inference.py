@@ -38,11 +38,24 @@ def profile(fn) -> None:  # type: ignore[no-untyped-def]
     fn()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _, seconds = timed(fn)
-    busy: dict[int, float] = {}
+    spans: dict[int, list[tuple[float, float]]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            busy[event.device_index] = busy.get(event.device_index, 0.0) + event.time_range.elapsed_us() / 1e6
-    print(f"profiled call: {seconds:.4f} s; kernel seconds per GPU: { {k: round(v, 4) for k, v in busy.items()} }")
+            spans.setdefault(event.device_index, []).append((event.time_range.start, event.time_range.end))
+    print(f"profiled call: {seconds:.4f} s")
+    for device, intervals in sorted(spans.items()):  # union of kernel intervals: how long the GPU was busy
+        intervals.sort()
+        busy, (start, end) = 0.0, intervals[0]
+        first = start
+        for a, b in intervals[1:]:
+            if a > end:
+                busy, start, end = busy + end - start, a, b
+            else:
+                end = max(end, b)
+        busy += end - start
+        last = max(b for _, b in intervals)
+        print(f"  GPU {device}: busy {busy / 1e3:.2f} ms of its span {(last - first) / 1e3:.2f} ms, "
+              f"first kernel at {(first - min(i[0][0] for i in spans.values())) / 1e3:.2f} ms")
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=12))
 
 

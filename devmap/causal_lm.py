@@ -87,8 +87,10 @@ class CausalLMStages:
                        like: torch.Tensor) -> dict[str, Any]:
         """transformers' causal mask for a whole prompt (no cache before it; None where attention can use its
         causal fast path) with the position ids; `like` gives batch, length, dtype and device."""
-        args: dict[str, Any] = {"config": self.config, "attention_mask": attention_mask,
-                                "past_key_values": None, "position_ids": position_ids}
+        # without a mask, transformers looks for packed sequences in the position ids (a host read of a device
+        # tensor); positions made from an attention mask are never packed
+        args: dict[str, Any] = {"config": self.config, "attention_mask": attention_mask, "past_key_values": None,
+                                "position_ids": position_ids if attention_mask is not None else None}
         args["inputs_embeds" if "inputs_embeds" in self._mask_args else "input_embeds"] = like
         if "cache_position" in self._mask_args:  # transformers releases that still take cache_position
             args["cache_position"] = torch.arange(like.shape[1], device=like.device)
@@ -96,13 +98,6 @@ class CausalLMStages:
         mask = _create_causal_mask()(**args)
         extra = {"cache_position": args["cache_position"]} if "cache_position" in args else {}
         return {"attention_mask": mask, "position_ids": position_ids, **extra}
-
-    def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor) -> dict[str, Any]:
-        """What every layer takes for a whole prompt: causal mask and rotary embeddings, on hidden's device."""
-        context = self.prompt_context(attention_mask, position_ids, hidden)
-        context["position_embeddings"] = self.rotary(hidden, position_ids)
-        return context
 
     def run(self, stage: int, hidden: torch.Tensor, context: dict[str, Any], cache: Any) -> torch.Tensor:
         """Stage `stage`'s decoder layers; `context` tensors must already be on the stage's device."""

@@ -57,6 +57,7 @@ class _Lane:
     unfinished: list[torch.Tensor] = field(default_factory=list)  # after each token: rows still generating
     ended: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # (event, host flag "all rows ended")
     done: bool = False
+    prompt: dict[str, Any] = field(default_factory=dict)  # mask, position ids (stage 0's device), ready event
 
 
 def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
@@ -110,6 +111,19 @@ class _Run:
         with torch.cuda.device(device), torch.cuda.stream(compute):
             yield compute
 
+    def prompts(self) -> None:
+        """Every lane's causal mask and position ids, before any lane's work is issued: transformers' mask code
+        reads tensors on the host (padding checks), which would otherwise stall the pipeline once per lane."""
+        for lane in self.lanes:
+            rows, length = lane.ids.shape
+            with self.on(0) as first:
+                device = self.s.stages[0].device
+                position_ids = positions(lane.mask, length).to(device)
+                like = torch.empty(rows, length, 0, dtype=self.s.dtype, device=device)
+                # no padding: no mask, so attention keeps its causal fast path (as transformers does)
+                context = self.s.prompt_context(lane.mask if lane.padded else None, position_ids, like)
+                lane.prompt = {"context": context, "ready": _record(first)}
+
     def through(self, lane: _Lane, caches: bool) -> torch.Tensor:
         """A lane's whole prompt through every stage (caches filled when asked); the last stage's hidden state."""
         hidden = context = event = None
@@ -117,8 +131,8 @@ class _Run:
             with self.on(j) as compute:
                 if j == 0:
                     hidden = self.s.embed(lane.ids).to(stage.device)
-                    mask = lane.mask if lane.padded else None  # no padding: attention's causal fast path
-                    context = self.s.context(hidden, mask, positions(lane.mask, hidden.shape[1]))
+                    context = dict(lane.prompt["context"])
+                    context["position_embeddings"] = self.s.rotary(hidden, context["position_ids"])
                 elif compute is not None:
                     hidden = hand_off(hidden, event, stage.device, j, self.streams, compute)
                     context = {k: _move(v, event, stage.device, j, self.streams, compute) for k, v in context.items()}
@@ -132,6 +146,7 @@ class _Run:
     def forward(self, cache: StepCache | None, out: torch.Tensor) -> None:
         """Every lane's logits, into `out`; with a step cache, each (stage, lane) prefill is a replayed graph."""
         self.start()
+        self.prompts()
         entries = None
         if cache is not None and self.graphs:
             signature = (self.layout(), tuple(tuple(lane.ids.shape) for lane in self.lanes))
@@ -147,12 +162,8 @@ class _Run:
         """`through` with every stage's prefill of this lane shape captured once and replayed after (writing
         the lane's static KV caches when `caches`)."""
         rows, length = lane.ids.shape
-        dtype = self.s.dtype
-        with self.on(0) as first:
-            position_ids = positions(lane.mask, length).to(self.s.stages[0].device)
-            like = torch.empty(rows, length, 0, dtype=dtype, device=self.s.stages[0].device)
-            mask = self.s.prompt_context(lane.mask if lane.padded else None, position_ids, like)["attention_mask"]
-            ready = _record(first)
+        position_ids, mask = lane.prompt["context"]["position_ids"], lane.prompt["context"]["attention_mask"]
+        ready = lane.prompt["ready"]
         mask_key = None if mask is None else (tuple(mask.shape), mask.dtype)
         out = event = None
         for j, stage in enumerate(self.s.stages):
@@ -227,6 +238,7 @@ class _Run:
         generator = torch.Generator(device=head_device).manual_seed(sampling.seed) if sampling.do_sample else None
         last = len(self.s.stages) - 1
         self.start()
+        self.prompts()
 
         def finish(lane: _Lane, logits: torch.Tensor, compute: Any, step: int) -> None:
             """The lane's next token from its logits, on the last stage; sent to stage 0 if another step follows."""
