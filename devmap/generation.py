@@ -82,6 +82,7 @@ class _Run:
         self.s, self.lanes = stages, lanes
         self.streams = StreamSet()
         self.graphs = graphs and _graphs_possible(stages.devices)
+        self._plain: dict[tuple[int, int], dict[str, Any]] = {}
 
     def _capture_stream(self, j: int) -> Any:
         device = self.s.stages[j].device
@@ -112,17 +113,33 @@ class _Run:
             yield compute
 
     def prompts(self) -> None:
-        """Every lane's causal mask and position ids, before any lane's work is issued: transformers' mask code
-        reads tensors on the host (padding checks), which would otherwise stall the pipeline once per lane."""
+        """The causal mask and position ids of every lane with padding, before any lane's work is issued:
+        transformers' mask code reads padding on the host, which would stall the pipeline once per lane."""
         for lane in self.lanes:
-            rows, length = lane.ids.shape
-            with self.on(0) as first:
-                device = self.s.stages[0].device
+            if lane.padded:
+                self.prompt(lane)
+
+    def prompt(self, lane: _Lane) -> dict[str, Any]:
+        """The lane's prompt context (mask, position ids) on stage 0's device, computed on first use; lanes
+        without padding share one mask per shape, and their positions are 0..length-1."""
+        if lane.prompt:
+            return lane.prompt
+        rows, length = lane.ids.shape
+        with self.on(0) as first:
+            device = self.s.stages[0].device
+            if lane.padded:
                 position_ids = positions(lane.mask, length).to(device)
                 like = torch.empty(rows, length, 0, dtype=self.s.dtype, device=device)
-                # no padding: no mask, so attention keeps its causal fast path (as transformers does)
-                context = self.s.prompt_context(lane.mask if lane.padded else None, position_ids, like)
-                lane.prompt = {"context": context, "ready": _record(first)}
+                context = self.s.prompt_context(lane.mask, position_ids, like)
+            else:
+                key = (rows, length)
+                if key not in self._plain:  # no padding: no host reads, so it can be made between lanes' work
+                    position_ids = torch.arange(length, device=device).expand(rows, length)
+                    like = torch.empty(rows, length, 0, dtype=self.s.dtype, device=device)
+                    self._plain[key] = self.s.prompt_context(None, position_ids, like)
+                context = self._plain[key]
+            lane.prompt = {"context": context, "ready": _record(first)}
+        return lane.prompt
 
     def through(self, lane: _Lane, caches: bool) -> torch.Tensor:
         """A lane's whole prompt through every stage (caches filled when asked); the last stage's hidden state."""
@@ -131,7 +148,7 @@ class _Run:
             with self.on(j) as compute:
                 if j == 0:
                     hidden = self.s.embed(lane.ids).to(stage.device)
-                    context = dict(lane.prompt["context"])
+                    context = dict(self.prompt(lane)["context"])
                     context["position_embeddings"] = self.s.rotary(hidden, context["position_ids"])
                 elif compute is not None:
                     hidden = hand_off(hidden, event, stage.device, j, self.streams, compute)
@@ -162,8 +179,9 @@ class _Run:
         """`through` with every stage's prefill of this lane shape captured once and replayed after (writing
         the lane's static KV caches when `caches`)."""
         rows, length = lane.ids.shape
-        position_ids, mask = lane.prompt["context"]["position_ids"], lane.prompt["context"]["attention_mask"]
-        ready = lane.prompt["ready"]
+        prompt = self.prompt(lane)
+        position_ids, mask, ready = prompt["context"]["position_ids"], prompt["context"]["attention_mask"], \
+            prompt["ready"]
         mask_key = None if mask is None else (tuple(mask.shape), mask.dtype)
         out = event = None
         for j, stage in enumerate(self.s.stages):
@@ -331,13 +349,13 @@ def _lanes(stages: CausalLMStages, input_ids: torch.Tensor, attention_mask: torc
         raise UsageError(f"invalid lanes={lanes!r}: it must be a positive integer")
     count = min(count, batch)
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    padded = (mask == 0).any(dim=1).cpu().tolist() if attention_mask is not None else [False] * batch
     size = -(-batch // count)
     out = []
     for start in range(0, batch, size):
         rows = slice(start, min(batch, start + size))
-        lane_mask = mask[rows].to(stages.embed_device)
-        out.append(_Lane(rows, input_ids[rows].to(stages.embed_device), lane_mask,
-                         padded=bool((lane_mask == 0).any())))
+        out.append(_Lane(rows, input_ids[rows].to(stages.embed_device), mask[rows].to(stages.embed_device),
+                         padded=any(padded[rows])))
     return out
 
 
