@@ -160,6 +160,28 @@ class CausalLMStages:
         torch.mm(normed.reshape(-1, normed.shape[-1]), head.weight.t(), out=out.view(-1, out.shape[-1]))
 
 
+    def head_splittable(self) -> bool:
+        head = self.model.lm_head
+        return type(head) is nn.Linear and head.bias is None
+
+
+class FrontHead:
+    """The final norm and LM head on another device (the first stage's, which has no head of its own), on copies of
+    their weights made when created (issued on the current stream; made per call, so they are never stale)."""
+
+    def __init__(self, stages: CausalLMStages, device: torch.device) -> None:
+        self.weight = stages.model.lm_head.weight.detach().to(device, non_blocking=True)
+        norm = stages.base.norm
+        self.norm = copy.copy(norm)
+        self.norm._parameters = {k: None if v is None else nn.Parameter(v.detach().to(device), requires_grad=False)
+                                 for k, v in norm._parameters.items()}
+        self.norm._buffers = {k: None if v is None else v.to(device) for k, v in norm._buffers.items()}
+
+    def into(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
+        normed = type(self.norm).forward(self.norm, hidden)
+        torch.mm(normed.reshape(-1, normed.shape[-1]), self.weight.t(), out=out.view(-1, out.shape[-1]))
+
+
 def _create_causal_mask():  # type: ignore[no-untyped-def]
     from transformers.masking_utils import create_causal_mask
 

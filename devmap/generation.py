@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .causal_lm import CausalLMStages, positions
+from .causal_lm import CausalLMStages, FrontHead, positions
 from .graphed_step import GraphedStep
 from .errors import UsageError
 from .lane_cache import DecodeInputs, LaneCache
@@ -102,15 +102,15 @@ class _Run:
                 torch.cuda.current_stream(self.s.embed_device))
 
     @contextlib.contextmanager
-    def on(self, j: int) -> Iterator[Any]:
-        """Stage j's device and compute stream (None on a CPU)."""
+    def on(self, j: int, kind: str = "compute") -> Iterator[Any]:
+        """Stage j's device and its stream of this kind (None on a CPU)."""
         device = self.s.stages[j].device
         if device.type != "cuda":
             yield None
             return
-        compute = self.streams.get("compute", j, device)
-        with torch.cuda.device(device), torch.cuda.stream(compute):
-            yield compute
+        stream = self.streams.get(kind, j, device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield stream
 
     def prompts(self) -> None:
         """The causal mask and position ids of every lane with padding, before any lane's work is issued:
@@ -168,11 +168,43 @@ class _Run:
         if cache is not None and self.graphs:
             signature = (self.layout(), tuple(tuple(lane.ids.shape) for lane in self.lanes))
             entries = cache.use(signature, weight_pointers(self.s.model))
+        front = self.front_head(out)
+        last = len(self.s.stages) - 1
         for k, lane in enumerate(self.lanes):
             hidden = self.through(lane, caches=False) if entries is None else self.through_graphed(k, lane, entries,
                                                                                                   cache)
-            with self.on(len(self.s.stages) - 1):
-                self.s.head_into(hidden, out[lane.rows])
+            cut = hidden.shape[0] // 2 if front is not None else 0
+            with self.on(last) as compute:
+                self.s.head_into(hidden[cut:], out[lane.rows][cut:])
+                event = _record(compute)
+            if cut:  # the first stage, which has no head, projects the other half of the lane's rows
+                self.front_rows(front, hidden[:cut], event, out[lane.rows][:cut])
+
+    def front_head(self, out: torch.Tensor) -> Any:
+        """A copy of the norm and LM head on the first stage's device, when splitting the head's rows with it pays:
+        two stages or more, a plain bias-free head, and memory to spare there."""
+        if len(self.s.stages) < 2 or not self.s.head_splittable():
+            return None
+        device = self.s.stages[0].device
+        weight = self.s.model.lm_head.weight
+        if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 4 * weight.numel() * weight.element_size():
+            return None
+        with self.on(0, "head"):
+            return FrontHead(self.s, device)
+
+    def front_rows(self, front: Any, hidden: torch.Tensor, event: Any, out: torch.Tensor) -> None:
+        """Logits of `hidden`'s rows on the first stage's head stream (beside its layers' work), copied into `out`."""
+        device = self.s.stages[0].device
+        pseudo = len(self.s.stages)  # stream keys of their own: the stages' hand-offs never wait behind these
+        with self.on(0, "head") as stream:
+            if stream is not None:
+                hidden = hand_off(hidden, event, device, pseudo, self.streams, stream)
+            else:
+                hidden = hidden.to(device)
+            logits = torch.empty(out.shape, dtype=out.dtype, device=device)
+            front.into(hidden, logits)
+            gather = self.streams.get("gather", pseudo, out.device) if out.is_cuda else None
+            copy_into(out, logits, _record(stream), pseudo, self.streams, gather)
 
     def through_graphed(self, k: int, lane: _Lane, entries: dict, cache: StepCache, caches: bool = False
                         ) -> torch.Tensor:
