@@ -8,6 +8,7 @@ at a time, with a KV cache per lane.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -73,7 +74,7 @@ class CausalLMStages:
         self.embed_device = _device_of(base.embed_tokens)
         self.dtype = base.embed_tokens.weight.dtype
         self.head_device = _device_of(model.lm_head)
-        self._mask_args = set(inspect.signature(_create_causal_mask()).parameters)
+        self._mask_args = _mask_arguments()
         self._rotary: dict[torch.device, nn.Module] = {}
 
     @property
@@ -180,6 +181,11 @@ class FrontHead:
     def into(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
         normed = type(self.norm).forward(self.norm, hidden)
         torch.mm(normed.reshape(-1, normed.shape[-1]), self.weight.t(), out=out.view(-1, out.shape[-1]))
+
+
+@functools.lru_cache(maxsize=1)
+def _mask_arguments() -> frozenset[str]:
+    return frozenset(inspect.signature(_create_causal_mask()).parameters)
 
 
 def _create_causal_mask():  # type: ignore[no-untyped-def]

@@ -46,10 +46,22 @@ def step_cache(model: nn.Module, kind: str) -> StepCache:
 
 
 def weight_pointers(model: nn.Module) -> tuple[int, ...]:
-    """Addresses of every parameter and buffer: a captured graph reads them, so they must not have moved."""
-    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+    """Addresses of every parameter and buffer: a captured graph reads them, so they must not have moved.
+
+    Walking the module tree costs ~0.5 ms for a LLaMA; the (module, name) slots found by the first walk are
+    kept and re-read instead, and a slot whose tensor was replaced triggers a fresh walk. (Replacing a whole
+    submodule is not seen: call `release_graphs(model)` after such surgery.)"""
+    slots = model.__dict__.get("_devmap_weight_slots")
+    if slots is not None and all(getattr(owner, kind).get(name) is tensor for owner, kind, name, tensor in slots):
+        return tuple(tensor.data_ptr() for _, _, _, tensor in slots)
+    slots = [(module, kind, name, tensor) for module in model.modules()
+             for kind in ("_parameters", "_buffers") for name, tensor in getattr(module, kind).items()
+             if tensor is not None]
+    model.__dict__["_devmap_weight_slots"] = slots
+    return tuple(tensor.data_ptr() for _, _, _, tensor in slots)
 
 
 def release_graphs(model: nn.Module) -> None:
     """Drop the captured steps devmap keeps on `model` (and the GPU memory they hold)."""
     model.__dict__.pop(_ATTRIBUTE, None)
+    model.__dict__.pop("_devmap_weight_slots", None)

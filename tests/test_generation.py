@@ -182,3 +182,19 @@ def test_cached_steps_are_reused_across_calls_and_dropped_on_change(model, monke
     assert torch.equal(generate(model, ids, mask, keep_graphs=False, **kwargs), expected)
     forward(model, ids, mask, keep_graphs=False)
     assert not hasattr(model, "_devmap_steps")
+
+
+def test_weight_pointers_see_moved_and_replaced_weights():
+    from devmap.step_cache import weight_pointers
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval()
+    first = weight_pointers(model)
+    assert weight_pointers(model) == first
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)  # updated in place: graphs stay valid
+    assert weight_pointers(model) == first
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # replaced
+    assert weight_pointers(model) != first
+    model.model.layers[0].mlp.up_proj.weight.data = model.model.layers[0].mlp.up_proj.weight.data.clone()  # moved
+    assert weight_pointers(model)[:-1] != first[:-1]
