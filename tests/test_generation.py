@@ -198,3 +198,18 @@ def test_weight_pointers_see_moved_and_replaced_weights():
     assert weight_pointers(model) != first
     model.model.layers[0].mlp.up_proj.weight.data = model.model.layers[0].mlp.up_proj.weight.data.clone()  # moved
     assert weight_pointers(model)[:-1] != first[:-1]
+
+
+def test_eight_stages_generate_and_forward_like_transformers():
+    """Issue 7's 8 GPUs, as 8 CPU stages of one decoder layer each."""
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**CONFIG, "num_hidden_layers": 8})).eval()
+    ids, mask = prompts(batch=9)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+    split = list(range(1, 8))
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=6, lanes=8, split_layers=split, eos_token_id=[]),
+                       expected)
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(forward(model, ids, mask, split_layers=split), reference, atol=1e-5, rtol=1e-5)

@@ -227,3 +227,35 @@ def test_stage_boundary_inside_a_residual_block(arch, cut):
     plain.hf_device_map = placement_entries(merged, devices)
     assert plain.hf_device_map[f"{cut}.conv1"] == 0 and plain.hf_device_map[f"{cut}.bn2"] == 1 - (arch == "resnet50")
     assert [n for n, _ in placed_units(plain)] == [n for n, _ in merged]
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_resnet_over_n_stages_trains_like_the_model(n):
+    """Any number of stages (issue 7's 4 and 8 GPUs, as n CPU stages): same outputs and gradients."""
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10)
+    ref = copy.deepcopy(plain)
+    blocks = blocks_of(plain)
+    bounds = [round(i * len(blocks) / n) for i in range(n + 1)]
+    stages = [(nn.Sequential(OrderedDict((name.replace(".", "_"), b) for name, b in blocks[lo:hi])), "cpu")
+              for lo, hi in zip(bounds, bounds[1:])]
+    pipe = pipeline(stages, chunks=3)
+    x = torch.randn(6, 3, 64, 64)
+    out = pipe(x)
+    expected = reference_per_micro_batch(ref, x, pipe)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(plain, ref)
+
+
+def test_partition_into_many_stages_minimizes_the_slowest():
+    from devmap.balance import partition
+
+    times = [3.0, 1.0, 1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 4.0, 1.0, 1.0, 2.0]
+    for stages in (2, 4, 8):
+        owner = partition(times, stages)
+        assert owner == sorted(owner) and set(owner) == set(range(stages))  # contiguous, none empty
+        slowest = max(sum(t for t, o in zip(times, owner) if o == s) for s in range(stages))
+        assert slowest <= max(times) + sum(times) / stages  # within one block of a perfect split
+    assert max(sum(t for t, o in zip(times, partition(times, 8)) if o == s) for s in range(8)) == 4.0
