@@ -22,10 +22,11 @@ from .output import echo_json
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--no-graphs", is_flag=True, help="Run every decode step eagerly (no CUDA graphs).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(source: str, device_map: str, max_memory: str | None, dtype: str | None, batch_size: int,
              prompt_len: int, max_new_tokens: int, lanes: int | None, prompt: str | None, do_sample: bool,
-             temperature: float, top_k: int, top_p: float, seed: int, as_json: bool) -> None:
+             temperature: float, top_k: int, top_p: float, seed: int, no_graphs: bool, as_json: bool) -> None:
     """Generate with SOURCE (a local LLaMA-style directory or preset) and report new tokens per second."""
     import torch
 
@@ -45,6 +46,7 @@ def generate(source: str, device_map: str, max_memory: str | None, dtype: str | 
             tokenizer = AutoTokenizer.from_pretrained(str(source_info.path), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise click.UsageError(f"{source_info.path} has no usable tokenizer ({str(exc).splitlines()[0]})") from None
+        tokenizer.padding_side = "left"  # generation continues every row from its last token
         encoded = tokenizer([prompt] * batch_size, return_tensors="pt", padding=True)
         input_ids, attention_mask = encoded["input_ids"], encoded["attention_mask"]
     else:
@@ -52,12 +54,13 @@ def generate(source: str, device_map: str, max_memory: str | None, dtype: str | 
         input_ids = torch.randint(0, model.config.vocab_size, (batch_size, prompt_len), generator=generator)
         attention_mask = None
     out, seconds = timed(run_generate, model, input_ids, attention_mask, max_new_tokens, lanes, do_sample=do_sample,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, graphs=not no_graphs,
+                         keep_graphs=False)
     new = out.shape[1] - input_ids.shape[1]
     data = {
         "source": source, "device_map": {k: str(v) for k, v in model.hf_device_map.items()},
         "batch_size": batch_size, "prompt_len": input_ids.shape[1], "new_tokens": new,
-        "lanes": lanes, "seconds": seconds, "new_tokens_per_s": batch_size * new / seconds,
+        "lanes": lanes, "cuda_graphs": not no_graphs, "seconds": seconds, "new_tokens_per_s": batch_size * new / seconds,
     }
     if tokenizer is not None:
         data["text"] = tokenizer.decode(out[0], skip_special_tokens=True)
