@@ -19,30 +19,14 @@ import torch
 from torch import nn
 
 from .causal_lm import CausalLMStages, FrontHead, positions
-from .graphed_step import GraphedStep
 from .errors import UsageError
+from .graphed_step import GraphedStep
 from .lane_cache import DecodeInputs, LaneCache
+from .sampling import Sampling, choose
 from .step_cache import StepCache, step_cache, weight_pointers
 from .streams import StreamSet, copy_into, hand_off
 
 EOS_CHECK_LAG = 2  # steps between a lane's last token and the host reading whether its rows all ended
-
-
-@dataclass
-class Sampling:
-    """How the next token is chosen."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def check(self) -> None:
-        if self.temperature <= 0:
-            raise UsageError(f"temperature must be positive, got {self.temperature}")
-        if self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise UsageError(f"top_k must be >= 0 and top_p in (0, 1], got {self.top_k} and {self.top_p}")
 
 
 @dataclass
@@ -58,21 +42,6 @@ class _Lane:
     ended: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # (event, host flag "all rows ended")
     done: bool = False
     prompt: dict[str, Any] = field(default_factory=dict)  # mask, position ids (stage 0's device), ready event
-
-
-def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    if not sampling.do_sample:
-        return logits.argmax(-1)
-    logits = logits / sampling.temperature
-    if sampling.top_k:
-        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) > sampling.top_p  # keep the first token past top_p
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
 
 
 class _Run:
@@ -292,7 +261,7 @@ class _Run:
 
         def finish(lane: _Lane, logits: torch.Tensor, compute: Any, step: int) -> None:
             """The lane's next token from its logits, on the last stage; sent to stage 0 if another step follows."""
-            token = _choose(logits, sampling, generator)
+            token = choose(logits, sampling, generator)
             if lane.unfinished:
                 token = torch.where(lane.unfinished[-1], token, torch.full_like(token, pad))
                 unfinished = lane.unfinished[-1]
