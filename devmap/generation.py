@@ -383,7 +383,7 @@ def generate(
     generate: a row that ends (EOS) is padded with `pad_token_id` until every row has ended.
 
     Left-pad prompts of different lengths and pass their `attention_mask`. `lanes` (default: the number of
-    stages, at least 2) splits the batch so that the stages work on different lanes at once. `graphs`:
+    stages) splits the batch so that the stages work on different lanes at once. `graphs`:
     replay each (stage, lane) decode step as a CUDA graph when every stage is on a GPU (steps that cannot
     be captured run eagerly). Each lane keeps a static KV cache of prompt + `max_new_tokens` tokens.
     `keep_graphs`: keep the caches and captured steps on the model for the next call of the same shapes
@@ -403,7 +403,7 @@ def generate(
     pad = pad if pad is not None else (eos_list[0] if eos_list else 0)
     # decoding: every lane-step costs a few hundred small kernels whatever its rows, so the fewest lanes that
     # keep every stage busy (one per stage) are fastest
-    lane_list = _lanes(stages, input_ids, attention_mask, lanes, default=max(2, len(stages.stages)))
+    lane_list = _lanes(stages, input_ids, attention_mask, lanes, default=len(stages.stages))
     run = _Run(stages, lane_list, graphs)
     max_len = input_ids.shape[1] + max_new_tokens
     cache = entries = None
@@ -434,7 +434,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
             lanes: int | None = None, split_layers: list[int] | None = None, graphs: bool = True,
             keep_graphs: bool = True) -> torch.Tensor:
     """Logits (on the last stage's device) of a whole batch, its lanes flowing through the stages
-    concurrently (prefill / scoring). `lanes` defaults to 4 per stage.
+    concurrently (prefill / scoring). `lanes` defaults to 4 per stage (1 for a single stage).
 
     With `graphs` and every stage on a GPU, each (stage, lane) runs eagerly the first time a batch shape is
     seen, is captured as a CUDA graph the second time and replayed from then on; the graphs and their
@@ -444,7 +444,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     stages = CausalLMStages(model, split_layers)
     # prefill: lanes big enough to keep GEMMs efficient, enough of them that filling and draining the
     # pipeline (one lane's time per stage) stays small
-    lane_list = _lanes(stages, input_ids, attention_mask, lanes, default=4 * len(stages.stages))
+    lane_list = _lanes(stages, input_ids, attention_mask, lanes, default=4 * len(stages.stages) if len(stages.stages) > 1 else 1)
     run = _Run(stages, lane_list, graphs)
     vocab = stages.model.lm_head.out_features if hasattr(stages.model.lm_head, "out_features") \
         else stages.model.config.vocab_size
