@@ -12,7 +12,8 @@ from torch import nn
 
 from .loader import dispatch
 from .pipelining import Pipeline, pipeline
-from .stages import blocks_of, split_units
+from .residual_parts import parse_unit, split_residual
+from .stages import blocks_of
 from .timing import HarnessConfig
 from .tuning import tune
 from .tutorial_models import RESNET_CHILDREN, TUTORIAL_SPLIT
@@ -25,13 +26,21 @@ def stages_from_names(model: nn.Module, names: list[list[str]], devices: Sequenc
     """[(nn.Sequential of the named blocks, device), ...] for explicit pipeline stages (a name may be the
     head or tail of a cut residual block, "layer2.0[head]")."""
     blocks = dict(blocks_of(model))
-    blocks.update(split_units(list(blocks.items())))
-    return [(nn.Sequential(OrderedDict((_child(n), blocks[n]) for n in group)).to(d), d)
+
+    def unit(name: str) -> nn.Module:
+        base, role, cut = parse_unit(name)
+        if role is None:
+            return blocks[name]
+        parts = split_residual(blocks[base], cut)
+        assert parts is not None, f"{base} cannot be cut at {cut}"
+        return parts[0] if role == "head" else parts[1]
+
+    return [(nn.Sequential(OrderedDict((_child(n), unit(n)) for n in group)).to(d), d)
             for group, d in zip(names, devices)]
 
 
 def _child(name: str) -> str:
-    return name.replace(".", "_").replace("[", "_").replace("]", "")
+    return name.replace(".", "_").replace("[", "_").replace("]", "").replace("@", "_")
 
 
 def _tutorial_names() -> list[list[str]]:

@@ -294,6 +294,6 @@ def pipeline(
 
 def _child_name(unit: str) -> str:
     """An nn.Sequential child name for a unit ("layer2.0[head]" -> "layer2_0_head")."""
-    return unit.replace(".", "_").replace("[", "_").replace("]", "")
+    return unit.replace(".", "_").replace("[", "_").replace("]", "").replace("@", "_")
 
 

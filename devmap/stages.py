@@ -55,30 +55,31 @@ def blocks_of(model: nn.Module) -> list[Block]:
 
 
 def split_units(blocks: list[Block]) -> list[Block]:
-    """Every residual block as its head and tail (the finest units a stage boundary can fall between)."""
-    from .residual_parts import HEAD_SUFFIX, TAIL_SUFFIX, split_residual
+    """Every residual block as its head and tail at its default cut (the finest units a stage boundary can
+    fall between)."""
+    from .residual_parts import split_residual, unit_name
 
     units: list[Block] = []
     for name, block in blocks:
         parts = split_residual(block)
-        units += [(name, block)] if parts is None else [(name + HEAD_SUFFIX, parts[0]), (name + TAIL_SUFFIX, parts[1])]
+        units += [(name, block)] if parts is None else [(unit_name(name, "head", block), parts[0]),
+                                                         (unit_name(name, "tail", block), parts[1])]
     return units
 
 
 def merge_units(units: list[Block], devices: list[torch.device], blocks: list[Block]) -> tuple[list[Block],
                                                                                               list[torch.device]]:
     """Head and tail of one block on the same device become the whole block again (no stacking between them)."""
-    from .residual_parts import HEAD_SUFFIX, TAIL_SUFFIX
+    from .residual_parts import parse_unit
 
     whole = dict(blocks)
     out_units: list[Block] = []
     out_devices: list[torch.device] = []
     k = 0
     while k < len(units):
-        name = units[k][0]
-        if name.endswith(HEAD_SUFFIX) and devices[k] == devices[k + 1]:
-            base = name[: -len(HEAD_SUFFIX)]
-            assert units[k + 1][0] == base + TAIL_SUFFIX
+        base, role, _ = parse_unit(units[k][0])
+        if role == "head" and devices[k] == devices[k + 1]:
+            assert parse_unit(units[k + 1][0])[:2] == (base, "tail")
             out_units.append((base, whole[base]))
             out_devices.append(devices[k])
             k += 2
@@ -91,15 +92,15 @@ def merge_units(units: list[Block], devices: list[torch.device], blocks: list[Bl
 
 def placement_entries(units: list[Block], devices: list[torch.device]) -> dict[str, int | str]:
     """hf_device_map entries for units: a cut block is placed by the submodules each part runs."""
-    from .residual_parts import HEAD_SUFFIX, TAIL_SUFFIX
+    from .residual_parts import parse_unit
 
     entries: dict[str, int | str] = {}
     for (name, module), device in zip(units, devices):
         value: int | str = device.index if device.type == "cuda" else device.type  # type: ignore[assignment]
         if name == "flatten":
             continue
-        if name.endswith((HEAD_SUFFIX, TAIL_SUFFIX)):
-            base = name[: -len(HEAD_SUFFIX)]
+        base, role, _ = parse_unit(name)
+        if role is not None:
             entries.update({f"{base}.{child}": value for child in module.source_names})  # type: ignore[union-attr]
         else:
             entries[name] = value
@@ -115,42 +116,43 @@ def apply_units(model: nn.Module, units: list[Block], devices: list[torch.device
 
 def whole_block_devices(model: nn.Module) -> tuple[list[Block], list[torch.device]]:
     """The model's whole blocks and their devices (a cut block counts as on its head's device)."""
-    from .residual_parts import TAIL_SUFFIX
+    from .residual_parts import parse_unit
 
     units = placed_units(model)
     unit_devices = block_devices(model, units)
-    return blocks_of(model), [d for (name, _), d in zip(units, unit_devices) if not name.endswith(TAIL_SUFFIX)]
+    return blocks_of(model), [d for (name, _), d in zip(units, unit_devices) if parse_unit(name)[1] != "tail"]
 
 
 def placed_units(model: nn.Module) -> list[Block]:
     """The model's blocks, with each residual block that the device map cuts between head and tail as its two parts."""
-    from .residual_parts import HEAD_SUFFIX, TAIL_SUFFIX, head_tail_names, split_residual
+    from .residual_parts import cuts_of, head_tail_names, split_residual, unit_name
 
     device_map = getattr(model, "hf_device_map", None) or {}
     units: list[Block] = []
     for name, block in blocks_of(model):
         inner = {k: v for k, v in device_map.items() if k.startswith(name + ".")}
-        names = head_tail_names(block) if inner and name not in device_map else None
-        if names is not None:
-            head_devices = {inner.get(f"{name}.{n}") for n in names[0]}
-            tail_devices = {inner.get(f"{name}.{n}") for n in names[1]}
-            if len(head_devices) == 1 and len(tail_devices) == 1 and set(inner) <= {f"{name}.{n}" for n in
-                                                                                      names[0] + names[1]}:
-                head, tail = split_residual(block)  # type: ignore[misc]
-                units += [(name + HEAD_SUFFIX, head), (name + TAIL_SUFFIX, tail)]
-                continue
-        units.append((name, block))
+        for cut in cuts_of(block) if inner and name not in device_map else []:
+            head_names, tail_names = head_tail_names(block, cut)  # type: ignore[misc]
+            head_devices = {inner.get(f"{name}.{n}") for n in head_names}
+            tail_devices = {inner.get(f"{name}.{n}") for n in tail_names}
+            if len(head_devices) == 1 and len(tail_devices) == 1 and head_devices != tail_devices \
+                    and set(inner) <= {f"{name}.{n}" for n in head_names + tail_names}:
+                head, tail = split_residual(block, cut)  # type: ignore[misc]
+                units += [(unit_name(name, "head", block, cut), head), (unit_name(name, "tail", block, cut), tail)]
+                break
+        else:
+            units.append((name, block))
     return units
 
 
 def block_devices(model: nn.Module, blocks: list[Block]) -> list[torch.device]:
     """Each block's device, read from the model's placement (hf_device_map) or from its parameters."""
-    from .residual_parts import HEAD_SUFFIX, TAIL_SUFFIX
+    from .residual_parts import parse_unit
 
     device_map = getattr(model, "hf_device_map", None)
     devices = []
     for name, module in blocks:
-        if device_map and name.endswith((HEAD_SUFFIX, TAIL_SUFFIX)):
+        if device_map and parse_unit(name)[1] is not None:
             param = next(module.parameters())
             devices.append(param.device)
         elif device_map:

@@ -146,49 +146,42 @@ def _boundaries(names: list[str], devices: list[torch.device]) -> list[str]:
 def refine_cut(model: torch.nn.Module, sample: torch.Tensor, chunks: int, steps: int = 3,
                warmup: int = 2) -> dict[str, Any]:
     """At each stage boundary of a model placed by whole blocks, try cutting the residual block on either side
-    between its head and tail (the head stays with the earlier stage); keep a cut whose measured training step is
-    faster. Whole-block boundaries are too coarse to balance ResNet50's two stages."""
+    at each of its cut points (the head stays with the earlier stage, the tail with the later); keep a cut
+    whose measured training step is faster. Whole-block boundaries are too coarse to balance ResNet50's
+    two stages."""
     from .pipelining import pipeline
-    from .residual_parts import head_tail_names
-    from .stages import apply_units, merge_units, split_units, whole_block_devices
+    from .residual_parts import cuts_of, split_residual, unit_name
+    from .stages import apply_units, whole_block_devices
 
     blocks, devices = whole_block_devices(model)
-    units = split_units(blocks)
-    by_block = {name: device for (name, _), device in zip(blocks, devices)}
-    current = [by_block[name.split("[")[0]] for name, _ in units]
 
-    def cost(unit_devices: list[torch.device]) -> float:
-        apply_units(model, *merge_units(units, unit_devices, blocks))
+    def cost(units: list, unit_devices: list[torch.device]) -> float:
+        apply_units(model, units, unit_devices)
         pipe = pipeline(model, chunks=chunks)
         try:
             return _measure(pipe, sample, steps, warmup)
         finally:
             del pipe
 
-    best = cost(current)
-    tried = [{"cut": None, "seconds": best}]
-    names = [name for name, _ in blocks]
+    best_units, best_devices = list(blocks), list(devices)
+    best = cost(best_units, best_devices)
+    tried: list[dict[str, Any]] = [{"cut": None, "seconds": best}]
     for k in [k for k in range(len(blocks) - 1) if devices[k] != devices[k + 1]]:
-        start = current.copy()
-        for index, move_to in ((k, devices[k + 1]), (k + 1, devices[k])):
-            if head_tail_names(blocks[index][1]) is None:
-                continue
-            candidate = start.copy()
-            tail = [u for u, (name, _) in enumerate(units) if name == f"{names[index]}[tail]"][0]
-            head = tail - 1
-            if index == k:  # the tail of the earlier stage's last block moves on
-                candidate[tail] = move_to
-            else:  # the head of the later stage's first block moves back
-                candidate[head] = move_to
-            seconds = cost(candidate)
-            tried.append({"cut": names[index], "seconds": seconds})
-            if seconds < best * 0.99:
-                best, current = seconds, candidate
-    apply_units(model, *merge_units(units, current, blocks))
-    return {"seconds": best, "cut": _cut_names(units, current), "tried": tried}
-
-
-def _cut_names(units: list, devices: list[torch.device]) -> list[str]:
-    """The blocks whose head and tail ended on different devices."""
-    return [units[u][0].split("[")[0] for u in range(len(units) - 1)
-            if units[u][0].endswith("[head]") and devices[u] != devices[u + 1]]
+        start_units, start_devices = list(best_units), list(best_devices)
+        offset = len(start_units) - len(blocks)  # units added by cuts at earlier boundaries
+        for index in (k, k + 1):
+            name, block = blocks[index]
+            if start_units[index + offset][0] != name:
+                continue  # already cut at an earlier boundary
+            for cut in cuts_of(block):
+                head, tail = split_residual(block, cut)  # type: ignore[misc]
+                at = index + offset
+                units = start_units[:at] + [(unit_name(name, "head", block, cut), head),
+                                            (unit_name(name, "tail", block, cut), tail)] + start_units[at + 1:]
+                unit_devices = start_devices[:at] + [devices[k], devices[k + 1]] + start_devices[at + 1:]
+                seconds = cost(units, unit_devices)
+                tried.append({"cut": units[at][0], "seconds": seconds})
+                if seconds < best * 0.99:
+                    best, best_units, best_devices = seconds, units, unit_devices
+    apply_units(model, best_units, best_devices)
+    return {"seconds": best, "cut": [n for n, _ in best_units if n.endswith("]")], "tried": tried}

@@ -259,3 +259,36 @@ def test_partition_into_many_stages_minimizes_the_slowest():
         slowest = max(sum(t for t, o in zip(times, owner) if o == s) for s in range(stages))
         assert slowest <= max(times) + sum(times) / stages  # within one block of a perfect split
     assert max(sum(t for t, o in zip(times, partition(times, 8)) if o == s) for s in range(8)) == 4.0
+
+
+def test_bottleneck_cut_after_conv1_and_its_device_map():
+    """The second cut point of a Bottleneck that does not downsample: same outputs and gradients, and a device
+    map placing its submodules that way reads back as that cut."""
+    from devmap.residual_parts import cuts_of, split_residual, unit_name
+    from devmap.stages import placed_units, placement_entries
+
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet50(num_classes=10)
+    ref = copy.deepcopy(plain)
+    assert cuts_of(plain.layer2[0]) == ["conv2"] and cuts_of(plain.layer2[1]) == ["conv2", "conv1"]
+    blocks = blocks_of(plain)
+    at = [n for n, _ in blocks].index("layer2.1")
+    head, tail = split_residual(plain.layer2[1], "conv1")
+    units = blocks[:at] + [(unit_name("layer2.1", "head", plain.layer2[1], "conv1"), head),
+                           (unit_name("layer2.1", "tail", plain.layer2[1], "conv1"), tail)] + blocks[at + 1:]
+    assert units[at][0] == "layer2.1[head@conv1]"
+    stages = [(nn.Sequential(*[m for _, m in units[:at + 1]]), "cpu"),
+              (nn.Sequential(*[m for _, m in units[at + 1:]]), "cpu")]
+    pipe = pipeline(stages, chunks=2)
+    x = torch.randn(4, 3, 64, 64)
+    out = pipe(x)
+    expected = reference_per_micro_batch(ref, x, pipe)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name, rtol=1e-4, atol=1e-5 * float(q.grad.abs().max()))
+    devices = [torch.device("cuda", 0)] * (at + 1) + [torch.device("cuda", 1)] * (len(units) - at - 1)
+    plain.hf_device_map = placement_entries(units, devices)
+    assert plain.hf_device_map["layer2.1.bn1"] == 0 and plain.hf_device_map["layer2.1.conv2"] == 1
+    assert [n for n, _ in placed_units(plain)] == [n for n, _ in units]
