@@ -112,11 +112,7 @@ class CausalLMStages:
         cross-device read inside a captured decode step)."""
         module = self._rotary.get(hidden.device)
         if module is None:
-            original = self.base.rotary_emb
-            module = copy.copy(original)  # same attributes; own buffers on this device; no hooks
-            module._buffers = {k: v.to(hidden.device) if v is not None else v for k, v in original._buffers.items()}
-            module.__dict__.pop("forward", None)
-            self._rotary[hidden.device] = module
+            module = self._rotary[hidden.device] = module_on(self.base.rotary_emb, hidden.device)
         return type(module).forward(module, hidden, position_ids)
 
     def float_mask_dtype(self) -> torch.dtype | None:
@@ -153,15 +149,13 @@ class CausalLMStages:
 
     def head_into(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
         """`head(hidden)` written straight into `out` (a slice of the batch's logits: no concatenation after)."""
-        head = self.model.lm_head
-        if type(head) is not nn.Linear or head.bias is not None or not out.is_contiguous():
+        if not self.head_splittable() or not out.is_contiguous():
             out.copy_(self.head(hidden))
             return
-        normed = _unhooked(self.base.norm)(hidden.to(self.head_device))
-        torch.mm(normed.reshape(-1, normed.shape[-1]), head.weight.t(), out=out.view(-1, out.shape[-1]))
-
+        project_into(_unhooked(self.base.norm)(hidden.to(self.head_device)), self.model.lm_head.weight, out)
 
     def head_splittable(self) -> bool:
+        """A plain bias-free Linear head: its projection can be written into a slice, or done elsewhere by rows."""
         head = self.model.lm_head
         return type(head) is nn.Linear and head.bias is None
 
@@ -172,15 +166,26 @@ class FrontHead:
 
     def __init__(self, stages: CausalLMStages, device: torch.device) -> None:
         self.weight = stages.model.lm_head.weight.detach().to(device, non_blocking=True)
-        norm = stages.base.norm
-        self.norm = copy.copy(norm)
-        self.norm._parameters = {k: None if v is None else nn.Parameter(v.detach().to(device), requires_grad=False)
-                                 for k, v in norm._parameters.items()}
-        self.norm._buffers = {k: None if v is None else v.to(device) for k, v in norm._buffers.items()}
+        self.norm = module_on(stages.base.norm, device)
 
     def into(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
-        normed = type(self.norm).forward(self.norm, hidden)
-        torch.mm(normed.reshape(-1, normed.shape[-1]), self.weight.t(), out=out.view(-1, out.shape[-1]))
+        project_into(type(self.norm).forward(self.norm, hidden), self.weight, out)
+
+
+def module_on(module: nn.Module, device: torch.device) -> nn.Module:
+    """A shallow copy of a parameter-light module (rotary embedding, norm) whose weights live on `device`; call it
+    as `type(m).forward(m, ...)`, which also passes by any accelerate hook of the original."""
+    clone = copy.copy(module)
+    clone._parameters = {k: None if v is None else nn.Parameter(v.detach().to(device), requires_grad=False)
+                         for k, v in module._parameters.items()}
+    clone._buffers = {k: None if v is None else v.to(device) for k, v in module._buffers.items()}
+    clone.__dict__.pop("forward", None)
+    return clone
+
+
+def project_into(normed: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """out = normed @ weight.T, written in place into a contiguous `out` (rows × ... × vocab)."""
+    torch.mm(normed.reshape(-1, normed.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
 
 
 @functools.lru_cache(maxsize=1)
