@@ -93,12 +93,16 @@ class CausalLMStages:
         args: dict[str, Any] = {"config": self.config, "attention_mask": attention_mask, "past_key_values": None,
                                 "position_ids": position_ids if attention_mask is not None else None}
         args["inputs_embeds" if "inputs_embeds" in self._mask_args else "input_embeds"] = like
-        if "cache_position" in self._mask_args:  # transformers releases that still take cache_position
-            args["cache_position"] = torch.arange(like.shape[1], device=like.device)
-        args = {k: v for k, v in args.items() if k in self._mask_args}
+        extra = self.cache_position(like.shape[1], like.device)
+        args = {k: v for k, v in {**args, **extra}.items() if k in self._mask_args}
         mask = _create_causal_mask()(**args)
-        extra = {"cache_position": args["cache_position"]} if "cache_position" in args else {}
         return {"attention_mask": mask, "position_ids": position_ids, **extra}
+
+    def cache_position(self, length: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """{"cache_position": 0..length-1} for transformers releases whose mask code still takes it, else {}."""
+        if "cache_position" not in self._mask_args:
+            return {}
+        return {"cache_position": torch.arange(length, device=device)}
 
     def run(self, stage: int, hidden: torch.Tensor, context: dict[str, Any], cache: Any) -> torch.Tensor:
         """Stage `stage`'s decoder layers; `context` tensors must already be on the stage's device."""

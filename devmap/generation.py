@@ -96,17 +96,14 @@ class _Run:
         rows, length = lane.ids.shape
         with self.on(0) as first:
             device = self.s.stages[0].device
+            like = torch.empty(rows, length, 0, dtype=self.s.dtype, device=device)  # shape, dtype, device only
             if lane.padded:
-                position_ids = positions(lane.mask, length).to(device)
-                like = torch.empty(rows, length, 0, dtype=self.s.dtype, device=device)
-                context = self.s.prompt_context(lane.mask, position_ids, like)
+                context = self.s.prompt_context(lane.mask, positions(lane.mask, length).to(device), like)
             else:
-                key = (rows, length)
-                if key not in self._plain:  # no padding: no host reads, so it can be made between lanes' work
+                if (rows, length) not in self._plain:  # no padding: no host reads, so made between lanes' work
                     position_ids = torch.arange(length, device=device).expand(rows, length)
-                    like = torch.empty(rows, length, 0, dtype=self.s.dtype, device=device)
-                    self._plain[key] = self.s.prompt_context(None, position_ids, like)
-                context = self._plain[key]
+                    self._plain[(rows, length)] = self.s.prompt_context(None, position_ids, like)
+                context = self._plain[(rows, length)]
             lane.prompt = {"context": context, "ready": _record(first)}
         return lane.prompt
 
@@ -212,12 +209,11 @@ class _Run:
             static_in = torch.zeros(rows, length, self.s.config.hidden_size, dtype=self.s.dtype, device=device)
         static_positions = torch.zeros(rows, length, dtype=torch.long, device=device)
         static_mask = None if mask is None else torch.zeros(mask.shape, dtype=mask.dtype, device=device)
-        extra = self.s.prompt_context(None, static_positions, torch.empty(rows, length, 0, device=device))
-        extra.pop("attention_mask")
+        extra = self.s.cache_position(length, device)
 
         def body(x: torch.Tensor) -> torch.Tensor:
             hidden = self.s.embed(x).to(device) if j == 0 else x
-            context = {**extra, "attention_mask": static_mask,
+            context = {**extra, "attention_mask": static_mask, "position_ids": static_positions,
                        "position_embeddings": self.s.rotary(hidden, static_positions)}
             return self.s.run(j, hidden, context, lane_cache)
 
