@@ -150,9 +150,9 @@ def test_unsupported_attention_is_refused(model, monkeypatch):
 
 def test_cached_steps_are_reused_across_calls_and_dropped_on_change(model, monkeypatch):
     """The paths that keep fixed-buffer steps on the model between calls (graphs on GPUs; eager here)."""
-    from devmap import generation, release_graphs
+    from devmap import lane_runner, release_graphs
 
-    monkeypatch.setattr(generation, "_graphs_possible", lambda devices: True)
+    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)
     ids, mask = prompts()
     kwargs = dict(max_new_tokens=6, lanes=2, split_layers=[2], eos_token_id=[])
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,

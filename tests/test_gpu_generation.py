@@ -63,14 +63,14 @@ def test_decode_steps_are_replayed_graphs_and_eos_stops_like_transformers(monkey
     expected = reference.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
                                   eos_token_id=eos).cpu()
     runs = []
-    original = generation._Run
+    original = generation.LaneRunner
 
     class Recording(original):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             runs.append(self)
 
-    monkeypatch.setattr(generation, "_Run", Recording)
+    monkeypatch.setattr(generation, "LaneRunner", Recording)
     out = generate(placed, ids, mask, max_new_tokens=20, lanes=3, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(out, expected)
     steps = [step for lane in runs[0].lanes for step in lane.steps]
