@@ -255,7 +255,7 @@ class LaneRunner:
             """The lane's next token from its logits, on the last stage; sent to stage 0 if another step follows."""
             token = choose(logits, sampling, generator)
             if lane.unfinished:
-                token = torch.where(lane.unfinished[-1], token, torch.full_like(token, pad))
+                token = token.masked_fill(~lane.unfinished[-1], pad)
                 unfinished = lane.unfinished[-1]
             else:
                 unfinished = torch.ones_like(token, dtype=torch.bool)
