@@ -139,6 +139,7 @@ def run_w2(args: argparse.Namespace) -> dict:
             del pipe
             torch.cuda.empty_cache()
         best = [splits[min(splits, key=lambda c: rows[f"devmap pipeline (chunks {c})"])]] if splits else []
+        best = [s for s in best if "[" not in s]  # torch.distributed.pipelining splits between whole blocks only
         for split in () if args.skip_peers else dict.fromkeys([*best, "layer2.0"]):
             chunks = args.chunks_256 if batch <= 256 else args.chunks_1024
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

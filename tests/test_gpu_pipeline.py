@@ -86,3 +86,38 @@ def test_balance_by_time_moves_the_boundary():
     assert names[0][-1] != "layer2.3"  # the tutorial's split is not the time-balanced one at 224x224
     out = pipe(x)
     out.sum().backward()
+
+
+@pytest.mark.parametrize("deferred", [1, None])
+def test_deferred_weight_halves_give_the_plain_models_gradients(monkeypatch, deferred):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # TF32 alone moves gradients by ~1e-3
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    plain, model = placed_resnet()
+    pipe = pipeline(model, chunks=3, graphs="on", deferred_weights=deferred)
+    x = torch.randn(12, 3, 64, 64, device="cuda:0")
+    for step in range(2):  # capture, then replay
+        for p in list(pipe.parameters()) + list(plain.parameters()):
+            p.grad = None
+        pipe(x).square().mean().backward()
+        torch.cat([plain(mb) for mb in pipe.micro_batches(x)]).square().mean().backward()
+        for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad.to("cuda:0"), a.grad, atol=1e-5, rtol=1e-3, msg=name)
+    first, last = next(iter(pipe._graphs.values()))
+    assert all(g.wgt is None for g in first)  # the first stage hands no gradient back: nothing to gain
+    # the last micro-batch forward is the first backward: its weight half is the one worth moving to the end
+    assert [g.wgt is not None for g in last] == ([False, False, True] if deferred == 1 else [True] * 3)
+    sums = {t.data_ptr() for s in next(iter(pipe._sums.values())) for t in s.sums}
+    assert not any(p.grad.data_ptr() in sums for p in pipe.parameters())  # .grad is the user's, not a buffer
+
+
+def test_second_forward_before_backward_is_refused():
+    from devmap.errors import PipelineError
+
+    _, model = placed_resnet()
+    pipe = pipeline(model, chunks=2, graphs="on")
+    x = torch.randn(8, 3, 64, 64, device="cuda:0")
+    pipe(x).sum().backward()  # capture
+    stale = pipe(x).sum()
+    pipe(x)  # the same graphs again: the first output's activations are gone
+    with pytest.raises(PipelineError, match="call backward after each forward"):
+        stale.backward()

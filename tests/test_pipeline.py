@@ -136,6 +136,9 @@ def test_bad_arguments():
         pipeline(torchvision.models.resnet18(), chunks=2)
     with pytest.raises(PipelineError, match="declared on cuda:0 but its weight is on cpu"):
         pipeline([(nn.Linear(3, 3), "cpu"), (nn.Linear(3, 3), "cuda:0")], chunks=2)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(PipelineError, match="deferred_weights="):
+            pipeline(stages, chunks=2, deferred_weights=bad)
     with pytest.raises(PipelineError, match="graphs="):
         Pipeline([(nn.Linear(3, 3), torch.device("cpu"))], graphs="maybe")
     with pytest.raises(PipelineError, match="one tensor"):
@@ -285,3 +288,12 @@ def test_bottleneck_cut_after_conv1_and_its_device_map():
     plain.hf_device_map = placement_entries(units, devices)
     assert plain.hf_device_map["layer2.1.bn1"] == 0 and plain.hf_device_map["layer2.1.conv2"] == 1
     assert [n for n, _ in placed_units(plain)] == [n for n, _ in units]
+
+
+@pytest.mark.parametrize("deferred, expected", [(1, [3]), (2, [2, 3]), (None, [0, 1, 2, 3]), (0, []), (9, [0, 1, 2, 3])])
+def test_which_micro_batches_defer_their_weight_gradients(deferred, expected):
+    stages = [(nn.Linear(4, 4), "cpu") for _ in range(3)]
+    pipe = pipeline(stages, chunks=4, deferred_weights=deferred)
+    assert not any(pipe._defers_weights(0, i, 4) for i in range(4))  # the first stage hands no gradient back
+    for j in (1, 2):  # the last micro-batches forward are the first backward: theirs are worth deferring
+        assert [i for i in range(4) if pipe._defers_weights(j, i, 4)] == expected
