@@ -59,4 +59,9 @@ class _PassGate(torch.autograd.Function):
         ctx.sums.check_live(ctx.generation)
         for graph in ctx.graphs:
             graph.run_weight_half()
-        return (None, None, None, None, *ctx.sums.sums)
+        sums = ctx.sums.sums
+        if not sums:
+            return (None, None, None, None)
+        # autograd gets its own copy, made in one fused launch (not one clone per parameter): .grad never aliases
+        # the sums that the next pass zeroes
+        return (None, None, None, None, *torch._foreach_mul(sums, 1.0))

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from .errors import PipelineError
 from .grad_sums import GradSums
 from .weight_grads import CallRecorder, close, deferrable, deferred_parameters, input_half, split_grads, weight_grads
 
@@ -159,7 +160,7 @@ class _Replay(torch.autograd.Function):
     def forward(ctx: Any, graph: StageGraph, generation: int, phony: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         graph.static_in.copy_(x)
         graph.fwd.replay()
-        ctx.graph, ctx.generation = graph, generation
+        ctx.graph, ctx.generation, ctx.done = graph, generation, False
         ctx.phony_shape = phony.shape
         return graph.static_out.detach()
 
@@ -167,6 +168,11 @@ class _Replay(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         graph: StageGraph = ctx.graph
         graph.sums.check_live(ctx.generation)
+        if ctx.done:  # the first replay overwrote activations it had finished with (graph memory is reused)
+            raise PipelineError(
+                "backward ran twice through one pipeline pass (retain_graph=True), which its CUDA graphs cannot do: "
+                "run the forward again before each backward, or build the pipeline with graphs='off'")
+        ctx.done = True
         graph.static_grad_out.copy_(grad_out)
         graph.run_input_half()  # the parameters' gradients stay in the sums until the pass gate hands them over
         return None, None, torch.zeros(ctx.phony_shape, device=grad_out.device), graph.static_grad_in

@@ -121,3 +121,18 @@ def test_second_forward_before_backward_is_refused():
     pipe(x)  # the same graphs again: the first output's activations are gone
     with pytest.raises(PipelineError, match="call backward after each forward"):
         stale.backward()
+
+
+def test_second_backward_through_one_pass_is_refused():
+    # the backward graphs reuse activation memory they are done with, so a second replay without a new forward
+    # gave wrong gradients (retain_graph=True); it is now an error
+    from devmap.errors import PipelineError
+
+    _, model = placed_resnet()
+    pipe = pipeline(model, chunks=2, graphs="on")
+    x = torch.randn(8, 3, 64, 64, device="cuda:0")
+    pipe(x).sum().backward()  # capture
+    loss = pipe(x).square().mean()
+    loss.backward(retain_graph=True)
+    with pytest.raises(PipelineError, match="retain_graph"):
+        loss.backward()

@@ -297,3 +297,15 @@ def test_which_micro_batches_defer_their_weight_gradients(deferred, expected):
     assert not any(pipe._defers_weights(0, i, 4) for i in range(4))  # the first stage hands no gradient back
     for j in (1, 2):  # the last micro-batches forward are the first backward: theirs are worth deferring
         assert [i for i in range(4) if pipe._defers_weights(j, i, 4)] == expected
+
+
+def test_backward_twice_through_one_pass_without_graphs():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    pipe = pipeline([(a, "cpu"), (b, "cpu")], chunks=3)
+    loss = pipe(torch.randn(6, 4)).square().sum()
+    loss.backward(retain_graph=True)
+    once = [p.grad.clone() for p in pipe.parameters()]
+    loss.backward()
+    for p, g in zip(pipe.parameters(), once):
+        torch.testing.assert_close(p.grad, 2 * g)

@@ -148,3 +148,4 @@ def test_pass_gate_runs_weight_halves_once_and_hands_over_the_sums():
     open_pass(sums, graphs, torch.device("cpu"))
     with pytest.raises(PipelineError, match="call backward after each forward"):
         stale.backward(torch.empty(0))
+
