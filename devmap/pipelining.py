@@ -18,7 +18,6 @@ outputs differ from the unsplit model's unless there is one micro-batch; in eval
 from __future__ import annotations
 
 import functools
-import gc
 import math
 import queue
 import threading
@@ -254,9 +253,6 @@ class Pipeline(nn.Module):
         with torch.no_grad():
             for buffer, value in zip(self.buffers(), saved):
                 buffer.copy_(value)
-        # Reference cycles left by the capture passes keep the parameters' gradient accumulators of the capture
-        # streams alive until the next garbage collection; the first pass would use them (and sync with them).
-        gc.collect()
         return rows
 
     def _defers_weights(self, j: int, i: int, m: int) -> bool:
