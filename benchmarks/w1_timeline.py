@@ -17,6 +17,8 @@ from torch import nn, optim
 import devmap.pipelining as P
 from devmap.compare_systems import stages_from_names
 from devmap.stages import blocks_of
+from devmap.timing import HarnessConfig
+from w1_breakdown import phases  # host time per statement of the tutorial's train()
 
 D0, D1 = torch.device("cuda:0"), torch.device("cuda:1")
 NAMES = [n for n, _ in blocks_of(torchvision.models.resnet50())]
@@ -31,32 +33,16 @@ opt = optim.SGD(pipe.parameters(), lr=0.001)
 idx = torch.LongTensor(120).random_(0, 1000).view(120, 1)
 inputs = torch.randn(120, 3, 128, 128)
 labels_cpu = torch.zeros(120, 1000).scatter_(1, idx, 1)
-spent = {}
 
 
-def mark(name, since):
-    now = time.perf_counter()
-    spent[name] = spent.get(name, 0.0) + now - since
-    return now
-
-
-def step(record=True):
-    t = time.perf_counter()
+def step():
+    """One step of the tutorial's train(), on inputs made once (the per-statement table is w1_breakdown's)."""
     opt.zero_grad()
-    t = mark("zero_grad", t)
-    x = inputs.to(D0)
-    t = mark("inputs.to", t)
-    out = pipe(x)
-    t = mark("forward", t)
-    labels = labels_cpu.to(out.device)
-    t = mark("labels.to", t)
-    loss_fn(out, labels).backward()
-    t = mark("backward", t)
+    out = pipe(inputs.to(D0))
+    loss_fn(out, labels_cpu.to(out.device)).backward()
     opt.step()
-    t = mark("step", t)
     torch.cuda.synchronize(D0)
     torch.cuda.synchronize(D1)
-    mark("sync", t)
 
 
 warnings.filterwarnings("error", message="The AccumulateGrad")
@@ -68,12 +54,8 @@ for k in range(4):
         print(f"step {k}: warning raised: {str(exc)[:80]}")
 warnings.resetwarnings()
 warnings.filterwarnings("ignore")
-for _ in range(5):
-    step()
-spent.clear()
-for _ in range(30):
-    step()
-print("host ms per step (synchronized after each): " + ", ".join(f"{k} {v / 30 * 1000:.2f}" for k, v in spent.items()))
+row = phases(pipe, [D0, D1], HarnessConfig(), calls=10)
+print("host ms per batch in train(): " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
 
 # GPU timeline of one forward
 for d in (0, 1):

@@ -10,11 +10,9 @@ Run on nvidia-h200-x2:
   PYTHONPATH=. python3 benchmarks/w2_ablation.py 1024 16 four-whole,four-split-kall,four-split-kall-prio --profile
 """
 import sys
-import time
 
 import torch
 import torchvision
-from torch import nn
 
 import devmap.graphs as G
 import devmap.pipelining as P
@@ -22,6 +20,7 @@ import devmap.streams as S
 from devmap.balance import partition, profile_blocks
 from devmap.compare_systems import stages_from_names
 from devmap.stages import blocks_of, group_stages, merge_units, split_units
+from pipeline_resnet50 import time_steps, training_step  # the W2 step, as the benchmark times it
 
 NAMES = [n for n, _ in blocks_of(torchvision.models.resnet50())]
 D0, D1 = torch.device("cuda:0"), torch.device("cuda:1")
@@ -72,28 +71,6 @@ def four_names(micro):
     return names, devs
 
 
-def time_steps(model, x, labels, steps):
-    opt = torch.optim.SGD(model.parameters(), lr=0.001)
-    lf = nn.MSELoss()
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        out = model(x)
-        lf(out, labels.to(out.device)).backward()
-        opt.step()
-
-    for _ in range(3):
-        step()
-    for d in (0, 1):
-        torch.cuda.synchronize(d)
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    for d in (0, 1):
-        torch.cuda.synchronize(d)
-    return (time.perf_counter() - t) / steps * 1000, step
-
-
 def profile(step):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
@@ -129,7 +106,7 @@ def main():
     x = torch.randn(batch, 3, 224, 224, device=D0)
     labels = torch.zeros(batch, 1000, device=D0).scatter_(1, torch.randint(0, 1000, (batch, 1), device=D0), 1)
     m = torchvision.models.resnet50().to(D0)
-    base, _ = time_steps(m, x, labels, 5)
+    base = time_steps(m, x, labels, 5)
     print(f"batch {batch} chunks {chunks}: one GPU {base:.1f} ms", flush=True)
     del m
     torch.cuda.empty_cache()
@@ -151,7 +128,7 @@ def main():
             ks = [r[1:] for r in rest if r.startswith("k")] or ["all"]
             pipe = P.pipeline(stages_from_names(torchvision.models.resnet50(), names, devs), chunks=chunks,
                               deferred_weights=None if ks[0] == "all" else int(ks[0]))
-            ms, step = time_steps(pipe, x, labels, 5)
+            ms = time_steps(pipe, x, labels, 5)
         except torch.OutOfMemoryError as exc:
             print(f"  {config:<18} OOM {str(exc).splitlines()[0][:100]}", flush=True)
             torch.cuda.empty_cache()
@@ -162,8 +139,8 @@ def main():
               f"failures {len(pipe.graph_failures)}  peak reserved {mem[0]:.1f}/{mem[1]:.1f} GiB", flush=True)
         rows.append((config, ms))
         if do_profile:
-            profile(step)
-        del pipe, step
+            profile(training_step(pipe, x, labels))
+        del pipe
         torch.cuda.empty_cache()
     print(f"\nsummary batch {batch} chunks {chunks}, one GPU {base:.1f} ms")
     for config, ms in rows:

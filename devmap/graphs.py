@@ -28,7 +28,7 @@ class StageGraph:
     """A stage's forward (and, when training, its backward in one or two halves) captured for one input shape."""
 
     def __init__(self, module: nn.Module, sample: torch.Tensor, backward: bool, warmup: int = 2,
-                 sums: GradSums | None = None, split: bool = True) -> None:
+                 sums: GradSums | None = None, split: bool = False) -> None:
         device = sample.device
         self.module = module
         self.backward = backward
@@ -63,10 +63,7 @@ class StageGraph:
                 self.static_out = module(self._input())
             if backward:
                 self._capture_backward(module, recorder, pool, side)
-                # The captured forward's autograd graph is spent; dropping it frees the parameters' gradient
-                # accumulators made on the capture stream, which autograd would otherwise keep using (and sync
-                # with) for every later pass.
-                self.static_out = self.static_out.detach()
+                self.static_out = self.static_out.detach()  # its autograd graph is spent: keep the buffer only
         with torch.no_grad():
             for buffer, value in zip(module.buffers(), saved):
                 buffer.copy_(value)
@@ -119,17 +116,15 @@ class StageGraph:
         stage of hundreds of kernels), which would otherwise land in the first training step. The caller restores
         BatchNorm statistics afterwards; the gradient sums are zeroed when the next pass opens."""
         with torch.cuda.device(self.static_in.device):
-            self.fwd.replay()
-            if self.backward:
-                self.bwd.replay()
-                self.run_weight_half()
+            self.replay_step()
             torch.cuda.current_stream().synchronize()
 
     def replay_step(self) -> None:
-        """Forward and whole backward once, gradients into this graph's sums (for timing a stage)."""
+        """Forward and (when captured) whole backward once, gradients into this graph's sums (for timing a stage)."""
         self.fwd.replay()
-        self.bwd.replay()
-        self.run_weight_half()
+        if self.backward:
+            self.bwd.replay()
+            self.run_weight_half()
 
     def __call__(self, x: torch.Tensor, phony: torch.Tensor | None = None) -> torch.Tensor:
         """Replay on the current stream. When captured with backward it is differentiable: the input gradient comes

@@ -32,6 +32,10 @@ class Call:
     input_version: int
 
 
+def _weight_and_bias(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
+
+
 def splittable(module: nn.Module) -> bool:
     """Whether the module's weight gradient can be computed from its recorded input and output gradient."""
     if type(module) not in SPLITTABLE:  # a subclass may compute something else in its forward
@@ -73,8 +77,7 @@ def deferrable(root: nn.Module, calls: list[Call]) -> list[Call]:
     owners = Counter(id(p) for _, p in root.named_parameters(remove_duplicate=False))
     kept = []
     for call in calls:
-        own = [p for p in (call.module.weight, getattr(call.module, "bias", None)) if p is not None]
-        if (runs[id(call.module)] == 1 and all(owners[id(p)] == 1 for p in own)
+        if (runs[id(call.module)] == 1 and all(owners[id(p)] == 1 for p in _weight_and_bias(call.module))
                 and call.output.requires_grad and call.output._version == call.version
                 and call.output.grad_fn is call.grad_fn and call.input._version == call.input_version):
             kept.append(call)
@@ -83,12 +86,7 @@ def deferrable(root: nn.Module, calls: list[Call]) -> list[Call]:
 
 def deferred_parameters(calls: list[Call]) -> set[int]:
     """ids of the parameters whose gradients the weight half computes."""
-    ids = set()
-    for call in calls:
-        for p in (call.module.weight, getattr(call.module, "bias", None)):
-            if p is not None and p.requires_grad:
-                ids.add(id(p))
-    return ids
+    return {id(p) for call in calls for p in _weight_and_bias(call.module) if p.requires_grad}
 
 
 def weight_grads(calls: list[Call], output_grads: list[torch.Tensor | None]) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
