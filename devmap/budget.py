@@ -12,6 +12,8 @@ from .memory import DeviceKey, Size, device_label, parse_max_memory, parse_size
 
 # Like transformers, keep 10% of each real GPU's free memory for activations when the user sets no budget.
 REAL_GPU_FRACTION = 0.9
+# Simulated GPUs per plan: far above any machine, low enough that a typo cannot make planning loop for minutes.
+MAX_GPUS = 4096
 
 
 @dataclass
@@ -26,10 +28,23 @@ class Budget:
         return [k for k in self.limits if isinstance(k, int)]
 
     def label(self) -> str:
-        """ "cuda:0 20.00 GiB, cpu 64.00 GiB" """
+        """ "cuda:0 20.00 GiB, cpu 64.00 GiB"; runs of GPUs with one budget as "cuda:0-7 80.00 GiB each". """
         from .memory import format_bytes
 
-        return ", ".join(f"{device_label(k)} {format_bytes(v)}" for k, v in self.limits.items())
+        parts: list[str] = []
+        gpus = self.gpus
+        start = 0
+        while start < len(gpus):
+            end = start
+            while (end + 1 < len(gpus) and gpus[end + 1] == gpus[end] + 1
+                   and self.limits[gpus[end + 1]] == self.limits[gpus[start]]):
+                end += 1
+            size = format_bytes(self.limits[gpus[start]])
+            parts.append(f"cuda:{gpus[start]} {size}" if end == start else
+                         f"cuda:{gpus[start]}-{gpus[end]} {size} each")
+            start = end + 1
+        parts += [f"{k} {format_bytes(v)}" for k, v in self.limits.items() if not isinstance(k, int)]
+        return ", ".join(parts)
 
 
 def _ordered(limits: Mapping[DeviceKey, int]) -> dict[DeviceKey, int]:
@@ -47,8 +62,8 @@ def resolve_budget(
 
     - `gpus` + `gpu_memory`: that many simulated GPUs; cpu and disk only where `max_memory` names them.
     - `max_memory` alone: exactly the devices it names (GPU indices may be simulated).
-    - nothing: each real GPU at 90% of its free memory, plus the host's available memory; disk (unlimited)
-      only with an `offload_folder`.
+    - nothing: each real GPU at 90% of its free memory, plus the host's available memory.
+    With an `offload_folder` and no disk budget, disk is allowed up to the free space of that folder's filesystem.
     """
     overrides = parse_max_memory(max_memory)
     real_gpus = hardware.gpu_count()
@@ -59,8 +74,8 @@ def resolve_budget(
     if gpu_memory is not None and gpus is None:
         raise UsageError("--gpu-memory needs --gpus N: say how many GPUs to simulate")
     if gpus is not None:
-        if gpus < 1:
-            raise UsageError(f"invalid --gpus {gpus}: the number of GPUs must be at least 1")
+        if gpus < 1 or gpus > MAX_GPUS:
+            raise UsageError(f"invalid --gpus {gpus}: the number of GPUs must be at least 1 and at most {MAX_GPUS}")
         if gpu_memory is None:
             if real_gpus < gpus:
                 raise UsageError(
@@ -83,8 +98,6 @@ def resolve_budget(
             totals[i], limits[i] = total, int(free * REAL_GPU_FRACTION)
         available, _ = hardware.host_memory()
         limits["cpu"] = available
-        if offload_folder is not None:
-            limits["disk"] = shutil.disk_usage(_existing_parent(offload_folder)).free
 
     for key, raw in overrides.items():
         if key not in totals:
@@ -92,6 +105,9 @@ def resolve_budget(
         if isinstance(key, int) and key >= real_gpus and gpus is None:
             simulated = True
         limits[key] = parse_size(raw, total=totals[key], what=f"memory for {device_label(key)}")
+    if offload_folder is not None and "disk" not in limits:
+        # as in transformers: naming an offload folder allows disk, bounded by that filesystem's free space
+        limits["disk"] = shutil.disk_usage(_existing_parent(offload_folder)).free
     return Budget(limits=_ordered(limits), simulated=simulated)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError, UsageError
+from .member_paths import member_path
 
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -49,8 +51,10 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             (header_len,) = struct.unpack("<Q", raw_len)
             if header_len <= 0 or header_len > min(_MAX_HEADER, size - 8):
                 raise CheckpointError(f"{path} is corrupted or truncated: its header claims {header_len} bytes")
-            header = json.loads(f.read(header_len))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+            header = json.loads(f.read(header_len), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise CheckpointError(f"{path} is corrupted: its header names {exc.args[0]!r} twice") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"{path} is corrupted: its safetensors header is not valid JSON") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
@@ -63,12 +67,14 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             continue
         try:
             dtype = _ST_DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            if not isinstance(info["shape"], list) or not isinstance(info["data_offsets"], list):
+                raise TypeError
+            shape = tuple(_whole(d) for d in info["shape"])
+            begin, end = (_whole(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path} is corrupted: bad header entry for {name!r}") from None
-        expected = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
-        if end - begin != expected or begin < 0:
+        expected = math.prod(shape) * dtype.itemsize
+        if end - begin != expected or begin < 0 or min(shape, default=0) < 0:
             raise CheckpointError(f"{path} is corrupted: {name!r} spans {end - begin} bytes, its shape needs {expected}")
         if base + end > size:
             raise CheckpointError(
@@ -76,17 +82,45 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
                 "re-download or re-save the checkpoint"
             )
         entries[name] = TensorEntry(name, path, dtype, shape, base + begin, base + end)
+    spans = sorted((e.start, e.end, e.name) for e in entries.values() if e.nbytes)
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise CheckpointError(f"{path} is corrupted: the bytes of {first!r} and {second!r} overlap")
     return entries
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    data: dict[str, object] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKey(key)
+        data[key] = value
+    return data
+
+
+def _whole(value: object) -> int:
+    """An integer from JSON (not a bool, float or string)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(value)
+    return value
 
 
 def _read_index(index_file: Path) -> dict[str, str]:
     try:
-        data = json.loads(index_file.read_text())
+        if index_file.stat().st_size > _MAX_HEADER:
+            raise CheckpointError(f"{index_file} is over {_MAX_HEADER >> 20} MiB: not an index transformers writes")
+        data = json.loads(index_file.read_text(), object_pairs_hook=_unique_keys)
         weight_map = data["weight_map"]
-        if not isinstance(weight_map, dict):
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
             raise TypeError
         return weight_map
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+    except _DuplicateKey as exc:
+        raise CheckpointError(f"{index_file} names {exc.args[0]!r} twice; re-save the checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError):
         raise CheckpointError(f"{index_file} is not a valid index: expected JSON with a 'weight_map' object") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {index_file}: {exc.strerror or exc}") from None
@@ -127,15 +161,19 @@ def index_checkpoint(path: Path, allow_pickle: bool = False) -> dict[str, Tensor
         index_file = path / index_name
         if index_file.is_file():
             weight_map = _read_index(index_file)
-            missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+            where = f"{index_name} (weight_map)"
+            for name in weight_map.values():
+                member_path(path, name, where)  # every name is a plain file name before any is used
+            shards = {f: member_path(path, f, where) for f in sorted(set(weight_map.values()))}
+            missing = sorted(f for f, file in shards.items() if not file.is_file())
             if missing:
                 raise CheckpointError(
                     f"{index_file.name} names {len(missing)} missing file(s): {', '.join(missing[:3])}; "
                     "copy every shard into the directory"
                 )
             entries: dict[str, TensorEntry] = {}
-            for shard in sorted(set(weight_map.values())):
-                shard_entries = index_checkpoint(path / shard, allow_pickle)
+            for shard, file in shards.items():
+                shard_entries = index_checkpoint(file, allow_pickle)
                 entries.update({n: e for n, e in shard_entries.items() if weight_map.get(n) == shard})
             absent = [n for n, f in weight_map.items() if n not in entries]
             if absent:
@@ -158,6 +196,7 @@ def match_state(
     entries: dict[str, TensorEntry],
     tied_groups: list[list[str]],
     allow_missing: bool = False,
+    floating: set[str] | None = None,
 ) -> list[str]:
     """Check checkpoint names and shapes against the model's; return the names the model must initialize itself.
 
@@ -180,6 +219,14 @@ def match_state(
         raise CheckpointError(
             f"{len(mismatched)} tensor shape(s) don't match the config: {'; '.join(mismatched[:3])}"
         )
+    if floating is not None:
+        kinds = [f"{n} is {entries[n].dtype}" for n in expected
+                 if n in entries and entries[n].dtype.is_floating_point != (n in floating)]
+        if kinds:
+            raise CheckpointError(
+                f"{len(kinds)} tensor dtype(s) don't match the model (floating point vs integer): "
+                f"{'; '.join(kinds[:3])}; the checkpoint was saved from a different model"
+            )
     if missing and not allow_missing:
         raise CheckpointError(
             f"checkpoint lacks {len(missing)} tensor(s) of the model: {', '.join(missing[:4])}; "

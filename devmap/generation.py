@@ -54,6 +54,7 @@ def generate(
     sampling = Sampling(do_sample, temperature, top_k, top_p, seed)
     sampling.check()
     stages = CausalLMStages(model, split_layers)
+    check_length(model.config, input_ids.shape[-1] + max_new_tokens)
     stages.float_mask_dtype()  # refuses attention implementations the decode mask does not fit
     config = getattr(model, "generation_config", None) or model.config
     eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
@@ -86,6 +87,16 @@ def generate(
             new = torch.cat([new, new.new_full((new.shape[0], steps - new.shape[1]), pad)], dim=1)
         rows.append(torch.cat([input_ids[lane.rows].cpu(), new], dim=1))
     return torch.cat(rows)
+
+
+def check_length(config: Any, total: int) -> None:
+    """Refuse prompt + new tokens beyond the model's context (each lane's static cache holds that many)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and total > limit:
+        raise UsageError(
+            f"prompt + new tokens = {total:,} is more than the model's context of {limit:,} tokens "
+            "(max_position_embeddings); shorten the prompt or --max-new-tokens"
+        )
 
 
 @torch.no_grad()

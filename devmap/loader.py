@@ -8,13 +8,15 @@ backward runs through the blocks on their devices.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Iterator, Mapping, Union
 
 import torch
 from torch import nn
@@ -22,12 +24,12 @@ from torch import nn
 from . import hardware
 from .budget import resolve_budget
 from .checkpoint import TensorEntry, index_checkpoint, match_state
-from .errors import UsageError
+from .errors import CheckpointError, UsageError
 from .initialization import init_module_
 from .memory import DeviceKey, Size, device_label, dtype_name, parse_dtype
 from .models import resolve_source
 from .placement import _quiet
-from .planner import DeviceMapSpec, Plan, owner_of, plan_model
+from .planner import DeviceMapSpec, Plan, check_could_fit, owner_of, plan_model
 from .transfer import CopyJob, copy_into
 
 
@@ -84,6 +86,7 @@ def load(
     *,
     allow_missing: bool = False,
     allow_pickle: bool = False,
+    no_split_module_classes: list[str] | None = None,
     seed: int = 0,
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
@@ -103,26 +106,25 @@ def load(
     entries = index_checkpoint(checkpoint, allow_pickle) if checkpoint is not None else None
     folder = str(offload_folder) if offload_folder is not None else None
     budget = resolve_budget(max_memory, offload_folder=folder)
+    check_could_fit(model_source, budget, torch_dtype)
     model = model_source.build(cpu_buffers=True)
-    plan = plan_model(model, model_source, device_map, budget, torch_dtype)
-    _check_devices(plan, folder)
+    plan = plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes)
+    with _undo_offload_on_failure(folder):
+        _check_devices(plan, folder)
+        from accelerate.utils import find_tied_parameters
 
-    from accelerate.utils import find_tied_parameters
-
-    state = model.state_dict(keep_vars=True)
-    expected = {n: tuple(t.shape) for n, t in state.items()}
-    missing = (match_state(expected, entries, find_tied_parameters(model), allow_missing)
-               if entries is not None else list(expected))
-    std = float(getattr(model_source.config, "initializer_range", 0.02) or 0.02)
-    created_folder = folder is not None and not Path(folder).exists()
-    try:
-        report = _materialize(model, plan, entries or {}, set(missing), std, seed, folder, workers, progress)
-        _attach_hooks(model, plan, folder)
-    except BaseException:
-        _release(model)
-        if created_folder and folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        raise
+        state = model.state_dict(keep_vars=True)
+        expected = {n: tuple(t.shape) for n, t in state.items()}
+        floating = {n for n, t in state.items() if t.is_floating_point()}
+        missing = (match_state(expected, entries, find_tied_parameters(model), allow_missing, floating)
+                   if entries is not None else list(expected))
+        std = float(getattr(model_source.config, "initializer_range", 0.02) or 0.02)
+        try:
+            report = _materialize(model, plan, entries or {}, set(missing), std, seed, folder, workers, progress)
+            _attach_hooks(model, plan, folder)
+        except BaseException:
+            _release(model)
+            raise
     report.update(source=model_source.name, checkpoint=str(checkpoint) if checkpoint else None,
                   random_init=entries is None, initialized=sorted(missing) if entries is not None else [],
                   seconds=time.perf_counter() - start)
@@ -148,9 +150,32 @@ def dispatch(
     budget = resolve_budget(max_memory, offload_folder=folder)
     plan = plan_model(model, model_source, device_map, budget, torch_dtype or model_source.default_dtype,
                       no_split_module_classes)
-    _check_devices(plan, folder)
-    _attach_hooks(model, plan, folder)
+    with _undo_offload_on_failure(folder):
+        _check_devices(plan, folder)
+        _attach_hooks(model, plan, folder)
     return model
+
+
+@contextlib.contextmanager
+def _undo_offload_on_failure(folder: str | None) -> Iterator[None]:
+    """On failure (disk full, interrupt), remove what this load wrote into the offload folder: the folder itself
+    if the load created it, else only the files it added, so no half-written offload is left behind."""
+    path = Path(folder) if folder is not None else None
+    existed = path is not None and path.exists()
+    before = set(os.listdir(path)) if existed and path is not None else set()
+    try:
+        yield
+    except BaseException:
+        if path is not None and not existed:
+            shutil.rmtree(path, ignore_errors=True)
+        elif path is not None and path.is_dir():
+            for name in set(os.listdir(path)) - before:
+                target = path / name
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target, ignore_errors=True)
+                else:
+                    target.unlink(missing_ok=True)
+        raise
 
 
 def _check_devices(plan: Plan, folder: str | None) -> None:
@@ -265,14 +290,26 @@ def _offload(model: nn.Module, tensors: list[_Deferred], folder: str | None, std
              progress: Callable[[int], None] | None) -> float:
     """Module by module: allocate its disk-bound parameters in host memory, fill them (checkpoint or random
     init), write them in accelerate's offload format and drop them, so host memory holds one module at most."""
-    from accelerate.utils import offload_weight, save_offload_index
-
     start = time.perf_counter()
-    index: dict[str, Any] = {}
     generator = torch.Generator().manual_seed(seed)
     by_module: dict[str, list[_Deferred]] = {}
     for item in tensors:
         by_module.setdefault(item.name.rpartition(".")[0], []).append(item)
+    try:
+        _offload_modules(model, by_module, folder, std, generator, progress)
+    except OSError as exc:  # disk full, folder removed: the caller removes what was written
+        raise CheckpointError(
+            f"could not write to the offload folder {folder}: {exc.strerror or exc}; free space there or choose "
+            "another --offload-folder"
+        ) from None
+    return time.perf_counter() - start
+
+
+def _offload_modules(model: nn.Module, by_module: dict[str, list[_Deferred]], folder: str | None, std: float,
+                     generator: torch.Generator, progress: Callable[[int], None] | None) -> None:
+    from accelerate.utils import offload_weight, save_offload_index
+
+    index: dict[str, Any] = {}
     for module_name, items in by_module.items():
         module = model.get_submodule(module_name)
         values = {}
@@ -291,7 +328,6 @@ def _offload(model: nn.Module, tensors: list[_Deferred], folder: str | None, std
                 _set_tensor(model, name, meta)
         del values
     save_offload_index(index, folder)
-    return time.perf_counter() - start
 
 
 def _attach_hooks(model: nn.Module, plan: Plan, folder: str | None) -> None:

@@ -89,7 +89,7 @@ def parse_device_key(key: DeviceKey) -> DeviceKey:
         return 0
     if text.startswith("cuda:"):
         text = text[5:]
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # "²".isdigit() is true, and int() refuses it
         return int(text)
     raise UsageError(f"unknown device {key!r}: use a GPU index (0, 1, ...), cuda:N, cpu or disk")
 
@@ -114,14 +114,19 @@ def parse_max_memory(spec: str | Mapping[DeviceKey, Size] | None) -> dict[Device
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """Map "bf16", "float16", torch.float32, ... to a torch dtype; None stays None."""
+    """Map "bf16", "float16", torch.float32, ... to a torch dtype; None and "auto" (the checkpoint's own dtype, as
+    in transformers) give None."""
+    if isinstance(dtype, str) and dtype.strip().lower() == "auto":
+        return None
     if dtype is None or isinstance(dtype, torch.dtype):
         if isinstance(dtype, torch.dtype) and dtype not in _DTYPES.values():
             raise UsageError(f"unsupported dtype {dtype}: use one of {', '.join(DTYPE_CHOICES)}")
         return dtype
     name = str(dtype).strip().lower().removeprefix("torch.")
     if name not in _DTYPES:
-        raise UsageError(f"unsupported dtype {dtype!r}: use one of {', '.join(DTYPE_CHOICES)} (or fp32, fp16, bf16)")
+        raise UsageError(
+            f"unsupported dtype {dtype!r}: use one of {', '.join(DTYPE_CHOICES)} (or fp32, fp16, bf16, auto)"
+        )
     return _DTYPES[name]
 
 

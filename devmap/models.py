@@ -11,7 +11,9 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from .config_limits import MAX_CONFIG_BYTES, check_config
 from .errors import SourceError
+from .member_paths import check_metadata_paths
 
 RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 
@@ -140,16 +142,16 @@ def _read_hf_config(path: Path) -> Any:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise SourceError(f"{path} has no config.json: a model directory needs the config.json that transformers writes")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SourceError(f"{config_file} is not valid JSON ({exc}); rewrite it or re-save the model") from None
-    if not isinstance(raw, dict) or "model_type" not in raw:
+    raw = _read_json(config_file)
+    if "model_type" not in raw:
         raise SourceError(f"{config_file} has no 'model_type': it is not a config.json transformers wrote")
+    min_params = check_config(raw, str(config_file))
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config.devmap_min_params = min_params
+        return config
     except (ValueError, KeyError, OSError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SourceError(
@@ -157,19 +159,31 @@ def _read_hf_config(path: Path) -> Any:
         ) from None
 
 
+def _read_json(config_file: Path) -> dict[str, Any]:
+    try:
+        if config_file.stat().st_size > MAX_CONFIG_BYTES:
+            raise SourceError(f"{config_file} is over {MAX_CONFIG_BYTES >> 20} MiB: not a config.json transformers wrote")
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise SourceError(f"{config_file} is not valid JSON ({exc}); rewrite it or re-save the model") from None
+    except OSError as exc:
+        raise SourceError(f"cannot read {config_file}: {exc.strerror or exc}") from None
+    if not isinstance(raw, dict):
+        raise SourceError(f"{config_file} is not a JSON object: it is not a config.json transformers wrote")
+    return raw
+
+
 def _torchvision_dir(path: Path) -> ModelSource | None:
     """A directory written by `devmap save` for a torchvision ResNet: config.json names "torchvision_model"."""
     config_file = path / "config.json"
-    try:
-        raw = json.loads(config_file.read_text()) if config_file.is_file() else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    raw = _read_json(config_file) if config_file.is_file() else None
+    if raw is None or "torchvision_model" not in raw:
         return None
-    if not isinstance(raw, dict) or "torchvision_model" not in raw:
-        return None
+    check_config(raw, str(config_file))
     arch = raw["torchvision_model"]
     if arch not in RESNETS:
         raise SourceError(f"{config_file} names torchvision model {arch!r}; devmap knows {', '.join(RESNETS)}")
-    extra = {"num_classes": int(raw.get("num_classes", 1000))}
+    extra = {"num_classes": raw.get("num_classes") or 1000}
     dtype = raw.get("dtype")
     default = getattr(torch, dtype) if dtype in ("float32", "float16", "bfloat16") else torch.float32
     return ModelSource(name=arch, kind="torchvision", path=path, extra=extra, default_dtype=default)
@@ -190,6 +204,7 @@ def resolve_source(source: Union[str, Path, nn.Module]) -> ModelSource:
         return ModelSource(name=name, kind="llama-preset", config=config, default_dtype=_config_dtype(config))
     path = Path(name).expanduser()
     if path.is_dir():
+        check_metadata_paths(path)
         torchvision_source = _torchvision_dir(path)
         if torchvision_source is not None:
             return torchvision_source

@@ -20,10 +20,10 @@ from .memory import (
     parse_device_key,
     parse_dtype,
 )
+from .device_maps import DeviceMapSpec, normalize_device_map
 from .models import ModelSource, default_no_split, resolve_source
-from .placement import STRATEGIES, DeviceMap, module_sizes, place, usage
+from .placement import DeviceMap, module_sizes, place, usage
 
-DeviceMapSpec = Union[str, Mapping[str, Union[int, str, torch.device]]]
 
 
 @dataclass
@@ -126,17 +126,31 @@ def plan(
 ) -> Plan:
     """Place `source` (preset name, local HF directory or nn.Module) on devices without allocating memory.
 
-    `device_map` is a strategy (auto, balanced, balanced_low_0, sequential) or an explicit
-    {module name: device}. Budgets come from `max_memory`, simulated `gpus` x `gpu_memory`, or this
+    `device_map` is a strategy (auto, balanced, balanced_low_0, sequential), one device for the whole model
+    (0, "cuda:1", "cpu", torch.device), an explicit {module name: device}, or a .json file holding one. Budgets come from `max_memory`, simulated `gpus` x `gpu_memory`, or this
     machine (see devmap.budget.resolve_budget). `dtype` sets the size of each weight.
     """
-    _check_strategy(device_map)
+    device_map = normalize_device_map(device_map)
     torch_dtype = parse_dtype(dtype)
     model_source = resolve_source(source)
     budget = resolve_budget(max_memory, gpus=gpus, gpu_memory=gpu_memory, offload_folder=offload_folder)
+    check_could_fit(model_source, budget, torch_dtype or model_source.default_dtype)
     model = model_source.build("meta")
     return plan_model(model, model_source, device_map, budget, torch_dtype or model_source.default_dtype,
                       no_split_module_classes)
+
+
+def check_could_fit(model_source: ModelSource, budget: Budget, dtype: torch.dtype) -> None:
+    """Refuse, before building anything, a model whose config alone shows it exceeds every budget together."""
+    least = getattr(model_source.config, "devmap_min_params", 0) * dtype.itemsize
+    available = sum(budget.limits.values())
+    if budget.limits and least > available:
+        raise DoesNotFitError(
+            f"{model_source.name} needs at least {format_bytes(least)} in {dtype_name(dtype)} (from its config.json) "
+            f"but the budget holds {format_bytes(available)} ({budget.label()}); at least "
+            f"{format_bytes(least - available)} fits nowhere. Add offload with --max-memory (e.g. cpu=64GiB,"
+            "disk=200GiB), use more GPUs, or a smaller --dtype"
+        )
 
 
 def plan_model(
@@ -148,7 +162,8 @@ def plan_model(
     no_split_module_classes: list[str] | None = None,
 ) -> Plan:
     """Plan an already built model (parameters on meta or real) under `budget`."""
-    strategy = _check_strategy(device_map)
+    device_map = normalize_device_map(device_map)
+    strategy = device_map if isinstance(device_map, str) else "explicit"
     no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model)
     sizes = module_sizes(model, dtype)
     if isinstance(device_map, str):
@@ -175,19 +190,6 @@ def plan_model(
         model=model,
         model_source=model_source,
     )
-
-
-def _check_strategy(device_map: DeviceMapSpec) -> str:
-    if isinstance(device_map, str):
-        if device_map not in STRATEGIES:
-            raise UsageError(
-                f"unknown device map strategy {device_map!r}: use one of {', '.join(STRATEGIES)} "
-                "or an explicit {module: device} mapping"
-            )
-        return device_map
-    if not isinstance(device_map, Mapping) or not device_map:
-        raise UsageError("device_map must be a strategy name or a non-empty {module name: device} mapping")
-    return "explicit"
 
 
 def _check_fits(name: str, placed: DeviceMap, sizes: dict[str, int], budget: Budget, dtype: torch.dtype) -> None:

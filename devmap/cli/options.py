@@ -6,7 +6,8 @@ from typing import Any, Callable
 
 import click
 
-STRATEGY_HELP = "auto, balanced, balanced_low_0 or sequential (GPUs first, then cpu, then disk)."
+STRATEGY_HELP = ("auto, balanced, balanced_low_0 or sequential (GPUs first, then cpu, then disk); one device for the "
+                 "whole model (cpu, cuda:1, 0); or a JSON file {module: device} (e.g. the output of plan --json).")
 
 
 def placement_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -21,7 +22,7 @@ def placement_options(func: Callable[..., Any]) -> Callable[..., Any]:
             help="Budget per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=200GB (sizes in B/KB/MB/GB/TB, "
             "KiB/MiB/GiB/TiB or % of the device).",
         ),
-        click.option("--dtype", default=None, help="float32, float16 or bfloat16 (also fp32, fp16, bf16)."),
+        click.option("--dtype", default=None, help="float32, float16, bfloat16 (also fp32, fp16, bf16) or auto."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -33,7 +34,7 @@ def load_options(func: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--device-map", "device_map", default="auto", show_default=True, help=STRATEGY_HELP),
         click.option("--max-memory", default=None, help="Budget per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=200GB."),
-        click.option("--dtype", default=None, help="float32, float16 or bfloat16 (weights are cast on load)."),
+        click.option("--dtype", default=None, help="float32, float16, bfloat16, or auto (the checkpoint's; weights are cast on load)."),
     ]
     for option in reversed(options):
         func = option(func)
