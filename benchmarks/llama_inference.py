@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import devmap
 from devmap.generation import forward, generate, timed
-from devmap.models import llama_config
+from devmap.planning.models import llama_config
 
 
 CALLS: dict[str, list[float]] = {}  # every call's seconds, first (cold) call included: written to the JSON

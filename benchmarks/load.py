@@ -79,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     path = Path(args.dir)
     if not (path / "config.json").exists():
-        from devmap.saver import save
+        from devmap.loading.saver import save
 
         t = time.perf_counter()
         save(args.model, path, dtype="bfloat16", max_shard_size="5GB", seed=0)

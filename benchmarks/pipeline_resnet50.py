@@ -13,16 +13,17 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torchvision
 from torch import nn
 
-from devmap.loader import dispatch
+from devmap.loading.loader import dispatch
 from devmap.pipelining import pipeline
-from devmap.compare_systems import stages_from_names
+from devmap.comparison.compare_systems import stages_from_names
+
+from common import time_steps, training_step  # noqa: F401 (shared by the W2 scripts)
 
 TUTORIAL_SPLIT = {"conv1": 0, "bn1": 0, "relu": 0, "maxpool": 0, "layer1": 0, "layer2": 0,
                   "layer3": 1, "layer4": 1, "avgpool": 1, "fc": 1}
@@ -43,8 +44,8 @@ def one_gpu_two_stages(model: nn.Module, names: list[list[str]], chunks: int):  
 # ---------------------------------------------------------------- W1
 def run_w1(args: argparse.Namespace) -> dict:
     """The same systems `devmap compare` times (devmap's tuned once, outside the timed runs)."""
-    from devmap.compare_systems import devmap_systems
-    from devmap.timing import HarnessConfig, run_comparison
+    from devmap.comparison.compare_systems import devmap_systems
+    from devmap.comparison.timing import HarnessConfig, run_comparison
 
     config = HarnessConfig(split_sizes=tuple(int(s) for s in args.split_sizes.split(",")), warmup=1)
     devices = [torch.device("cuda:0"), torch.device("cuda:1")]
@@ -64,37 +65,8 @@ def run_w1(args: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------- W2
-def training_step(model: nn.Module, x: torch.Tensor, labels: torch.Tensor):  # type: ignore[no-untyped-def]
-    """One W2 step as a function: zero_grad, forward, MSE on one-hot labels, backward, SGD."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
-    loss_fn = nn.MSELoss()
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        out = model(x)
-        loss_fn(out, labels.to(out.device)).backward()
-        optimizer.step()
-
-    return step
-
-
-def time_steps(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, steps: int) -> float:
-    """Milliseconds per training step, after 3 warm-up steps, all GPUs synchronized."""
-    step = training_step(model, x, labels)
-    for _ in range(3):
-        step()
-    for d in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(d)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    for d in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(d)
-    return (time.perf_counter() - start) / steps * 1000
-
-
 def run_w2(args: argparse.Namespace) -> dict:
-    from devmap import tutorial_models as tm
+    from devmap.comparison import tutorial_models as tm
 
     out: dict = {}
     for batch in [int(b) for b in args.batches.split(",")]:

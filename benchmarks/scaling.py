@@ -20,8 +20,8 @@ import torchvision
 
 import devmap
 from devmap.generation import forward, timed
-from devmap.models import llama_config
-from devmap.stages import blocks_of
+from devmap.planning.models import llama_config
+from devmap.pipelining.stages import blocks_of
 
 
 def time_training(model: torch.nn.Module, x: torch.Tensor, steps: int) -> float:

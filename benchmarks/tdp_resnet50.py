@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from devmap.stages import blocks_of
+    from devmap.pipelining.stages import blocks_of
 
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -12,10 +12,10 @@ import torch
 import torchvision
 
 import devmap.pipelining as P
-from devmap.compare_systems import stages_from_names
-from devmap.stages import blocks_of
-from devmap.timing import HarnessConfig
-from devmap import tutorial_models as tm
+from devmap.comparison.compare_systems import stages_from_names
+from devmap.pipelining.stages import blocks_of
+from devmap.comparison.timing import HarnessConfig
+from devmap.comparison import tutorial_models as tm
 
 warnings.filterwarnings("ignore")
 D0, D1 = torch.device("cuda:0"), torch.device("cuda:1")

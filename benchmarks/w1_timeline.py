@@ -15,10 +15,10 @@ import torchvision
 from torch import nn, optim
 
 import devmap.pipelining as P
-from devmap.compare_systems import stages_from_names
-from devmap.stages import blocks_of
-from devmap.timing import HarnessConfig
-from w1_breakdown import phases  # host time per statement of the tutorial's train()
+from devmap.comparison.compare_systems import stages_from_names
+from devmap.pipelining.stages import blocks_of
+from devmap.comparison.timing import HarnessConfig
+from common import phases  # host time per statement of the tutorial's train()
 
 D0, D1 = torch.device("cuda:0"), torch.device("cuda:1")
 NAMES = [n for n, _ in blocks_of(torchvision.models.resnet50())]

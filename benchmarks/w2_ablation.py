@@ -14,13 +14,14 @@ import sys
 import torch
 import torchvision
 
-import devmap.graphs as G
-import devmap.pipelining as P
-import devmap.streams as S
-from devmap.balance import partition, profile_blocks
-from devmap.compare_systems import stages_from_names
-from devmap.stages import blocks_of, group_stages, merge_units, split_units
-from pipeline_resnet50 import time_steps, training_step  # the W2 step, as the benchmark times it
+import devmap.pipelining.graphs as G
+import devmap.pipelining.pipe as P
+from devmap.pipelining import pipeline
+import devmap.pipelining.streams as S
+from devmap.pipelining.balance import partition, profile_blocks
+from devmap.comparison.compare_systems import stages_from_names
+from devmap.pipelining.stages import blocks_of, group_stages, merge_units, split_units
+from common import time_steps, training_step  # the W2 step, as the benchmark times it
 
 NAMES = [n for n, _ in blocks_of(torchvision.models.resnet50())]
 D0, D1 = torch.device("cuda:0"), torch.device("cuda:1")
@@ -126,7 +127,7 @@ def main():
             torch.cuda.reset_peak_memory_stats(d)
         try:
             ks = [r[1:] for r in rest if r.startswith("k")] or ["all"]
-            pipe = P.pipeline(stages_from_names(torchvision.models.resnet50(), names, devs), chunks=chunks,
+            pipe = pipeline(stages_from_names(torchvision.models.resnet50(), names, devs), chunks=chunks,
                               deferred_weights=None if ks[0] == "all" else int(ks[0]))
             ms = time_steps(pipe, x, labels, 5)
         except torch.OutOfMemoryError as exc:

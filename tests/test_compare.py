@@ -7,10 +7,10 @@ import torch
 import torchvision
 from click.testing import CliRunner
 
-from devmap import tutorial_models as tm
+from devmap.comparison import tutorial_models as tm
 from devmap.cli import main
-from devmap.plots import write_plots
-from devmap.timing import PIPELINE, TUTORIAL_SYSTEMS, HarnessConfig, run_comparison, time_system, total_runs
+from devmap.comparison.plots import write_plots
+from devmap.comparison.timing import PIPELINE, TUTORIAL_SYSTEMS, HarnessConfig, run_comparison, time_system, total_runs
 
 SPLITS = [2, 4, 8]  # with 32x32 images a micro-batch of 1 cannot train (see test_bad_arguments)
 SMALL = ["--devices", "cpu,cpu", "--batch-size", "4", "--image-size", "32", "--num-batches", "1", "--repeat", "2",

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from devmap import load
-from devmap.budget import resolve_budget
+from devmap.planning.budget import resolve_budget
 from devmap.cli import main
-from devmap.device_maps import normalize_device_map
+from devmap.planning.device_maps import normalize_device_map
 from devmap.errors import CheckpointError, DevmapError, UsageError
-from devmap.memory import _UNITS, parse_device_key, parse_max_memory, parse_size
-from devmap.planner import validate_device_map
+from devmap.planning.memory import _UNITS, parse_device_key, parse_max_memory, parse_size
+from devmap.planning.planner import validate_device_map
 from devmap.testing import ToyModel
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -98,7 +98,7 @@ def test_explicit_device_maps_place_every_tensor_or_refuse(spec):
         placed = validate_device_map(model, normalize_device_map(spec), budget)
     except UsageError:
         return
-    from devmap.planner import owner_of
+    from devmap.planning.planner import owner_of
 
     assert all(owner_of(name, placed) is not None for name, _ in model.named_parameters())
 

@@ -72,7 +72,7 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
 
 
 def test_loaded_model_generates_like_transformers(tmp_path):
-    from devmap.saver import save
+    from devmap.loading.saver import save
 
     save("llama-tiny", tmp_path / "ckpt", seed=1)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
@@ -104,7 +104,7 @@ def test_bad_arguments(model):
 
 
 def test_errors_in_a_stage_reach_the_caller(model, monkeypatch):
-    from devmap import causal_lm
+    from devmap.generation import causal_lm
 
     def boom(self, stage, hidden, context, cache):
         raise RuntimeError("stage failed")
@@ -150,7 +150,8 @@ def test_unsupported_attention_is_refused(model, monkeypatch):
 
 def test_cached_steps_are_reused_across_calls_and_dropped_on_change(model, monkeypatch):
     """The paths that keep fixed-buffer steps on the model between calls (graphs on GPUs; eager here)."""
-    from devmap import lane_runner, release_graphs
+    from devmap import release_graphs
+    from devmap.generation import lane_runner
 
     monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)
     ids, mask = prompts()
@@ -188,7 +189,7 @@ def test_cached_steps_are_reused_across_calls_and_dropped_on_change(model, monke
 
 
 def test_weight_pointers_see_moved_and_replaced_weights():
-    from devmap.step_cache import weight_pointers
+    from devmap.generation.step_cache import weight_pointers
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval()

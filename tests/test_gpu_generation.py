@@ -47,7 +47,7 @@ def test_two_gpus_match_one(dtype, monkeypatch):
 
 
 def test_decode_steps_are_replayed_graphs_and_eos_stops_like_transformers(monkeypatch):
-    from devmap import generation
+    from devmap.generation import api as generation
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     torch.manual_seed(1)

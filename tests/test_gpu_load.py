@@ -9,7 +9,7 @@ import torchvision
 from safetensors.torch import save_file
 
 from devmap import dispatch, load
-from devmap.placement import STRATEGIES
+from devmap.planning.placement import STRATEGIES
 from devmap.testing import ToyModel, require_gpus
 
 pytestmark = require_gpus(2)
@@ -66,7 +66,7 @@ def test_resnet50_strategies(resnet_dir, strategy):
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    from devmap.saver import save
+    from devmap.loading.saver import save
 
     path = tmp_path_factory.mktemp("tinyllama") / "ckpt"
     save("tinyllama-1.1b", path, dtype="bfloat16", max_shard_size="1GB", seed=0)
@@ -102,7 +102,7 @@ def test_llama_1b_strategies(llama_dir, llama_reference, strategy):
 
 
 def test_failed_load_holds_no_gpu_memory(llama_dir, monkeypatch):
-    import devmap.transfer as transfer
+    import devmap.loading.transfer as transfer
 
     torch.cuda.empty_cache()
     before = allocated()

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from devmap.budget import resolve_budget
+from devmap.planning.budget import resolve_budget
 from devmap.errors import UsageError
-from devmap.memory import parse_dtype, parse_max_memory, parse_size
+from devmap.planning.memory import parse_dtype, parse_max_memory, parse_size
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from torch import nn
 from devmap import dispatch
 from devmap.errors import PipelineError
 from devmap.pipelining import Pipeline, pipeline
-from devmap.stages import blocks_of
+from devmap.pipelining.stages import blocks_of
 from devmap.testing import ToyModel
 
 
@@ -155,7 +155,7 @@ def test_pipeline_is_a_module():
 
 
 def test_tune_picks_a_candidate_and_keeps_weights():
-    from devmap.tuning import tune
+    from devmap.pipelining.tuning import tune
 
     seq = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.BatchNorm1d(32), nn.Linear(32, 4))
     before = [t.detach().clone() for t in [*seq.parameters(), *seq.buffers()]]
@@ -168,7 +168,7 @@ def test_tune_picks_a_candidate_and_keeps_weights():
 
 
 def test_refine_split_keeps_a_valid_placement():
-    from devmap.tuning import refine_split
+    from devmap.pipelining.tuning import refine_split
 
     seq = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     dispatch(seq, {"0": "cpu", "1": "cpu", "2": "cpu", "3": "cpu", "4": "cpu"}, max_memory={"cpu": "1GiB"})
@@ -213,7 +213,7 @@ def test_tune_cli_on_cpu():
 @pytest.mark.parametrize("arch,cut", [("resnet50", "layer2.0"), ("resnet50", "layer1.1"), ("resnet18", "layer3.0")])
 def test_stage_boundary_inside_a_residual_block(arch, cut):
     """A residual block cut between head and tail computes what the block does, outputs and gradients."""
-    from devmap.stages import merge_units, placed_units, placement_entries, split_units
+    from devmap.pipelining.stages import merge_units, placed_units, placement_entries, split_units
 
     torch.manual_seed(0)
     plain = getattr(torchvision.models, arch)(num_classes=10)
@@ -252,7 +252,7 @@ def test_resnet_over_n_stages_trains_like_the_model(n):
 
 
 def test_partition_into_many_stages_minimizes_the_slowest():
-    from devmap.balance import partition
+    from devmap.pipelining.balance import partition
 
     times = [3.0, 1.0, 1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 4.0, 1.0, 1.0, 2.0]
     for stages in (2, 4, 8):
@@ -266,8 +266,8 @@ def test_partition_into_many_stages_minimizes_the_slowest():
 def test_bottleneck_cut_after_conv1_and_its_device_map():
     """The second cut point of a Bottleneck that does not downsample: same outputs and gradients, and a device
     map placing its submodules that way reads back as that cut."""
-    from devmap.residual_parts import cuts_of, split_residual, unit_name
-    from devmap.stages import placed_units, placement_entries
+    from devmap.pipelining.residual_parts import cuts_of, split_residual, unit_name
+    from devmap.pipelining.stages import placed_units, placement_entries
 
     torch.manual_seed(0)
     plain = torchvision.models.resnet50(num_classes=10)

@@ -206,7 +206,7 @@ def test_device_map_json_file(llama_dir, tmp_path):
 # --- nothing half-done after a failure ----------------------------------------------------------------------
 
 def test_disk_full_while_saving_leaves_nothing(tmp_path, monkeypatch):
-    from devmap import saver
+    from devmap.loading import saver
 
     calls = []
 
@@ -258,7 +258,7 @@ def test_a_huge_simulated_gpu_count_is_refused_instead_of_looping():
 
 
 def test_many_equal_budgets_print_as_one_run():
-    from devmap.budget import resolve_budget
+    from devmap.planning.budget import resolve_budget
 
     label = resolve_budget(gpus=64, gpu_memory="1GiB").label()
     assert label == "cuda:0-63 1.00 GiB each"

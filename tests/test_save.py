@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from devmap import saver
+from devmap.loading import saver
 from devmap.cli import main
 from devmap.errors import CheckpointError, UsageError
 
@@ -90,7 +90,7 @@ def test_resnet18_keys_and_config(tmp_path):
     config = json.loads((tmp_path / "r18" / "config.json").read_text())
     assert config["torchvision_model"] == "resnet18" and config["num_classes"] == 1000
 
-    from devmap.models import resolve_source
+    from devmap.planning.models import resolve_source
 
     assert resolve_source(str(tmp_path / "r18")).name == "resnet18"
 

@@ -5,7 +5,7 @@ import torch
 import torchvision
 from torch import nn
 
-from devmap.weight_grads import CallRecorder, deferrable, split_grads, splittable
+from devmap.pipelining.weight_grads import CallRecorder, deferrable, split_grads, splittable
 
 
 def whole_and_split(module, x, input_grad=True):
@@ -130,7 +130,7 @@ class FakeGraph:
 
 def test_pass_gate_runs_weight_halves_once_and_hands_over_the_sums():
     from devmap.errors import PipelineError
-    from devmap.grad_sums import GradSums, open_pass
+    from devmap.pipelining.grad_sums import GradSums, open_pass
 
     param = nn.Parameter(torch.zeros(3))
     sums, log = GradSums([param]), []

@@ -71,8 +71,8 @@ def compare(devices: str | None, batch_size: int, image_size: int, num_batches: 
     from tqdm import tqdm
 
     from devmap.errors import UsageError
-    from devmap.plots import save_results, write_plots
-    from devmap.timing import HarnessConfig, check_micro_batches, parse_devices, run_comparison, total_runs
+    from devmap.comparison.plots import save_results, write_plots
+    from devmap.comparison.timing import HarnessConfig, check_micro_batches, parse_devices, run_comparison, total_runs
 
     config = HarnessConfig(num_batches=num_batches, batch_size=batch_size, image_w=image_size, image_h=image_size,
                            num_classes=num_classes, repeat=repeat, pipeline_split_size=pipeline_split_size,
@@ -82,13 +82,13 @@ def compare(devices: str | None, batch_size: int, image_size: int, num_batches: 
     if toy and device_map is not None:
         raise UsageError("--device-map applies to ResNet50, not to --toy")
     if not toy:  # every check before the progress bar starts, so errors stay one line
-        from devmap.tutorial_models import RESNET_CHILDREN, resolve_placement
+        from devmap.comparison.tutorial_models import RESNET_CHILDREN, resolve_placement
 
         check_micro_batches(config)
         placement = dict(zip(RESNET_CHILDREN, resolve_placement(devs, device_map)))
     extra = None
     if not toy and not no_devmap:  # tuned once here, outside the timed runs
-        from devmap.compare_systems import devmap_systems
+        from devmap.comparison.compare_systems import devmap_systems
 
         extra = devmap_systems(devs, config)
     with tqdm(total=total_runs(config, extra), desc="compare", unit="run", file=sys.stderr, disable=as_json or not sys.stderr.isatty(),
@@ -106,7 +106,7 @@ def compare(devices: str | None, batch_size: int, image_size: int, num_batches: 
 
 def render_comparison(result) -> str:  # type: ignore[no-untyped-def]
     """The systems table, the split-size sweep and the best split size of a ComparisonResult."""
-    from devmap.timing import SINGLE_GPU
+    from devmap.comparison.timing import SINGLE_GPU
 
     cfg = result.config
     what = "ToyModel" if result.model == "toy" else (

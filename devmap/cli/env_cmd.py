@@ -11,8 +11,8 @@ from .output import echo_json, table
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def env(as_json: bool) -> None:
     """Show GPUs (memory, peer access), host memory and library versions."""
-    from devmap.hardware import describe_environment
-    from devmap.memory import format_bytes
+    from devmap.planning.hardware import describe_environment
+    from devmap.planning.memory import format_bytes
 
     info = describe_environment()
     if as_json:

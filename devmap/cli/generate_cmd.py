@@ -33,8 +33,8 @@ def generate(source: str, device_map: str, max_memory: str | None, dtype: str | 
     from devmap.generation import generate as run_generate
     from devmap.generation import timed
     from devmap.generation import check_length
-    from devmap.loader import load
-    from devmap.models import resolve_source
+    from devmap.loading.loader import load
+    from devmap.planning.models import resolve_source
 
     if prompt is None:  # refuse an impossible length before loading anything
         check_length(resolve_source(source).config, prompt_len + max_new_tokens)

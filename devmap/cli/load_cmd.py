@@ -30,7 +30,7 @@ def load(source: str, device_map: str, max_memory: str | None, dtype: str | None
     """
     from tqdm import tqdm
 
-    from devmap.loader import load as load_model
+    from devmap.loading.loader import load as load_model
 
     if prompt is not None and not run_forward:
         raise click.UsageError("--prompt only applies with --run")
@@ -52,7 +52,7 @@ def load(source: str, device_map: str, max_memory: str | None, dtype: str | None
         echo_json(data)
         return
     from devmap.cli.plan_cmd import render_plan
-    from devmap.memory import format_bytes
+    from devmap.planning.memory import format_bytes
 
     click.echo(render_plan(model.devmap_plan))
     origin = f"random init (no checkpoint: {report.source} has no weights given)" if report.random_init \

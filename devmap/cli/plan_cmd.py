@@ -23,8 +23,8 @@ def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None,
     llama-3-8b/70b) or a local directory with a config.json. Planning runs on the meta device:
     no memory is allocated and no weights are read.
     """
-    from devmap.layers import layer_table, parse_shape
-    from devmap.planner import plan as make_plan
+    from devmap.planning.layers import layer_table, parse_shape
+    from devmap.planning.planner import plan as make_plan
 
     if input_shape is not None and not layers:
         raise click.UsageError("--input-shape only applies with --layers")
@@ -40,7 +40,7 @@ def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None,
         return
     click.echo(render_plan(result))
     if rows is not None:
-        from devmap.memory import format_bytes
+        from devmap.planning.memory import format_bytes
 
         click.echo("\nLayers:")
         click.echo(table(
@@ -53,7 +53,7 @@ def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None,
 
 def render_plan(result) -> str:  # type: ignore[no-untyped-def]
     """The per-device table and the condensed map of a Plan."""
-    from devmap.memory import dtype_name, format_bytes, format_count
+    from devmap.planning.memory import dtype_name, format_bytes, format_count
 
     kind = "simulated GPUs" if result.budget.simulated else "real devices"
     head = (f"{result.source} · {result.strategy} · {dtype_name(result.dtype)} · "

@@ -32,8 +32,8 @@ def save(source: str, out_dir: str, dtype: str | None, max_shard_size: str, seed
 
     from tqdm import tqdm
 
-    from devmap.memory import format_bytes
-    from devmap.saver import save as save_checkpoint
+    from devmap.planning.memory import format_bytes
+    from devmap.loading.saver import save as save_checkpoint
 
     bars: list[Any] = []
 

@@ -37,10 +37,10 @@ def tune(source: str, devices: str | None, batch_size: int, image_size: int, chu
     from tqdm import tqdm
 
     from devmap.errors import UsageError
-    from devmap.loader import dispatch
-    from devmap.models import RESNETS
+    from devmap.loading.loader import dispatch
+    from devmap.planning.models import RESNETS
     from devmap.pipelining import pipeline
-    from devmap.tuning import tune as run_tune
+    from devmap.pipelining.tuning import tune as run_tune
 
     candidates = _ints(chunks_text)
     if source not in RESNETS:

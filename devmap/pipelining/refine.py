@@ -1,30 +1,13 @@
-"""Find the best number of micro-batches for a pipeline by measuring training steps, as the tutorial says to do by hand."""
+"""Move a placed model's stage boundaries by measuring whole training steps (what balance="measure" does)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from .errors import UsageError
-from .pipelining import Pipeline
-
-DEFAULT_CHUNKS = (1, 2, 3, 4, 6, 8, 12, 16)
-
-
-@dataclass
-class TuneResult:
-    """Seconds per training step for each candidate, and the best one."""
-
-    batch_size: int
-    best_chunks: int
-    best_seconds: float
-    table: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+from .pipe import Pipeline, from_placement
 
 
 def _sync(pipe: Pipeline) -> None:
@@ -38,39 +21,6 @@ def train_step(pipe: Pipeline, x: torch.Tensor, optimizer: torch.optim.Optimizer
     optimizer.zero_grad(set_to_none=True)
     pipe(x).float().square().mean().backward()
     optimizer.step()
-
-
-def tune(
-    build: Callable[[int], Pipeline],
-    sample: torch.Tensor,
-    candidates: Sequence[int] = DEFAULT_CHUNKS,
-    steps: int = 5,
-    warmup: int = 2,
-    progress: Callable[[], None] | None = None,
-) -> TuneResult:
-    """Time `steps` training steps of `build(chunks)` on `sample` for each candidate chunk count.
-
-    Candidates above the batch size are skipped (they would make micro-batches of one row or fewer).
-    The pipelines share the model's parameters, so the steps use a zero learning rate: tuning does
-    not change the weights.
-    """
-    usable = sorted({c for c in candidates if 1 <= c <= sample.shape[0]})
-    if not usable:
-        raise UsageError(f"no candidate chunk count fits a batch of {sample.shape[0]}; give counts between 1 and it")
-    if steps < 1 or warmup < 0:
-        raise UsageError("steps must be at least 1 and warmup non-negative")
-    table = []
-    for chunks in usable:
-        pipe = build(chunks)
-        seconds = _measure(pipe, sample, steps, warmup)
-        table.append({"chunks": chunks, "micro_batch": -(-sample.shape[0] // chunks), "seconds": seconds,
-                      "samples_per_s": sample.shape[0] / seconds, "graph_failures": list(pipe.graph_failures)})
-        del pipe
-        if progress is not None:
-            progress()
-    best = min(table, key=lambda row: row["seconds"])
-    return TuneResult(batch_size=sample.shape[0], best_chunks=best["chunks"], best_seconds=best["seconds"],
-                      table=table)
 
 
 def _measure(pipe: Pipeline, sample: torch.Tensor, steps: int, warmup: int) -> float:
@@ -96,7 +46,6 @@ def refine_split(model: torch.nn.Module, sample: torch.Tensor, chunks: int, step
                  warmup: int = 2) -> dict[str, Any]:
     """Move each stage boundary of a placed model by one block either way while a measured training step gets
     faster (per-block profiles miss what blocks cost together); returns the times tried and the block split kept."""
-    from .pipelining import pipeline
     from .stages import block_devices, blocks_of
 
     blocks = blocks_of(model)
@@ -110,7 +59,7 @@ def refine_split(model: torch.nn.Module, sample: torch.Tensor, chunks: int, step
 
     def cost(devices: list[torch.device]) -> float:
         apply(devices)
-        pipe = pipeline(model, chunks=chunks)
+        pipe = from_placement(model, chunks=chunks)
         try:
             return _measure(pipe, sample, steps, warmup)
         finally:
@@ -149,7 +98,6 @@ def refine_cut(model: torch.nn.Module, sample: torch.Tensor, chunks: int, steps:
     at each of its cut points (the head stays with the earlier stage, the tail with the later); keep a cut
     whose measured training step is faster. Whole-block boundaries are too coarse to balance ResNet50's
     two stages."""
-    from .pipelining import pipeline
     from .residual_parts import cuts_of, split_residual, unit_name
     from .stages import apply_units, whole_block_devices
 
@@ -157,7 +105,7 @@ def refine_cut(model: torch.nn.Module, sample: torch.Tensor, chunks: int, steps:
 
     def cost(units: list, unit_devices: list[torch.device]) -> float:
         apply_units(model, units, unit_devices)
-        pipe = pipeline(model, chunks=chunks)
+        pipe = from_placement(model, chunks=chunks)
         try:
             return _measure(pipe, sample, steps, warmup)
         finally:

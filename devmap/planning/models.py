@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from .config_limits import MAX_CONFIG_BYTES, check_config
-from .errors import SourceError
-from .member_paths import check_metadata_paths
+from ..errors import SourceError
+from ..loading.member_paths import check_metadata_paths
 
 RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .causal_lm import CausalLMStages
-from .errors import UsageError
+from ..errors import UsageError
 from .lane_runner import LaneRunner, split_lanes
 from .sampling import Sampling
 from .step_cache import StepCache, step_cache, weight_pointers

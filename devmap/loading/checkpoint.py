@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError, UsageError
+from ..errors import CheckpointError, UsageError
 from .member_paths import member_path
 
 _ST_DTYPES = {

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn, optim
 
-from .errors import UsageError
+from ..errors import UsageError
 
 Device = Union[str, torch.device]
 # A system is built, fresh for every timed run, from the device list and the harness config.

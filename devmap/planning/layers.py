@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import UsageError
+from ..errors import UsageError
 from .memory import device_label
 from .planner import Plan, owner_of
 

@@ -4,7 +4,7 @@ Every micro-batch's backward graphs add their parameter gradients into the stage
 per-micro-batch gradient copies launched from the host). The parameters reach autograd through one gate node
 per stage and pass: each micro-batch's replay takes the gate's empty "phony" output as an input, so the
 gate's backward runs once, after the input half of every micro-batch of the stage. It then runs the deferred
-weight halves (devmap.weight_grads) and returns the sums as the parameters' gradients. The input gradients
+weight halves (devmap.pipelining.weight_grads) and returns the sums as the parameters' gradients. The input gradients
 have left for the previous stage by then: the weight work fills the drain instead of delaying them.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .errors import PipelineError
+from ..errors import PipelineError
 
 
 class GradSums:

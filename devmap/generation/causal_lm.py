@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .errors import PipelineError
+from ..errors import PipelineError
 
 
 @dataclass

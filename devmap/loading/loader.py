@@ -21,15 +21,15 @@ from typing import Any, Callable, Iterator, Mapping, Union
 import torch
 from torch import nn
 
-from . import hardware
-from .budget import resolve_budget
+from ..planning import hardware
+from ..planning.budget import resolve_budget
 from .checkpoint import TensorEntry, index_checkpoint, match_state
-from .errors import CheckpointError, UsageError
+from ..errors import CheckpointError, UsageError
 from .initialization import init_module_
-from .memory import DeviceKey, Size, device_label, dtype_name, parse_dtype
-from .models import resolve_source
-from .placement import _quiet
-from .planner import DeviceMapSpec, Plan, check_could_fit, owner_of, plan_model
+from ..planning.memory import DeviceKey, Size, device_label, dtype_name, parse_dtype
+from ..planning.models import resolve_source
+from ..planning.placement import _quiet
+from ..planning.planner import DeviceMapSpec, Plan, check_could_fit, owner_of, plan_model
 from .transfer import CopyJob, copy_into
 
 

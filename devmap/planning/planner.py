@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .budget import Budget, resolve_budget
-from .errors import DoesNotFitError, UsageError
+from ..errors import DoesNotFitError, UsageError
 from .memory import (
     DeviceKey,
     Size,
@@ -128,7 +128,7 @@ def plan(
 
     `device_map` is a strategy (auto, balanced, balanced_low_0, sequential), one device for the whole model
     (0, "cuda:1", "cpu", torch.device), an explicit {module name: device}, or a .json file holding one. Budgets come from `max_memory`, simulated `gpus` x `gpu_memory`, or this
-    machine (see devmap.budget.resolve_budget). `dtype` sets the size of each weight.
+    machine (see devmap.planning.budget.resolve_budget). `dtype` sets the size of each weight.
     """
     device_map = normalize_device_map(device_map)
     torch_dtype = parse_dtype(dtype)

@@ -10,12 +10,12 @@ import torch
 import torchvision
 from torch import nn
 
-from .loader import dispatch
-from .pipelining import Pipeline, pipeline
-from .residual_parts import parse_unit, split_residual
-from .stages import blocks_of
+from ..loading.loader import dispatch
+from ..pipelining import Pipeline, pipeline
+from ..pipelining.residual_parts import parse_unit, split_residual
+from ..pipelining.stages import blocks_of
 from .timing import HarnessConfig
-from .tuning import tune
+from ..pipelining.tuning import tune
 from .tutorial_models import RESNET_CHILDREN, TUTORIAL_SPLIT
 
 Builder = Callable[[Sequence[torch.device], HarnessConfig], nn.Module]

@@ -2,13 +2,13 @@
 
 Schedule: fill-drain (GPipe). At clock k, stage j runs micro-batch k - j; one worker thread per stage
 launches its work, so no stage waits for another stage's kernel launches. On CUDA each stage has a
-compute stream, and hand-offs go through devmap.streams (ordered by events; a copy never waits for,
+compute stream, and hand-offs go through devmap.pipelining.streams (ordered by events; a copy never waits for,
 or holds up, either stage's compute). Backward
 is run by PyTorch's autograd engine, which keeps one thread per device and each backward op on its
 forward op's stream, so the stages' backwards also overlap. Each (stage, micro-batch) is replayed as a
-CUDA graph where it can be captured (see devmap.graphs); otherwise it runs eagerly. With graphs, each
+CUDA graph where it can be captured (see devmap.pipelining.graphs); otherwise it runs eagerly. With graphs, each
 stage runs the input half of every micro-batch's backward first and the weight half after the pass's
-last one (devmap.weight_grads), so the previous stage gets its gradients sooner and the weight work fills
+last one (devmap.pipelining.weight_grads), so the previous stage gets its gradients sooner and the weight work fills
 the drain; gradients are summed inside the graphs and reach `.grad` once per backward pass.
 
 BatchNorm normalizes each micro-batch on its own (as in the PyTorch tutorial's pipeline), so training
@@ -22,16 +22,15 @@ import math
 import queue
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from .errors import PipelineError
+from ..errors import PipelineError
 from .grad_sums import GradSums, open_pass
 from .graphs import StageGraph
-from .stages import (StageSpec, apply_units, block_devices, check_stage_devices, group_stages, placed_units,
-                     whole_block_devices)
+from .stages import block_devices, group_stages, placed_units
 from .streams import StreamSet, hand_off
 
 GRAPH_MODES = ("auto", "on", "off")
@@ -163,7 +162,7 @@ class Pipeline(nn.Module):
 
     def _open_pass(self, rows: list[list[Any]]) -> list[list[Callable]]:
         """Each stage's compute stream waits for the caller's work on its device (an optimizer step, the last
-        pass's gradients being read); training graphs get their stage's pass gate (devmap.grad_sums)."""
+        pass's gradients being read); training graphs get their stage's pass gate (devmap.pipelining.grad_sums)."""
         runners = []
         for j, (row, device) in enumerate(zip(rows, self.devices)):
             if device.type != "cuda":
@@ -277,30 +276,8 @@ class Pipeline(nn.Module):
             return None
 
 
-def pipeline(
-    model: Union[nn.Module, Sequence[StageSpec]],
-    chunks: int | None = None,
-    split_size: int | None = None,
-    *,
-    balance: str | None = None,
-    sample: torch.Tensor | None = None,
-    graphs: str = "auto",
-    deferred_weights: int | None = 1,
-) -> Pipeline:
-    """Wrap a placed model (devmap.load / dispatch) or explicit [(module, device), ...] stages as a Pipeline.
-
-    Stages come from the device map: consecutive blocks on one device form a stage. `balance="time"`
-    moves stage boundaries so stages take about equal time by profiling each block (needs `sample`, one
-    input batch); `balance="measure"` then moves each boundary a block either way while a measured
-    training step gets faster (slower to set up, best split).
-
-    With CUDA graphs, every stage after the first splits the backward of its first `deferred_weights`
-    micro-batches in backward order (None: all; 0: none) into the input gradient, handed back at once, and
-    the weight gradients of its Linear and convolution layers, computed at the end of the pass where they fill
-    the pipeline's drain; each such micro-batch keeps the gradients at those layers' outputs until then.
-    """
-    if isinstance(model, (list, tuple)):
-        return Pipeline(check_stage_devices(model), chunks, split_size, graphs, deferred_weights)
+def check_placed(model: nn.Module) -> None:
+    """A model the pipeline can take: placed (hf_device_map) with no block offloaded beside GPUs."""
     if not isinstance(model, nn.Module):
         raise PipelineError(f"pipeline() takes an nn.Module or a list of (module, device) stages, got {type(model).__name__}")
     device_map = getattr(model, "hf_device_map", None)
@@ -316,29 +293,14 @@ def pipeline(
     from accelerate.hooks import remove_hook_from_module
 
     remove_hook_from_module(model, recurse=True)  # the pipeline moves activations itself
+
+
+def from_placement(model: nn.Module, chunks: int | None = None, split_size: int | None = None, graphs: str = "auto",
+                   deferred_weights: int | None = 1) -> Pipeline:
+    """The Pipeline of a placed model as its device map says: consecutive units on one device form a stage."""
+    check_placed(model)
     units = placed_units(model)
     devices = block_devices(model, units)
-    if balance not in (None, "memory", "time", "measure"):
-        raise PipelineError(f"invalid balance={balance!r}: use 'memory' (the device map's), 'time' or 'measure'")
-    if balance in ("time", "measure"):
-        from .balance import balance_by_time
-
-        if sample is None:
-            raise PipelineError(f"balance={balance!r} needs sample=<one input batch> to profile the blocks")
-        micro = Pipeline([(nn.Identity(), devices[0])], chunks, split_size).micro_batches(sample)[0]
-        blocks, block_devs = whole_block_devices(model)
-        apply_units(model, blocks, block_devs)  # a block cut by an earlier balance is whole again
-        # "time" may cut a residual block at a boundary; "measure" cuts only after refining whole blocks
-        units, devices = balance_by_time(blocks, block_devs, micro, cut_blocks=balance == "time")
-        apply_units(model, units, devices)  # the placement is now per unit; hf_device_map tells the truth
-        if balance == "measure":  # per-block profiles miss what blocks cost together: measure whole steps
-            from .tuning import refine_cut, refine_split
-
-            count = chunks or (1 if split_size is None else -(-sample.shape[0] // split_size))
-            refine_split(model, sample, count)
-            refine_cut(model, sample, count)
-            units = placed_units(model)
-            devices = block_devices(model, units)
     stages = []
     for stage_blocks, device in group_stages(units, devices):
         module = nn.Sequential(OrderedDict((_child_name(name), block) for name, block in stage_blocks))
@@ -351,5 +313,3 @@ def pipeline(
 def _child_name(unit: str) -> str:
     """An nn.Sequential child name for a unit ("layer2.0[head]" -> "layer2_0_head")."""
     return unit.replace(".", "_").replace("[", "_").replace("]", "").replace("@", "_")
-
-

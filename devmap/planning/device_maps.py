@@ -8,7 +8,7 @@ from typing import Mapping, Union
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 from .memory import DeviceKey, parse_device_key
 from .placement import STRATEGIES
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 from torchvision.models.resnet import Bottleneck, ResNet
 
-from .errors import UsageError
+from ..errors import UsageError
 
 Device = Union[str, torch.device]
 
@@ -88,8 +88,8 @@ def resolve_placement(devices: Sequence[Device], device_map: str | Mapping[str, 
         return default_placement(len(devices))
     devices = _as_devices(devices)
     if isinstance(device_map, str):
-        from .hardware import gpu_memory
-        from .planner import plan
+        from ..planning.hardware import gpu_memory
+        from ..planning.planner import plan
 
         budget = {i: gpu_memory(d.index)[1] if d.type == "cuda" else 80 * 2**30 for i, d in enumerate(devices)}
         device_map = plan("resnet50", device_map, max_memory=budget).device_map

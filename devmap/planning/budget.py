@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from . import hardware
-from .errors import UsageError
+from ..errors import UsageError
 from .memory import DeviceKey, Size, device_label, parse_max_memory, parse_size
 
 # Like transformers, keep 10% of each real GPU's free memory for activations when the user sets no budget.

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 # JSON files in a model directory whose "*_file" entries name other files that transformers may open.
 _METADATA_FILES = ("config.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",

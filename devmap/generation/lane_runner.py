@@ -15,12 +15,12 @@ from typing import Any, Iterator
 import torch
 
 from .causal_lm import CausalLMStages, FrontHead, positions
-from .errors import UsageError
+from ..errors import UsageError
 from .graphed_step import GraphedStep
 from .lane_cache import DecodeInputs, LaneCache
 from .sampling import Sampling, choose
 from .step_cache import StepCache, weight_pointers
-from .streams import StreamSet, copy_into, hand_off
+from ..pipelining.streams import StreamSet, copy_into, hand_off
 
 EOS_CHECK_LAG = 2  # steps between a lane's last token and the host reading whether its rows all ended
 

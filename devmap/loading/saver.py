@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterator, Union
 import torch
 from torch import nn
 
-from .errors import CheckpointError, UsageError
+from ..errors import CheckpointError, UsageError
 from .initialization import init_module_
-from .memory import Size, dtype_name, format_bytes, parse_dtype, parse_size
-from .models import ModelSource, resolve_source
+from ..planning.memory import Size, dtype_name, format_bytes, parse_dtype, parse_size
+from ..planning.models import ModelSource, resolve_source
 
 Progress = Callable[[int, int], None]
 SINGLE_FILE = "model.safetensors"

@@ -4,10 +4,10 @@ At small micro-batches a GPU spends longer launching kernels than running them (
 an H200: 19.5 ms eager vs 6.3 ms replayed). Each (stage, slot) gets its own graphs and memory pool, so
 the activations of every micro-batch in flight stay intact until its backward, in whatever order the
 autograd engine runs the backwards. Backward is captured in two halves where the stage allows it
-(devmap.weight_grads): the input half (the gradient the previous stage waits for, plus the gradients of
+(devmap.pipelining.weight_grads): the input half (the gradient the previous stage waits for, plus the gradients of
 parameters outside Linear/convolution layers) and the weight half, which the pipeline runs after the pass's
 last input half so it fills the drain. Both halves add into the stage's shared gradient sums
-(devmap.grad_sums) inside the graph.
+(devmap.pipelining.grad_sums) inside the graph.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .errors import PipelineError
+from ..errors import PipelineError
 from .grad_sums import GradSums
 from .weight_grads import CallRecorder, close, deferrable, deferred_parameters, input_half, split_grads, weight_grads
 
@@ -129,7 +129,7 @@ class StageGraph:
     def __call__(self, x: torch.Tensor, phony: torch.Tensor | None = None) -> torch.Tensor:
         """Replay on the current stream. When captured with backward it is differentiable: the input gradient comes
         from the replay's backward and the parameters' from the pass gate whose `phony` output it takes
-        (devmap.grad_sums.open_pass)."""
+        (devmap.pipelining.grad_sums.open_pass)."""
         if self.backward:
             if phony is None:
                 if self.params:

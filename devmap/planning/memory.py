@@ -7,7 +7,7 @@ from typing import Mapping, Union
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 Size = Union[int, str]
 DeviceKey = Union[int, str]

@@ -7,8 +7,8 @@ from typing import Sequence, Union
 import torch
 from torch import nn
 
-from .errors import PipelineError
-from .memory import parse_device_key
+from ..errors import PipelineError
+from ..planning.memory import parse_device_key
 
 Block = tuple[str, nn.Module]
 StageSpec = tuple[nn.Module, Union[str, int, torch.device]]
@@ -156,7 +156,7 @@ def block_devices(model: nn.Module, blocks: list[Block]) -> list[torch.device]:
             param = next(module.parameters())
             devices.append(param.device)
         elif device_map:
-            from .planner import owner_of
+            from ..planning.planner import owner_of
 
             owner = owner_of(name, device_map)
             if owner is None:

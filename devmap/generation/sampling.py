@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import SourceError
+from ..errors import SourceError
 
 # Building a meta model costs about a millisecond per layer; real models have at most a few hundred layers.
 MAX_LAYERS = 512

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from .checkpoint import TensorEntry
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 CHUNK_BYTES = 64 * 2**20
 

@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from .errors import PipelineError
+from ..errors import PipelineError
 from .stages import merge_units, split_units
 
 Block = tuple[str, nn.Module]

@@ -1,0 +1,85 @@
+"""Helpers the benchmark scripts share: the W2 training step and its timing, and W1's host time per statement.
+
+Scripts run as `PYTHONPATH=. python3 benchmarks/NAME.py`; Python puts benchmarks/ on the path, so each
+imports these with `from common import ...`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn, optim
+
+from devmap.comparison.timing import HarnessConfig
+
+
+def training_step(model: nn.Module, x: torch.Tensor, labels: torch.Tensor):  # type: ignore[no-untyped-def]
+    """One W2 step as a function: zero_grad, forward, MSE on one-hot labels, backward, SGD."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    loss_fn = nn.MSELoss()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        out = model(x)
+        loss_fn(out, labels.to(out.device)).backward()
+        optimizer.step()
+
+    return step
+
+
+def time_steps(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, steps: int) -> float:
+    """Milliseconds per training step, after 3 warm-up steps, all GPUs synchronized."""
+    step = training_step(model, x, labels)
+    for _ in range(3):
+        step()
+    for d in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(d)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    for d in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(d)
+    return (time.perf_counter() - start) / steps * 1000
+
+
+
+PHASES = ("randn", "labels", "zero_grad", "inputs.to", "forward", "labels.to", "backward", "step", "sync")
+
+
+def phases(model: nn.Module, devices: list[torch.device], cfg: HarnessConfig, calls: int) -> dict[str, float]:
+    spent = dict.fromkeys(PHASES, 0.0)
+
+    def mark(name: str, since: float) -> float:
+        now = time.perf_counter()
+        spent[name] += now - since
+        return now
+
+    for _ in range(calls + 1):
+        if _ == 1:
+            spent = dict.fromkeys(PHASES, 0.0)  # the first call warms up
+        model.train(True)
+        loss_fn, optimizer = nn.MSELoss(), optim.SGD(model.parameters(), lr=cfg.lr)
+        idx = torch.LongTensor(cfg.batch_size).random_(0, cfg.num_classes).view(cfg.batch_size, 1)
+        for _b in range(cfg.num_batches):
+            t = time.perf_counter()
+            inputs = torch.randn(cfg.batch_size, 3, cfg.image_w, cfg.image_h)
+            t = mark("randn", t)
+            labels = torch.zeros(cfg.batch_size, cfg.num_classes).scatter_(1, idx, 1)
+            t = mark("labels", t)
+            optimizer.zero_grad()
+            t = mark("zero_grad", t)
+            x = inputs.to(devices[0])
+            t = mark("inputs.to", t)
+            outputs = model(x)
+            t = mark("forward", t)
+            labels = labels.to(outputs.device)
+            t = mark("labels.to", t)
+            loss_fn(outputs, labels).backward()
+            t = mark("backward", t)
+            optimizer.step()
+            t = mark("step", t)
+        for d in devices:
+            torch.cuda.synchronize(d)
+        mark("sync", t)
+    return {k: 1000 * v / (calls * cfg.num_batches) for k, v in spent.items()}
