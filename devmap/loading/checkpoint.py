@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, UsageError
-from .member_paths import member_path
+from ..planning.member_paths import member_path
 
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

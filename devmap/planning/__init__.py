@@ -1,6 +1,7 @@
 """Planning: where each block of a model goes, computed on the meta device without touching a GPU.
 
-Owns model sources (presets, local directories, modules) and the sanity limits on their configs, memory
+Owns model sources (presets, local directories, modules), the sanity limits on their configs and the rule
+that file names in a checkpoint's metadata stay inside its directory, memory
 units and budgets (real, simulated or explicit), the placement strategies built on accelerate's
 `infer_auto_device_map`, device-map specs, per-device reports and per-layer tables. `hardware` is the one
 module that asks torch.cuda about the machine. Imports only `devmap.errors`; everything else imports it.

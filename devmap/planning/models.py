@@ -13,7 +13,7 @@ from torch import nn
 
 from .config_limits import MAX_CONFIG_BYTES, check_config
 from ..errors import SourceError
-from ..loading.member_paths import check_metadata_paths
+from .member_paths import check_metadata_paths
 
 RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 
