@@ -29,7 +29,7 @@ first, second = ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cp
 resnet = torchvision.models.resnet50(num_classes=1000)
 front = nn.Sequential(resnet.conv1, resnet.bn1, resnet.relu, resnet.maxpool, resnet.layer1, resnet.layer2)
 back = nn.Sequential(resnet.layer3, resnet.layer4, resnet.avgpool, nn.Flatten(), resnet.fc)
-pipe = devmap.pipeline([(front, first), (back, second)], chunks=args.chunks)
+pipe = devmap.pipeline([(front.to(first), first), (back.to(second), second)], chunks=args.chunks)
 print("stages on", [str(d) for d in pipe.devices], f"· {args.chunks} micro-batches per batch")
 
 inputs = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=pipe.devices[0])

@@ -74,6 +74,8 @@ class CausalLMStages:
         self.embed_device = _device_of(base.embed_tokens)
         self.dtype = base.embed_tokens.weight.dtype
         self.head_device = _device_of(model.lm_head)
+        # tied embeddings put lm_head with embed_tokens (the first GPU), the final norm stays after the last layer
+        self.norm_device = _device_of(base.norm)
         self._mask_args = _mask_arguments()
         self._rotary: dict[torch.device, nn.Module] = {}
 
@@ -148,15 +150,22 @@ class CausalLMStages:
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head (logits in the model's dtype, as transformers returns them)."""
-        hidden = hidden.to(self.head_device)
-        return _unhooked(self.model.lm_head)(_unhooked(self.base.norm)(hidden))
+        return _unhooked(self.model.lm_head)(self.final_norm(hidden))
+
+    def head_is_on(self, device: torch.device) -> bool:
+        """The final norm and lm_head both live on `device` (a step ending in the head never changes device)."""
+        return self.norm_device == self.head_device == device
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm on its own device, its output on the head's."""
+        return _unhooked(self.base.norm)(hidden.to(self.norm_device)).to(self.head_device)
 
     def head_into(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
         """`head(hidden)` written straight into `out` (a slice of the batch's logits: no concatenation after)."""
         if not self.head_splittable() or not out.is_contiguous():
             out.copy_(self.head(hidden))
             return
-        project_into(_unhooked(self.base.norm)(hidden.to(self.head_device)), self.model.lm_head.weight, out)
+        project_into(self.final_norm(hidden), self.model.lm_head.weight, out)
 
     def head_splittable(self) -> bool:
         """A plain bias-free Linear head: its projection can be written into a slice, or done elsewhere by rows."""

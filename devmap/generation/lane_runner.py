@@ -234,11 +234,14 @@ class LaneRunner:
                 static_in = torch.zeros(rows, 1, dtype=torch.long, device=self.s.embed_device)
             else:
                 static_in = torch.zeros(rows, 1, self.s.config.hidden_size, dtype=self.s.dtype, device=stage.device)
-            pool = cache.pool(stage.device) if cache is not None and self.graphs else None
-            capture = self._capture_stream(j) if self.graphs else None
+            # the last stage's step ends in the head: a copy to another device can't be captured (and a failed
+            # capture leaves the graph pool unusable), so that step stays eager when the head lives elsewhere
+            graphed = self.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
+            pool = cache.pool(stage.device) if cache is not None and graphed else None
+            capture = self._capture_stream(j) if graphed else None
             lane.caches.append(lane_cache)
             lane.steps.append(GraphedStep(lambda x, j=j, item=inputs[-1]: self.s.decode(j, x, item), static_in,
-                                          self.graphs, pool, capture))
+                                          graphed, pool, capture))
         if entries is not None:
             entries[k] = (lane.caches, lane.steps, inputs)
 

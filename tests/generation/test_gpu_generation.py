@@ -87,3 +87,26 @@ def test_decode_steps_are_replayed_graphs_and_eos_stops_like_transformers(monkey
                                   pad_token_id=0, eos_token_id=None).cpu()
         got = generate(placed, other, other_mask, max_new_tokens=20, lanes=3, eos_token_id=[], pad_token_id=0)
         assert torch.equal(got, want)
+
+
+def test_tied_head_on_the_first_gpu_and_norm_on_the_last(monkeypatch):
+    """Regression: a tied lm_head sits with embed_tokens on GPU 0 while the final norm is on GPU 1 (what
+    `balanced` does for tied models); the head used to run the norm on the wrong device and fail."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(tie_word_embeddings=True, **CONFIG)).to("cuda:0").eval()
+    placed = copy.deepcopy(reference).cpu()
+    layers = reference.config.num_hidden_layers
+    device_map = {"model.embed_tokens": 0, "lm_head": 0, "model.rotary_emb": 1, "model.norm": 1}
+    device_map |= {f"model.layers.{i}": 0 if i < layers // 2 else 1 for i in range(layers)}
+    placed = dispatch(placed, device_map)
+    ids = torch.randint(3, 1000, (4, 12), device="cuda:0")
+    with torch.no_grad():
+        expected_logits = reference(ids).logits
+    expected = reference.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None).cpu()
+    for _ in range(2):  # eager, then captured or eager again: same tokens and logits each time
+        assert torch.equal(generate(placed, ids, max_new_tokens=8, eos_token_id=[]), expected)
+        logits = forward(placed, ids).to("cuda:0")
+        torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # the model still runs as a plain module afterwards
+        torch.testing.assert_close(placed(ids).logits.to("cuda:0"), expected_logits, atol=1e-4, rtol=1e-4)
