@@ -13,7 +13,6 @@ from click.testing import CliRunner
 pytest.importorskip("hypothesis")  # a test dependency; the GPU machine's image may lack it
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from devmap import load
 from devmap.planning.budget import resolve_budget
@@ -23,6 +22,8 @@ from devmap.errors import CheckpointError, DevmapError, UsageError
 from devmap.planning.memory import _UNITS, parse_device_key, parse_max_memory, parse_size
 from devmap.planning.planner import validate_device_map
 from devmap.testing import ToyModel
+
+from tiny_llama import write_tiny_llama
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -116,16 +117,11 @@ def test_any_device_map_value_is_a_map_or_a_usage_error(spec):
 
 # --- safetensors headers and index files ----------------------------------------------------------------------
 
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny LLaMA in two shards, written by transformers."""
-    path = tmp_path_factory.mktemp("fuzz")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(**TINY)).save_pretrained(path, max_shard_size="40KB")
+    path = write_tiny_llama(tmp_path_factory.mktemp("fuzz"), "40KB", hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=2, vocab_size=64, max_position_embeddings=64)
     assert (path / "model.safetensors.index.json").is_file()
     return path
 

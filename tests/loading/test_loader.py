@@ -9,25 +9,19 @@ import torch
 import torchvision
 from click.testing import CliRunner
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from devmap import dispatch, load
 from devmap.cli import main
 from devmap.errors import CheckpointError, DoesNotFitError, SourceError, UsageError
 from devmap.testing import ToyModel
 
-TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
-
+from tiny_llama import TINY, write_tiny_llama  # noqa: F401
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     """A tiny LLaMA written by transformers' own save_pretrained, sharded."""
-    path = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(tie_word_embeddings=True, **TINY)).eval()
-    model.save_pretrained(path, max_shard_size="200KB")
-    return path
+    return write_tiny_llama(tmp_path_factory.mktemp("llama"), "200KB", tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")

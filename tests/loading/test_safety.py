@@ -17,17 +17,12 @@ from devmap import load, plan
 from devmap.cli import main
 from devmap.errors import CheckpointError, DevmapError, DoesNotFitError, SourceError, UsageError
 
-TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
-
+from tiny_llama import write_tiny_llama
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(tie_word_embeddings=True, **TINY)).eval()
-    model.save_pretrained(path, max_shard_size="100KB")
-    return path
+    return write_tiny_llama(tmp_path_factory.mktemp("llama"), "100KB", tie_word_embeddings=True,
+                            num_hidden_layers=2, vocab_size=256)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +94,8 @@ def test_hf_cache_snapshot_with_symlinks_still_loads(llama_dir, reference, tmp_p
 
 def write_config(path, **changes):
     path.mkdir(exist_ok=True)
-    config = LlamaConfig(**TINY).to_dict()
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256).to_dict()
     config.update(changes)
     (path / "config.json").write_text(json.dumps(config))
     return path
