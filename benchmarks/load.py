@@ -1,6 +1,8 @@
 """W5: load a 7B-shaped LLaMA bf16 checkpoint onto 2 GPUs — devmap vs transformers vs accelerate, plus raw read speed.
 
-Run on nvidia-h200-x2:  PYTHONPATH=. python benchmarks/load.py --out $OUT
+Run on nvidia-h200-x2:  PYTHONPATH=. python benchmarks/load.py --out $OUT [--cold]
+With --cold, each system also runs as a fresh process (imports, then the load call, timed apart; the
+devmap CLI is one of them), `--repeat` rounds with the systems interleaved.
 Every system loads the same files (already in the page cache after a first read) in the same run; each
 is timed until every GPU has synchronized, `--repeat` times, and the best and median are reported.
 """
@@ -67,6 +69,68 @@ def load_accelerate(path: Path, strategy: str):  # type: ignore[no-untyped-def]
 
 SYSTEMS = {"devmap": load_devmap, "transformers": load_transformers, "accelerate": load_accelerate}
 
+# A cold load is a fresh process: each system's imports, then its load call, then both GPUs synchronized.
+COLD_SCRIPT = """
+import json, sys, time
+start = time.perf_counter()
+import torch
+sys.path.insert(0, {bench!r})
+import load as bench
+system, path, strategy = sys.argv[1], sys.argv[2], sys.argv[3]
+if system != "devmap":
+    from transformers import AutoModelForCausalLM  # what a transformers script imports at its top
+imported = time.perf_counter()
+model = bench.SYSTEMS[system](bench.Path(path), strategy)
+bench.sync_all()
+done = time.perf_counter()
+print(json.dumps({{"imports_s": imported - start, "call_s": done - imported, "start_to_weights_s": done - start}}))
+"""
+
+
+def run_cold(path: Path, strategy: str, systems: list[str], rounds: int) -> dict[str, list[dict[str, float]]]:
+    """Each system `rounds` times as a fresh process, rounds interleaved; the devmap CLI is one of the systems."""
+    import subprocess
+    import sys
+
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+    script = COLD_SCRIPT.format(bench=str(Path(__file__).resolve().parent))
+    for _ in range(rounds):
+        for name in systems:
+            if name == "devmap-cli":
+                command = [sys.executable, "-m", "devmap", "load", str(path), "--device-map", strategy, "--dtype",
+                           "bf16", "--json"]
+            else:
+                command = [sys.executable, "-c", script, name, str(path), strategy]
+            start = time.perf_counter()
+            result = subprocess.run(command, capture_output=True, text=True)
+            wall = time.perf_counter() - start
+            if result.returncode != 0:
+                raise RuntimeError(f"{name} failed: {result.stderr.strip().splitlines()[-1:]}")
+            row = {"process_s": wall}
+            if name == "devmap-cli":
+                row["call_s"] = json.loads(result.stdout)["load"]["seconds"]
+            else:
+                row.update(json.loads(result.stdout.strip().splitlines()[-1]))
+            runs[name].append(row)
+            print(f"cold {name}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    return runs
+
+
+def print_cold(runs: dict[str, list[dict[str, float]]]) -> list[dict]:
+    rows = []
+    reference = {k: min(r[k] for r in runs["transformers"]) for k in ("call_s", "process_s")} \
+        if "transformers" in runs else None
+    print(f"\n{'cold system':<16}{'imports s':>10}{'call s':>9}{'process s':>11}{'call vs tf':>12}{'process vs tf':>15}")
+    for name, values in runs.items():
+        best = {k: min(r[k] for r in values if k in r) for k in ("imports_s", "call_s", "process_s") if k in values[0]}
+        ratio = {k: best[k] / reference[k] for k in ("call_s", "process_s")} if reference else {}
+        rows.append({"system": name, **{f"best_{k}": v for k, v in best.items()},
+                     **{f"{k}_vs_transformers": v for k, v in ratio.items()}})
+        imports = f"{best['imports_s']:.2f}" if "imports_s" in best else "-"
+        print(f"{name:<16}{imports:>10}{best['call_s']:>9.2f}{best['process_s']:>11.2f}"
+              f"{ratio.get('call_s', 0):>11.2f}x{ratio.get('process_s', 0):>14.2f}x")
+    return rows
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -76,6 +140,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--systems", default="devmap,transformers,accelerate")
     parser.add_argument("--out", default=None, help="folder for results.json")
+    parser.add_argument("--cold", action="store_true", help="also time each system as a fresh process")
+    parser.add_argument("--cold-systems", default="devmap,transformers,devmap-cli")
     args = parser.parse_args()
     path = Path(args.dir)
     if not (path / "config.json").exists():
@@ -115,10 +181,13 @@ def main() -> None:
     for r in rows:
         ratio = f"{r['speedup_vs_faster_baseline']:.2f}x" if r["speedup_vs_faster_baseline"] else "-"
         print(f"{r['system']:<14}{r['best_s']:>8.2f}{r['median_s']:>10.2f}{r['gb_per_s']:>8.1f}{ratio:>20}")
+    cold_rows = None
+    if args.cold:
+        cold_rows = print_cold(run_cold(path, args.device_map, args.cold_systems.split(","), args.repeat))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "load_results.json").write_text(json.dumps(
-            {"rows": rows, "raw_read_s": raw, "bytes": size, "times": times}, indent=2))
+            {"rows": rows, "cold": cold_rows, "raw_read_s": raw, "bytes": size, "times": times}, indent=2))
 
 
 if __name__ == "__main__":
