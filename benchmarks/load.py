@@ -120,7 +120,7 @@ def print_cold(runs: dict[str, list[dict[str, float]]]) -> list[dict]:
     rows = []
     reference = {k: min(r[k] for r in runs["transformers"]) for k in ("call_s", "process_s")} \
         if "transformers" in runs else None
-    print(f"\n{'cold system':<16}{'imports s':>10}{'call s':>9}{'process s':>11}{'call vs tf':>12}{'process vs tf':>15}")
+    print(f"\n{'cold system':<16}{'imports s':>10}{'call s':>9}{'process s':>11}{'call time / tf':>15}{'process / tf':>14}")
     for name, values in runs.items():
         best = {k: min(r[k] for r in values if k in r) for k in ("imports_s", "call_s", "process_s") if k in values[0]}
         ratio = {k: best[k] / reference[k] for k in ("call_s", "process_s")} if reference else {}
@@ -128,7 +128,7 @@ def print_cold(runs: dict[str, list[dict[str, float]]]) -> list[dict]:
                      **{f"{k}_vs_transformers": v for k, v in ratio.items()}})
         imports = f"{best['imports_s']:.2f}" if "imports_s" in best else "-"
         print(f"{name:<16}{imports:>10}{best['call_s']:>9.2f}{best['process_s']:>11.2f}"
-              f"{ratio.get('call_s', 0):>11.2f}x{ratio.get('process_s', 0):>14.2f}x")
+              f"{ratio.get('call_s', 0):>14.2f}x{ratio.get('process_s', 0):>13.2f}x")
     return rows
 
 
