@@ -98,7 +98,10 @@ def load(
     `hf_device_map`, `devmap_plan` (the Plan) and `devmap_load_report` (a LoadReport).
     """
     start = time.perf_counter()
+    cuda_init = hardware.start_gpus_in_background()  # contexts start while transformers' classes import
     model_source = resolve_source(source)
+    if cuda_init is not None:
+        cuda_init.join()
     if model_source.kind == "module":
         raise UsageError("load takes a preset or a local directory; for a model you built, use devmap.dispatch")
     torch_dtype = parse_dtype(dtype) or model_source.default_dtype

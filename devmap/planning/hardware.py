@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import threading
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
@@ -46,6 +48,23 @@ class Environment:
 def gpu_count() -> int:
     """Number of visible CUDA devices (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def start_gpus_in_background() -> threading.Thread | None:
+    """Create every visible GPU's CUDA context on a helper thread, so that it overlaps work the caller does
+    meanwhile (a cold load imports transformers' model classes first). Errors surface later, when the caller
+    asks the devices themselves."""
+    if gpu_count() == 0:
+        return None
+
+    def touch() -> None:
+        with contextlib.suppress(Exception):
+            for index in range(gpu_count()):
+                torch.cuda.mem_get_info(index)
+
+    thread = threading.Thread(target=touch, name="devmap-cuda-init", daemon=True)
+    thread.start()
+    return thread
 
 
 def gpu_memory(index: int) -> tuple[int, int]:
