@@ -2,7 +2,8 @@
 
 Run on nvidia-h200-x2:  PYTHONPATH=. python benchmarks/load.py --out $OUT [--cold]
 With --cold, each system also runs as a fresh process (imports, then the load call, timed apart; the
-devmap CLI is one of them), `--repeat` rounds with the systems interleaved.
+devmap CLI is one of them), `--repeat` rounds with the systems interleaved. `devmap+tf-imports` is devmap
+after the same top-of-script import a transformers script does, so that both calls start from equal imports.
 Every system loads the same files (already in the page cache after a first read) in the same run; each
 is timed until every GPU has synchronized, `--repeat` times, and the best and median are reported.
 """
@@ -77,10 +78,10 @@ import torch
 sys.path.insert(0, {bench!r})
 import load as bench
 system, path, strategy = sys.argv[1], sys.argv[2], sys.argv[3]
-if system != "devmap":
-    from transformers import AutoModelForCausalLM  # what a transformers script imports at its top
+if system != "devmap":  # what a transformers script imports at its top ("devmap+tf-imports": the same, then devmap)
+    from transformers import AutoModelForCausalLM
 imported = time.perf_counter()
-model = bench.SYSTEMS[system](bench.Path(path), strategy)
+model = bench.SYSTEMS[system.removesuffix("+tf-imports")](bench.Path(path), strategy)
 bench.sync_all()
 done = time.perf_counter()
 print(json.dumps({{"imports_s": imported - start, "call_s": done - imported, "start_to_weights_s": done - start}}))
