@@ -161,10 +161,10 @@ def index_checkpoint(path: Path, allow_pickle: bool = False) -> dict[str, Tensor
         index_file = path / index_name
         if index_file.is_file():
             weight_map = _read_index(index_file)
-            where = f"{index_name} (weight_map)"
-            for name in weight_map.values():
-                member_path(path, name, where)  # every name is a plain file name before any is used
-            shards = {f: member_path(path, f, where) for f in sorted(set(weight_map.values()))}
+            shards: dict[str, Path] = {}
+            for name in weight_map.values():  # every name is checked before any file is touched
+                shards[name] = member_path(path, name, f"{index_name} (weight_map)")
+            shards = dict(sorted(shards.items()))
             missing = sorted(f for f, file in shards.items() if not file.is_file())
             if missing:
                 raise CheckpointError(

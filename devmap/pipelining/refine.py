@@ -23,7 +23,8 @@ def train_step(pipe: Pipeline, x: torch.Tensor, optimizer: torch.optim.Optimizer
     optimizer.step()
 
 
-def _measure(pipe: Pipeline, sample: torch.Tensor, steps: int, warmup: int) -> float:
+def measure(pipe: Pipeline, sample: torch.Tensor, steps: int, warmup: int) -> float:
+    """Seconds per training step of `pipe` on `sample` (zero learning rate, buffers restored after)."""
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.0)
     saved = [b.detach().clone() for b in pipe.buffers()]
     pipe.train().prepare(sample)
@@ -61,7 +62,7 @@ def refine_split(model: torch.nn.Module, sample: torch.Tensor, chunks: int, step
         apply(devices)
         pipe = from_placement(model, chunks=chunks)
         try:
-            return _measure(pipe, sample, steps, warmup)
+            return measure(pipe, sample, steps, warmup)
         finally:
             del pipe
 
@@ -107,7 +108,7 @@ def refine_cut(model: torch.nn.Module, sample: torch.Tensor, chunks: int, steps:
         apply_units(model, units, unit_devices)
         pipe = from_placement(model, chunks=chunks)
         try:
-            return _measure(pipe, sample, steps, warmup)
+            return measure(pipe, sample, steps, warmup)
         finally:
             del pipe
 

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import UsageError
 from .pipe import Pipeline
-from .refine import _measure, refine_cut, refine_split, train_step  # noqa: F401 (re-exported)
+from .refine import measure
 
 DEFAULT_CHUNKS = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -49,7 +49,7 @@ def tune(
     table = []
     for chunks in usable:
         pipe = build(chunks)
-        seconds = _measure(pipe, sample, steps, warmup)
+        seconds = measure(pipe, sample, steps, warmup)
         table.append({"chunks": chunks, "micro_batch": -(-sample.shape[0] // chunks), "seconds": seconds,
                       "samples_per_s": sample.shape[0] / seconds, "graph_failures": list(pipe.graph_failures)})
         del pipe

@@ -16,7 +16,7 @@ from devmap.cli import main
 from devmap.errors import CheckpointError, DoesNotFitError, SourceError, UsageError
 from devmap.testing import ToyModel
 
-from tiny_llama import TINY, write_tiny_llama  # noqa: F401
+from tiny_llama import copy_checkpoint, write_tiny_llama
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
@@ -131,11 +131,7 @@ def corrupt(path, mode):
 
 @pytest.fixture
 def llama_copy(llama_dir, tmp_path):
-    import shutil
-
-    target = tmp_path / "copy"
-    shutil.copytree(llama_dir, target)
-    return target
+    return copy_checkpoint(llama_dir, tmp_path)
 
 
 def first_shard(path):

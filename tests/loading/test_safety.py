@@ -17,7 +17,7 @@ from devmap import load, plan
 from devmap.cli import main
 from devmap.errors import CheckpointError, DevmapError, DoesNotFitError, SourceError, UsageError
 
-from tiny_llama import write_tiny_llama
+from tiny_llama import copy_checkpoint, write_tiny_llama
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
@@ -32,9 +32,7 @@ def reference(llama_dir):
 
 @pytest.fixture
 def llama_copy(llama_dir, tmp_path):
-    target = tmp_path / "model"
-    shutil.copytree(llama_dir, target)
-    return target
+    return copy_checkpoint(llama_dir, tmp_path)
 
 
 def logits(model):
@@ -141,7 +139,8 @@ def test_offload_folder_alone_allows_disk(llama_dir, reference, tmp_path):
     folder = tmp_path / "off"
     placed = plan(str(llama_dir), max_memory={"cpu": "100KB"}, offload_folder=str(folder))
     assert "disk" in placed.device_map.values()
-    assert placed.budget.limits["disk"] == shutil.disk_usage(tmp_path).free or placed.budget.limits["disk"] > 0
+    free = shutil.disk_usage(tmp_path).free  # the folder does not exist yet: its nearest existing parent counts
+    assert abs(placed.budget.limits["disk"] - free) <= 0.01 * free
     assert placed.devices["disk"].budget > 0
     model = load(str(llama_dir), max_memory={"cpu": "100KB"}, offload_folder=folder)
     torch.testing.assert_close(logits(model), logits(reference))

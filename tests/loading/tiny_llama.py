@@ -1,5 +1,6 @@
 """Tiny LLaMA checkpoints written by transformers' own save_pretrained, for the loading tests."""
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -15,3 +16,10 @@ def write_tiny_llama(path: Path, max_shard_size: str, **changes) -> Path:
     model = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, **changes})).eval()
     model.save_pretrained(path, max_shard_size=max_shard_size)
     return path
+
+
+def copy_checkpoint(source: Path, tmp_path: Path) -> Path:
+    """A copy of a checkpoint directory that a test may damage."""
+    target = tmp_path / "model"
+    shutil.copytree(source, target)
+    return target

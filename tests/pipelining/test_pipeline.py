@@ -168,7 +168,7 @@ def test_tune_picks_a_candidate_and_keeps_weights():
 
 
 def test_refine_split_keeps_a_valid_placement():
-    from devmap.pipelining.tuning import refine_split
+    from devmap.pipelining.refine import refine_split
 
     seq = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     dispatch(seq, {"0": "cpu", "1": "cpu", "2": "cpu", "3": "cpu", "4": "cpu"}, max_memory={"cpu": "1GiB"})
