@@ -1,8 +1,18 @@
-"""W3 (prefill) and W4 (generation) for a LLaMA-style model on 2 GPUs: one GPU, accelerate's dispatch, devmap.
+"""W3 (prefill) and W4 (generation) for a LLaMA-style model on 2 GPUs: devmap against the strongest peers, one run.
 
-Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/llama_inference.py --out $OUT
-W3: forward of batch 32 x 512 tokens; W4: greedy generation, batch 32, prompt 64, 32 new tokens (no early
-stop). Weights are random (bf16); every system is measured in the same run, best of --repeat.
+Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/llama_inference.py --model tinyllama-1.1b --out $OUT
+Systems (`--systems`, in this order; every one measured in the same process run, TP in a torchrun child):
+  eager        transformers, one GPU, eager forward / generate with its dynamic cache
+  compiled     transformers, one GPU, `torch.compile(model)` forward / generate(cache_implementation="static")
+               (its auto-compiled decode step): the fastest one-GPU path
+  tp           transformers `tp_plan="auto"` over 2 GPUs under torchrun, static cache (benchmarks/llama_tp.py)
+  accelerate   accelerate's dispatch_model, balanced over 2 GPUs (its own map, from the one-GPU model)
+  hooks        accelerate's dispatch on devmap's loaded model (its AlignDevicesHooks; for shapes that fit no GPU)
+  devmap       devmap's pipeline, CUDA graphs of the eager layer code (compile=False)
+  devmap-compiled  devmap's pipeline, torch.compile'd stage steps inside its CUDA graphs (compile=True)
+W3: forward of batch 32 x 512 tokens; W4: greedy, batch 32, prompt 64, 32 new tokens (no early stop). Random
+bf16 weights. Steady state = best of --repeat calls after the first; the first call (compilation, capture)
+is reported beside it.
 """
 
 from __future__ import annotations
@@ -10,7 +20,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -19,31 +35,29 @@ import devmap
 from devmap.generation import forward, generate, timed
 from devmap.planning.models import llama_config
 
-
-CALLS: dict[str, list[float]] = {}  # every call's seconds, first (cold) call included: written to the JSON
-
-
-def best(fn, repeat: int, label: str = "") -> float:  # type: ignore[no-untyped-def]
-    """Best of `repeat` calls after a warm-up call (devmap captures its CUDA graphs in the first two calls)."""
-    seconds = [timed(fn)[1] for _ in range(repeat + 1)]
-    CALLS[label] = seconds
-    return min(seconds[1:])
+CALLS: dict[str, list[float]] = {}  # every call's seconds, first call included: written to the JSON
+ONE_GPU = ("transformers one GPU, eager", "transformers one GPU, compiled / static cache")
+TP = "transformers tp_plan=auto, 2 GPUs, static cache"
 
 
-def profile(fn) -> None:  # type: ignore[no-untyped-def]
-    """Kernel time per GPU and the top kernels of one call (after a warm-up)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+def measure(label: str, fn: Callable[[], Any], repeat: int) -> None:
+    """First call and best of `repeat` more, every GPU synchronized around each call."""
+    CALLS[label] = [timed(fn)[1] for _ in range(repeat + 1)]
+    print(f"  {label}: first {CALLS[label][0]:.4f} s, best {min(CALLS[label][1:]):.4f} s", flush=True)
 
-    fn()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+
+def busy_profile(fn: Callable[[], Any]) -> None:
+    """Each GPU's busy time against its span for one call (after the calls that compile and capture)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _, seconds = timed(fn)
     spans: dict[int, list[tuple[float, float]]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             spans.setdefault(event.device_index, []).append((event.time_range.start, event.time_range.end))
-    print(f"profiled call: {seconds:.4f} s")
-    for device, intervals in sorted(spans.items()):  # union of kernel intervals: how long the GPU was busy
+    print(f"  profiled call: {seconds * 1e3:.1f} ms")
+    for device, intervals in sorted(spans.items()):
         intervals.sort()
         busy, (start, end) = 0.0, intervals[0]
         first = start
@@ -53,84 +67,140 @@ def profile(fn) -> None:  # type: ignore[no-untyped-def]
             else:
                 end = max(end, b)
         busy += end - start
-        last = max(b for _, b in intervals)
-        print(f"  GPU {device}: busy {busy / 1e3:.2f} ms of its span {(last - first) / 1e3:.2f} ms, "
-              f"first kernel at {(first - min(i[0][0] for i in spans.values())) / 1e3:.2f} ms")
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12))
+        print(f"  GPU {device}: {len(intervals)} kernels, busy {busy / 1e3:.2f} ms of its span "
+              f"{(max(b for _, b in intervals) - first) / 1e3:.2f} ms")
+
+
+def run_tp(model: torch.nn.Module, repeat: int) -> None:
+    """Save the one-GPU model, then time it under torchrun with tp_plan="auto" (2 processes)."""
+    with tempfile.TemporaryDirectory(dir=os.environ.get("DEVMAP_BENCH_TMP")) as folder:
+        start = time.perf_counter()
+        model.save_pretrained(folder)
+        print(f"  saved the checkpoint for TP in {time.perf_counter() - start:.1f} s", flush=True)
+        out = Path(folder) / "tp.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   str(Path(__file__).with_name("llama_tp.py")), folder, str(out), str(repeat + 1)]
+        if subprocess.run(command).returncode != 0 or not out.exists():
+            print("  TP run failed (its output is above); no TP row", flush=True)
+            return
+        result = json.loads(out.read_text())
+    CALLS["W3 " + TP], CALLS["W4 " + TP] = result["W3"], result["W4"]
+    for workload in ("W3", "W4"):
+        seconds = CALLS[f"{workload} {TP}"]
+        print(f"  {workload} {TP}: first {seconds[0]:.4f} s, best {min(seconds[1:]):.4f} s", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tinyllama-1.1b")
-    parser.add_argument("--lanes", default="2,4,8")
+    parser.add_argument("--systems", default="eager,compiled,tp,accelerate,devmap,devmap-compiled")
+    parser.add_argument("--prefill-lanes", default="8", help="devmap lane counts for W3")
+    parser.add_argument("--generate-lanes", default="2", help="devmap lane counts for W4")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip-generate", action="store_true")
-    parser.add_argument("--eager-lanes", default="4", help="lane counts also measured without CUDA graphs")
     parser.add_argument("--device-map", default="balanced", help="devmap's strategy, or a JSON file of a map")
-    parser.add_argument("--profile", type=int, default=0, help="profile devmap's prefill at this many lanes")
+    parser.add_argument("--profile", action="store_true", help="GPU busy time of devmap's last W3 and W4 calls")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    systems = args.systems.split(",")
     config = llama_config(args.model)
-    prefill = torch.randint(0, config.vocab_size, (32, 512), device="cuda:0")
-    prompt = torch.randint(0, config.vocab_size, (32, 64), device="cuda:0")
-    rows: dict[str, dict[str, float]] = {"W3": {}, "W4": {}}
+    generator = torch.Generator().manual_seed(0)
+    prefill = torch.randint(0, config.vocab_size, (32, 512), generator=generator).to("cuda:0")
+    prompt = torch.randint(0, config.vocab_size, (32, 64), generator=generator).to("cuda:0")
 
-    def systems():  # type: ignore[no-untyped-def]
-        with torch.device("cuda:0"):
-            one = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-        yield "one GPU", one
-        from accelerate import dispatch_model, infer_auto_device_map
-        from accelerate.utils import get_balanced_memory
+    def hf_generate(model: Any, **kwargs: Any) -> Callable[[], Any]:
+        return lambda: model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                      pad_token_id=0, **kwargs)
 
-        budget = get_balanced_memory(one, dtype=torch.bfloat16, no_split_module_classes=["LlamaDecoderLayer"])
-        device_map = infer_auto_device_map(one, budget, no_split_module_classes=["LlamaDecoderLayer"],
-                                           dtype=torch.bfloat16)
-        yield "accelerate dispatch (balanced)", dispatch_model(one, device_map)
-        del one
+    with torch.no_grad():
+        one = None
+        if {"eager", "compiled", "tp", "accelerate"} & set(systems):
+            with torch.device("cuda:0"):
+                one = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        if "eager" in systems:
+            measure("W3 " + ONE_GPU[0], lambda: one(prefill), args.repeat)
+            if not args.skip_generate:
+                measure("W4 " + ONE_GPU[0], hf_generate(one), args.repeat)
+        if "compiled" in systems:
+            compiled = torch.compile(one)
+            measure("W3 " + ONE_GPU[1], lambda: compiled(prefill), args.repeat)
+            if not args.skip_generate:
+                measure("W4 " + ONE_GPU[1], hf_generate(one, cache_implementation="static"), args.repeat)
+            del compiled
+        if "tp" in systems:
+            run_tp(one, args.repeat)
+        if "accelerate" in systems:
+            from accelerate import dispatch_model, infer_auto_device_map
+            from accelerate.utils import get_balanced_memory
+
+            budget = get_balanced_memory(one, dtype=torch.bfloat16, no_split_module_classes=["LlamaDecoderLayer"])
+            device_map = infer_auto_device_map(one, budget, no_split_module_classes=["LlamaDecoderLayer"],
+                                               dtype=torch.bfloat16)
+            dispatched = dispatch_model(one, device_map)
+            label = "accelerate dispatch (balanced)"
+            measure("W3 " + label, lambda: dispatched(prefill), args.repeat)
+            if not args.skip_generate:
+                measure("W4 " + label, hf_generate(dispatched), args.repeat)
+            del dispatched
+        one = None  # noqa: F841 (frees the one-GPU weights before devmap loads)
         gc.collect()
         torch.cuda.empty_cache()
+        torch._dynamo.reset()
         device_map = args.device_map
         if device_map.endswith(".json"):
             device_map = json.loads(Path(device_map).read_text())
-        yield "devmap", devmap.load(args.model, device_map, dtype="bf16")
+        start = time.perf_counter()
+        model = devmap.load(args.model, device_map, dtype="bf16")
+        print(f"  devmap.load: {time.perf_counter() - start:.1f} s", flush=True)
+        if "hooks" in systems:
+            label = "accelerate dispatch (devmap's map)"
+            measure("W3 " + label, lambda: model(prefill), args.repeat)
+            if not args.skip_generate:
+                measure("W4 " + label, hf_generate(model), args.repeat)
+        for name, compile in (("devmap", False), ("devmap-compiled", True)):
+            if name not in systems:
+                continue
+            suffix = ", compiled" if compile else ""
+            for lanes in [int(x) for x in args.prefill_lanes.split(",")]:
+                call = lambda: forward(model, prefill, lanes=lanes, compile=compile)  # noqa: E731
+                measure(f"W3 devmap (lanes {lanes}{suffix})", call, args.repeat)
+            if args.profile:
+                busy_profile(call)
+            devmap.release_graphs(model)
+            if args.skip_generate:
+                continue
+            for lanes in [int(x) for x in args.generate_lanes.split(",")]:
+                call = lambda: generate(model, prompt, max_new_tokens=32, lanes=lanes, eos_token_id=[],  # noqa: E731
+                                        compile=compile)
+                measure(f"W4 devmap (lanes {lanes}{suffix})", call, args.repeat)
+            if args.profile:
+                busy_profile(call)
+            devmap.release_graphs(model)
+    report(args.model, args.out)
 
-    for name, model in systems():
-        with torch.no_grad():
-            if name == "devmap":
-                eager = [int(x) for x in args.eager_lanes.split(",") if x]
-                for lanes in [int(x) for x in args.lanes.split(",")]:
-                    label = f"devmap (lanes {lanes})"
-                    rows["W3"][label] = best(lambda: forward(model, prefill, lanes=lanes), args.repeat, "W3 " + label)
-                    if lanes == args.profile:  # the CUDA graphs of these lanes are captured by now
-                        profile(lambda: forward(model, prefill, lanes=lanes))
-                    if args.skip_generate:
-                        continue
-                    for graphs in (True, False) if lanes in eager else (True,):
-                        label = f"devmap (lanes {lanes}{', CUDA graphs' if graphs else ', eager'})"
-                        rows["W4"][label] = best(lambda: generate(
-                            model, prompt, max_new_tokens=32, lanes=lanes, eos_token_id=[], graphs=graphs),
-                            args.repeat, "W4 " + label)
-                    devmap.release_graphs(model)
-            else:
-                rows["W3"][name] = best(lambda: model(prefill), args.repeat)
-                if not args.skip_generate:
-                    rows["W4"][name] = best(lambda: model.generate(
-                        prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0), args.repeat)
-        print(f"{name}: {[(w, {k: round(v, 4) for k, v in r.items()}) for w, r in rows.items()]}", flush=True)
-    base = "accelerate dispatch (balanced)"
+
+def report(model: str, out: str | None) -> None:
+    """Per workload: steady seconds, tokens/s, first call, and ratios to the best one-GPU path and to TP."""
     for workload, unit in (("W3", 32 * 512), ("W4", 32 * 32)):
-        if not rows[workload]:
+        rows = {k[3:]: v for k, v in CALLS.items() if k.startswith(workload)}
+        if not rows:
             continue
-        print(f"\n{workload} {'prefill 32 x 512' if workload == 'W3' else 'generate 32 x (64 + 32 new)'}, "
-              f"{args.model} bf16, torch {torch.__version__}")
-        print(f"{'system':<44}{'seconds':>9}{'tokens/s':>11}{'vs accelerate':>15}{'vs one GPU':>12}")
-        for name, seconds in rows[workload].items():
-            print(f"{name:<44}{seconds:>9.4f}{unit / seconds:>11.0f}{rows[workload][base] / seconds:>14.2f}x"
-                  f"{rows[workload]['one GPU'] / seconds:>11.2f}x")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "llama_inference.json").write_text(json.dumps({**rows, "calls": CALLS}, indent=2))
-    print("\nevery call (s), warm-up first:", json.dumps({k: [round(x, 4) for x in v] for k, v in CALLS.items()}))
+        steady = {name: min(v[1:]) for name, v in rows.items()}
+        one_gpu = min((steady[n] for n in ONE_GPU if n in steady), default=None)
+        accelerate = next((steady[n] for n in steady if n.startswith("accelerate")), None)
+        print(f"\n{workload} {'prefill 32 x 512' if workload == 'W3' else 'generate 32 x (64 + 32 new)'}, {model} "
+              f"bf16, torch {torch.__version__}")
+        print("| system | steady s | tokens/s | first call s | vs best one GPU | vs TP | vs accelerate |\n"
+              "|---|---|---|---|---|---|---|")
+        for name, seconds in steady.items():
+            versus_one = f"{one_gpu / seconds:.2f}x" if one_gpu else "-"
+            versus_tp = f"{steady[TP] / seconds:.2f}x" if TP in steady else "-"
+            versus_accelerate = f"{accelerate / seconds:.2f}x" if accelerate else "-"
+            print(f"| {name} | {seconds:.4f} | {unit / seconds:,.0f} | {rows[name][0]:.2f} | {versus_one} | "
+                  f"{versus_tp} | {versus_accelerate} |")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"llama_inference_{model}.json").write_text(json.dumps(CALLS, indent=2))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ def generate(
     split_layers: list[int] | None = None,
     graphs: bool = True,
     keep_graphs: bool = True,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Generate up to `max_new_tokens` per row; returns prompt + new tokens (on the CPU), like transformers'
     generate: a row that ends (EOS) is padded with `pad_token_id` until every row has ended.
@@ -48,6 +49,9 @@ def generate(
     `keep_graphs`: keep the caches and captured steps on the model for the next call of the same shapes
     (which then replays its prefill too); they hold GPU memory until another shape comes or
     `devmap.release_graphs(model)`. With False, everything is freed when the call returns.
+    `compile`: run each stage's prefill and decode step as torch.compile (inductor) code inside those graphs:
+    the first call of each shape compiles (tens of seconds for a 1B model, cached on disk by torch), later
+    calls run fused kernels. Worth it for many calls (a service, a batch job), not for one short one.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -55,6 +59,7 @@ def generate(
     sampling.check()
     stages = CausalLMStages(model, split_layers)
     check_length(model.config, input_ids.shape[-1] + max_new_tokens)
+    stages.check_window(input_ids.shape[-1] + max_new_tokens)
     stages.float_mask_dtype()  # refuses attention implementations the decode mask does not fit
     config = getattr(model, "generation_config", None) or model.config
     eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
@@ -64,7 +69,7 @@ def generate(
     # decoding: every lane-step costs a few hundred small kernels whatever its rows, so the fewest lanes that
     # keep every stage busy (one per stage) are fastest
     lane_list = split_lanes(stages, input_ids, attention_mask, lanes, default=len(stages.stages))
-    run = LaneRunner(stages, lane_list, graphs)
+    run = LaneRunner(stages, lane_list, graphs, compile)
     max_len = input_ids.shape[1] + max_new_tokens
     cache = entries = None
     if run.graphs:
@@ -102,20 +107,22 @@ def check_length(config: Any, total: int) -> None:
 @torch.no_grad()
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
             lanes: int | None = None, split_layers: list[int] | None = None, graphs: bool = True,
-            keep_graphs: bool = True) -> torch.Tensor:
+            keep_graphs: bool = True, compile: bool = False) -> torch.Tensor:
     """Logits (on the last stage's device) of a whole batch, its lanes flowing through the stages
     concurrently (prefill / scoring). `lanes` defaults to 4 per stage (1 for a single stage).
 
     With `graphs` and every stage on a GPU, each (stage, lane) runs eagerly the first time a batch shape is
     seen, is captured as a CUDA graph the second time and replayed from then on; the graphs and their
     buffers stay on the model until another shape comes or `devmap.release_graphs(model)`
-    (`keep_graphs=False`: nothing is kept, every call runs eagerly).
+    (`keep_graphs=False`: nothing is kept, every call runs eagerly). `compile`: those captured prefills are
+    torch.compile (inductor) code, compiled on a shape's first call (see `generate`).
     """
     stages = CausalLMStages(model, split_layers)
+    stages.check_window(input_ids.shape[-1])
     # prefill: lanes big enough to keep GEMMs efficient, enough of them that filling and draining the
     # pipeline (one lane's time per stage) stays small
     lane_list = split_lanes(stages, input_ids, attention_mask, lanes, default=4 * len(stages.stages) if len(stages.stages) > 1 else 1)
-    run = LaneRunner(stages, lane_list, graphs)
+    run = LaneRunner(stages, lane_list, graphs, compile)
     vocab = stages.model.lm_head.out_features if hasattr(stages.model.lm_head, "out_features") \
         else stages.model.config.vocab_size
     dtype = getattr(stages.model.lm_head, "weight", torch.empty(0, dtype=stages.dtype)).dtype

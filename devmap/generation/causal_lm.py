@@ -16,7 +16,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..errors import PipelineError
+from ..errors import PipelineError, UsageError
+
+# model types whose base model's forward is LLaMA's glue (embed, one rotary, causal mask, layers, norm): the glue
+# redone here is theirs. Others (Gemma scales its embeddings, for one) would come out silently wrong: refused.
+SAME_GLUE = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -57,6 +61,12 @@ class CausalLMStages:
                 f"{type(model).__name__} is not a LLaMA-style causal LM (model.layers, model.norm, lm_head)"
             )
         self.model, self.base, self.config = model, base, model.config
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in SAME_GLUE:
+            raise PipelineError(
+                f"pipelined inference runs {', '.join(SAME_GLUE)} models; this one is {model_type!r}, whose layers "
+                "need glue devmap does not redo: run it with model(...) or model.generate(...)"
+            )
         devices_used = set(getattr(model, "hf_device_map", {}).values())
         if "disk" in devices_used or ("cpu" in devices_used and any(isinstance(d, int) for d in devices_used)):
             raise PipelineError("the model has offloaded blocks (cpu or disk beside GPUs): pipelined inference "
@@ -78,10 +88,35 @@ class CausalLMStages:
         self.norm_device = _device_of(base.norm)
         self._mask_args = _mask_arguments()
         self._rotary: dict[torch.device, nn.Module] = {}
+        for device in {*self.devices, self.embed_device}:  # copied here, not inside a compiled step
+            self._rotary[device] = module_on(self.base.rotary_emb, device)
 
     @property
     def devices(self) -> list[torch.device]:
         return [s.device for s in self.stages]
+
+    def check_window(self, total: int) -> None:
+        """Refuse sequences longer than a sliding attention window (devmap's masks are plain causal masks, which
+        equal the sliding ones up to the window's length)."""
+        window = getattr(self.config, "sliding_window", None)
+        types = getattr(self.config, "layer_types", None) or ()
+        sliding = self.config.model_type == "mistral" or "sliding_attention" in types
+        if sliding and isinstance(window, int) and total > window:
+            raise UsageError(
+                f"prompt + new tokens = {total:,} is more than the model's sliding attention window of {window:,} "
+                "tokens, which devmap's pipelined inference does not apply; shorten the prompt or --max-new-tokens"
+            )
+
+    def kv_layout(self, stage: int) -> tuple[list[int], int, int] | None:
+        """(layer indices, KV heads, head size) of a stage's attention, for its static caches (None if unknown)."""
+        config = self.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        indices = [getattr(getattr(layer, "self_attn", None), "layer_idx", None) for layer in self.stages[stage].layers]
+        if any(not isinstance(i, int) for i in indices):
+            return None
+        return indices, kv_heads, head_dim
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return _unhooked(self.base.embed_tokens)(input_ids.to(self.embed_device))

@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 
+from .compiled import no_recompiles
+
 
 class GraphedStep:
     """`step()` runs the work of one (stage, lane) on the current stream and returns its output tensor.
@@ -53,7 +55,7 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         # capture_begin/end rather than torch.cuda.graph(): that one synchronizes the device, collects garbage
         # and empties the allocator's cache on entry, once per captured step
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), no_recompiles():
             graph.capture_begin(pool=self.pool)
             try:
                 out = self.body(self.static_in)

@@ -27,6 +27,15 @@ class LaneCache:
         self.prefilling = True
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
 
+    def allocate(self, layer_indices: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Every layer's buffers up front (zeros: unwritten slots are masked, and must not hold NaNs), so that a
+        compiled prefill only copies into them and its first and later calls trace the same code."""
+        shape = (self.rows, kv_heads, self.max_len, head_dim)
+        for index in layer_indices:
+            if index not in self.keys:
+                self.keys[index] = torch.zeros(shape, dtype=dtype, device=self.device)
+                self.values[index] = torch.zeros(shape, dtype=dtype, device=self.device)
+
     def start_decoding(self, prompt_len: int) -> None:
         """After the prompt: the next token goes to slot `prompt_len` (issued on the current stream)."""
         self.prefilling = False

@@ -16,6 +16,7 @@ import torch
 
 from .causal_lm import CausalLMStages, FrontHead, positions
 from ..errors import UsageError
+from .compiled import compile_step
 from .graphed_step import GraphedStep
 from .lane_cache import DecodeInputs, LaneCache
 from .sampling import Sampling, choose
@@ -43,10 +44,11 @@ class Lane:
 class LaneRunner:
     """One generate() or forward() call: every lane-step issued from this thread, stages on their own streams."""
 
-    def __init__(self, stages: CausalLMStages, lanes: list[Lane], graphs: bool) -> None:
+    def __init__(self, stages: CausalLMStages, lanes: list[Lane], graphs: bool, compile: bool = False) -> None:
         self.s, self.lanes = stages, lanes
         self.streams = StreamSet()
         self.graphs = graphs and graphs_possible(stages.devices)
+        self.compile = compile
         self._plain: dict[tuple[int, int], dict[str, Any]] = {}
 
     def _capture_stream(self, j: int) -> Any:
@@ -213,8 +215,11 @@ class LaneRunner:
                        "position_embeddings": self.s.rotary(hidden, static_positions)}
             return self.s.run(j, hidden, context, lane_cache)
 
-        step = GraphedStep(body, static_in, True, cache.pool(device), self._capture_stream(j))
+        step = GraphedStep(self._compiled(body), static_in, True, cache.pool(device), self._capture_stream(j))
         return step, static_positions, static_mask
+
+    def _compiled(self, body: Any) -> Any:
+        return compile_step(body) if self.compile else body
 
     def prepare_decode(self, k: int, lane: Lane, max_len: int, entries: dict | None, cache: StepCache | None) -> None:
         """The lane's static caches and decode steps on every stage (kept from an earlier call of the same
@@ -229,6 +234,9 @@ class LaneRunner:
         inputs = []
         for j, stage in enumerate(self.s.stages):
             lane_cache = LaneCache(rows, max_len, stage.device)
+            layout = self.s.kv_layout(j)
+            if layout is not None:
+                lane_cache.allocate(*layout, self.s.dtype)
             inputs.append(DecodeInputs(lane_cache, lane.mask, float_mask))
             if j == 0:
                 static_in = torch.zeros(rows, 1, dtype=torch.long, device=self.s.embed_device)
@@ -240,8 +248,8 @@ class LaneRunner:
             pool = cache.pool(stage.device) if cache is not None and graphed else None
             capture = self._capture_stream(j) if graphed else None
             lane.caches.append(lane_cache)
-            lane.steps.append(GraphedStep(lambda x, j=j, item=inputs[-1]: self.s.decode(j, x, item), static_in,
-                                          graphed, pool, capture))
+            body = self._compiled(lambda x, j=j, item=inputs[-1]: self.s.decode(j, x, item))
+            lane.steps.append(GraphedStep(body, static_in, graphed, pool, capture))
         if entries is not None:
             entries[k] = (lane.caches, lane.steps, inputs)
 

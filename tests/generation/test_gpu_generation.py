@@ -110,3 +110,46 @@ def test_tied_head_on_the_first_gpu_and_norm_on_the_last(monkeypatch):
         torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
     with torch.no_grad():  # the model still runs as a plain module afterwards
         torch.testing.assert_close(placed(ids).logits.to("cuda:0"), expected_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_steps_match_one_gpu_and_are_captured(dtype, monkeypatch):
+    """compile=True: inductor's kernels inside devmap's graphs give transformers' greedy tokens (fp32) and logits
+    within bf16 tolerance, every decode step is captured, and a second call compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    from devmap.generation import api as generation
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.manual_seed(2)
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=dtype).to("cuda:0").eval()
+    placed = two_gpu_copy(reference)
+    ids = torch.randint(3, 1000, (8, 12), device="cuda:0")
+    mask = torch.ones_like(ids)
+    mask[5, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        expected_logits = reference(ids, attention_mask=mask).logits.float()
+    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None).cpu()
+    runs = []
+    original = generation.LaneRunner
+
+    class Recording(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            runs.append(self)
+
+    monkeypatch.setattr(generation, "LaneRunner", Recording)
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    for call in range(3):  # compile + run, capture, replay
+        logits = forward(placed, ids, mask, lanes=2, compile=True).float().to("cuda:0")
+        torch.testing.assert_close(logits, expected_logits, atol=tol, rtol=tol)
+        out = generate(placed, ids, mask, max_new_tokens=12, lanes=2, eos_token_id=[], compile=True)
+        if dtype == torch.float32:
+            assert torch.equal(out, expected)
+        if call == 0:
+            compiled = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == compiled
+    steps = [step for lane in runs[-1].lanes for step in lane.steps]
+    assert steps and all(step.graph is not None and step.capture_error is None for step in steps)

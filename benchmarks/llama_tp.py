@@ -1,0 +1,52 @@
+"""transformers' tensor parallelism (`tp_plan="auto"`) on W3 and W4: the peer `llama_inference.py --tp` launches.
+
+Run by llama_inference.py as `torchrun --nproc-per-node 2 benchmarks/llama_tp.py CHECKPOINT OUT.json` (the
+checkpoint is the same random model the other systems run, saved by it). Every rank runs the same calls on
+the same inputs; rank 0 writes the seconds: W3 forward (eager), W4 generate with transformers' static cache
+(its auto-compiled decode step), each call's time with the first (compiling) call kept.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+
+def timed(fn, rounds: int) -> list[float]:  # type: ignore[no-untyped-def]
+    seconds = []
+    for _ in range(rounds):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def main() -> None:
+    checkpoint, out, rounds = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, tp_plan="auto", dtype=torch.bfloat16).eval()
+    device = model.device
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prefill = torch.randint(0, vocab, (32, 512), generator=generator).to(device)
+    prompt = torch.randint(0, vocab, (32, 64), generator=generator).to(device)
+    with torch.no_grad():
+        w3 = timed(lambda: model(prefill), rounds)
+        w4 = timed(lambda: model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                          pad_token_id=0, cache_implementation="static"), rounds)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({"W3": w3, "W4": w4}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

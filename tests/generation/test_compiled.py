@@ -1,0 +1,86 @@
+"""compile=True on CPU (traced with aot_eager: the same graphs and guards as inductor, no C++ compiler), and the
+model families that share LLaMA's glue (Mistral, Qwen2) against transformers' own generate."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from devmap import generate
+from devmap.errors import PipelineError, UsageError
+from devmap.generation import compiled, forward, lane_runner
+
+SIZES = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def prompts(batch=6, length=9):
+    ids = torch.randint(3, 512, (batch, length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def expected(model, ids, mask, new=8):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                          eos_token_id=None)
+
+
+def build(config):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_compiled_steps_give_the_same_tokens_and_compile_once(monkeypatch):
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)  # the cached-step paths
+    torch._dynamo.reset()
+    counters.clear()
+    model = build(LlamaConfig(**SIZES))
+    ids, mask = prompts()
+    want = expected(model, ids, mask)
+    kwargs = dict(max_new_tokens=8, lanes=2, split_layers=[2], eos_token_id=[], compile=True)
+    assert torch.equal(generate(model, ids, mask, **kwargs), want)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0 and not counters["graph_break"]  # whole steps traced, no breaks
+    for _ in range(2):  # the same shapes again: the compiled steps are reused, nothing recompiles
+        assert torch.equal(generate(model, ids, mask, **kwargs), want)
+    assert counters["stats"]["unique_graphs"] == graphs
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).logits
+    for _ in range(2):
+        torch.testing.assert_close(forward(model, ids, mask, lanes=3, split_layers=[1, 3], compile=True), reference,
+                                   atol=1e-5, rtol=1e-5)
+    assert not counters["graph_break"]
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_families_sharing_llamas_glue_generate_like_transformers(family):
+    if family == "mistral":
+        config = MistralConfig(sliding_window=64, **SIZES)
+    else:
+        config = Qwen2Config(**SIZES)  # q/k/v projections with biases
+    model = build(config)
+    ids, mask = prompts()
+    out = generate(model, ids, mask, max_new_tokens=8, lanes=2, split_layers=[2], eos_token_id=[])
+    assert torch.equal(out, expected(model, ids, mask))
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(forward(model, ids, mask, lanes=2, split_layers=[2]), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_beyond_a_sliding_window_is_refused():
+    model = build(MistralConfig(sliding_window=12, **SIZES))
+    ids, mask = prompts()
+    with pytest.raises(UsageError, match="sliding attention window of 12"):
+        generate(model, ids, mask, max_new_tokens=8)
+
+
+def test_models_with_other_glue_are_refused():
+    from transformers import GemmaConfig  # scales its embeddings: LLaMA's glue would be silently wrong
+
+    model = build(GemmaConfig(head_dim=16, **SIZES))
+    ids, mask = prompts()
+    with pytest.raises(PipelineError, match="this one is 'gemma'"):
+        generate(model, ids, mask, max_new_tokens=2)
