@@ -38,6 +38,7 @@ from devmap.planning.models import llama_config
 CALLS: dict[str, list[float]] = {}  # every call's seconds, first call included: written to the JSON
 ONE_GPU = ("transformers one GPU, eager", "transformers one GPU, compiled / static cache")
 TP = "transformers tp_plan=auto, 2 GPUs, static cache"
+TP_TIMEOUT = int(os.environ.get("DEVMAP_TP_TIMEOUT", "240"))
 
 
 def measure(label: str, fn: Callable[[], Any], repeat: int) -> None:
@@ -80,8 +81,12 @@ def run_tp(model: torch.nn.Module, repeat: int) -> None:
         out = Path(folder) / "tp.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                    str(Path(__file__).with_name("llama_tp.py")), folder, str(out), str(repeat + 1)]
-        if subprocess.run(command).returncode != 0 or not out.exists():
-            print("  TP run failed (its output is above); no TP row", flush=True)
+        try:
+            failed = subprocess.run(command, timeout=TP_TIMEOUT).returncode != 0 or not out.exists()
+        except subprocess.TimeoutExpired:
+            failed = True
+        if failed:
+            print(f"  TP run failed or ran past {TP_TIMEOUT} s (its output is above); no TP row", flush=True)
             return
         result = json.loads(out.read_text())
     CALLS["W3 " + TP], CALLS["W4 " + TP] = result["W3"], result["W4"]
