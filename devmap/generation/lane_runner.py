@@ -21,7 +21,7 @@ from .graphed_step import GraphedStep
 from .lane_cache import DecodeInputs, LaneCache
 from .sampling import Sampling, choose
 from .step_cache import StepCache, weight_pointers
-from ..pipelining.streams import StreamSet, copy_into, hand_off
+from ..pipelining.streams import StreamSet, copy_into, copy_later, hand_off
 
 EOS_CHECK_LAG = 2  # steps between a lane's last token and the host reading whether its rows all ended
 
@@ -39,6 +39,7 @@ class Lane:
     ended: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # (event, host flag "all rows ended")
     done: bool = False
     prompt: dict[str, Any] = field(default_factory=dict)  # mask, position ids (stage 0's device), ready event
+    token_ready: Any = None  # event: the lane's last token is in stage 0's input buffer
 
 
 class LaneRunner:
@@ -277,9 +278,9 @@ class LaneRunner:
                 lane.ended.append((_record(compute), flag))
             lane.tokens.append(token)
             lane.unfinished.append(unfinished)
-            if step + 1 < max_new_tokens:
-                with self.on(0) as first:
-                    copy_into(lane.steps[0].static_in.view(-1), token, _record(compute), 0, self.streams, first)
+            if step + 1 < max_new_tokens:  # stage 0 waits for it only right before the lane's next step
+                lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, _record(compute), 0,
+                                              self.streams)
 
         for k, lane in enumerate(self.lanes):  # prefill, lane after lane: the stages overlap on different lanes
             if entries is None:
@@ -301,6 +302,8 @@ class LaneRunner:
                     with self.on(j) as compute:
                         if j > 0:
                             copy_into(lane.steps[j].static_in, out, event, j, self.streams, compute)
+                        elif lane.token_ready is not None:
+                            compute.wait_event(lane.token_ready)
                         out = lane.steps[j]()
                         event = _record(compute)
                 with self.on(last) as compute:

@@ -84,3 +84,32 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, event: Any, stage: int, stre
         with torch.cuda.stream(recv):
             dst.copy_(src, non_blocking=True)
     compute.wait_stream(recv)
+
+
+def copy_later(dst: torch.Tensor, src: torch.Tensor, event: Any, stage: int, streams: StreamSet) -> Any:
+    """`dst.copy_(src)` once `event` fires, on side streams only; returns an event for the reader to wait on just
+    before it reads `dst` (None off GPUs, where the copy is done on return).
+
+    Unlike `copy_into`, no compute stream waits now: a decode token going back to the first stage must not hold up
+    the other lanes' work queued there before the lane's next step (it serialized the two GPUs)."""
+    if not dst.is_cuda:
+        dst.copy_(src)
+        return None
+    recv = streams.get("recv", stage, dst.device)
+    if src.is_cuda and src.device != dst.device:
+        send = streams.get("send", stage, src.device)
+        if event is not None:
+            send.wait_event(event)
+        with torch.cuda.stream(send), torch.cuda.stream(recv):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(send)
+    else:
+        if event is not None:
+            recv.wait_event(event)
+        with torch.cuda.stream(recv):
+            dst.copy_(src, non_blocking=True)
+        if src.is_cuda:
+            src.record_stream(recv)
+    ready = torch.cuda.Event()
+    ready.record(recv)
+    return ready
