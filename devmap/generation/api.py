@@ -76,10 +76,11 @@ def generate(
         cache = step_cache(model, "generate") if keep_graphs else StepCache()
         signature = (run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), input_ids.shape[1], max_len)
         entries = cache.use(signature, weight_pointers(model))
-    for k, lane in enumerate(lane_list):
-        run.prepare_decode(k, lane, max_len, entries, cache)
-    run.generate(max_new_tokens, sampling, eos_list, pad, entries if keep_graphs else None, cache)
-    run.streams.join([t for lane in lane_list for t in lane.tokens + lane.unfinished])
+    with stages.hooks_bypassed():
+        for k, lane in enumerate(lane_list):
+            run.prepare_decode(k, lane, max_len, entries, cache)
+        run.generate(max_new_tokens, sampling, eos_list, pad, entries if keep_graphs else None, cache)
+        run.streams.join([t for lane in lane_list for t in lane.tokens + lane.unfinished])
     lengths = []
     for lane in lane_list:  # a lane's tokens after all its rows ended are padding: trim to where it ended
         ended = ~torch.stack(lane.unfinished).any(dim=1).cpu()
@@ -127,8 +128,9 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         else stages.model.config.vocab_size
     dtype = getattr(stages.model.lm_head, "weight", torch.empty(0, dtype=stages.dtype)).dtype
     out = torch.empty(*input_ids.shape, vocab, dtype=dtype, device=stages.head_device)
-    run.forward(step_cache(model, "forward") if run.graphs and keep_graphs else None, out)
-    run.streams.join([out])
+    with stages.hooks_bypassed():
+        run.forward(step_cache(model, "forward") if run.graphs and keep_graphs else None, out)
+        run.streams.join([out])
     return out
 
 

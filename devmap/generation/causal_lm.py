@@ -7,11 +7,12 @@ at a time, with a KV cache per lane.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +38,17 @@ def _unhooked(module: nn.Module) -> Any:
     if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward"):
         return module._old_forward
     return module
+
+
+def _only_moves_arguments(hook: Any) -> bool:
+    """The hook (or every hook of a SequentialHook) is accelerate's AlignDevicesHook without offload: skipping it
+    changes nothing for arguments that already are on the module's device."""
+    try:
+        from accelerate.hooks import AlignDevicesHook
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        return False
+    hooks = getattr(hook, "hooks", None) or [hook]
+    return all(isinstance(h, AlignDevicesHook) and not h.offload for h in hooks)
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -90,6 +102,31 @@ class CausalLMStages:
         self._rotary: dict[torch.device, nn.Module] = {}
         for device in {*self.devices, self.embed_device}:  # copied here, not inside a compiled step
             self._rotary[device] = module_on(self.base.rotary_emb, device)
+
+    @contextlib.contextmanager
+    def hooks_bypassed(self) -> Iterator[None]:
+        """accelerate's device hooks taken off the model's modules for one call, put back after (also on error).
+
+        A loaded model carries an AlignDevicesHook on every module that has weights; each one moves the
+        arguments again (the stages already did) and is `torch.compiler.disable`d, which broke every compiled
+        stage step into one graph per module. Hooks that bring offloaded weights in are left alone (such
+        models are refused anyway)."""
+        swapped = []
+        for module in self.model.modules():
+            hook = getattr(module, "_hf_hook", None)
+            hooked = module.__dict__.get("forward")
+            own = getattr(module, "_old_forward", None)
+            if module is self.model or hook is None or hooked is None or own is None or hooked is own:
+                continue
+            if not _only_moves_arguments(hook):
+                continue
+            swapped.append((module, hooked))
+            module.forward = own
+        try:
+            yield
+        finally:
+            for module, hooked in swapped:
+                module.forward = hooked
 
     @property
     def devices(self) -> list[torch.device]:

@@ -84,3 +84,26 @@ def test_models_with_other_glue_are_refused():
     ids, mask = prompts()
     with pytest.raises(PipelineError, match="this one is 'gemma'"):
         generate(model, ids, mask, max_new_tokens=2)
+
+
+def test_accelerate_device_hooks_are_bypassed_during_a_call_and_put_back(monkeypatch):
+    """A loaded model has accelerate's AlignDevicesHook on every module with weights; compiled through, each one
+    is a graph break (they are torch.compiler.disable'd). The call skips them and restores them after."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)
+    model = build(LlamaConfig(**SIZES))
+    ids, mask = prompts()
+    want = expected(model, ids, mask)
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)) or module is model:
+            add_hook_to_module(module, AlignDevicesHook(execution_device="cpu", io_same_device=module is model))
+    hooked = {name: module.forward for name, module in model.named_modules()}
+    torch._dynamo.reset()
+    counters.clear()
+    got = generate(model, ids, mask, max_new_tokens=8, lanes=2, split_layers=[2], eos_token_id=[], compile=True)
+    assert torch.equal(got, want)
+    assert not counters["graph_break"]
+    assert all(module.forward == hooked[name] for name, module in model.named_modules())
+    torch._dynamo.reset()
