@@ -9,6 +9,7 @@ the same inputs; rank 0 writes the seconds: W3 forward (eager), W4 generate with
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,23 +19,32 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 
+def say(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"  [tp] {message}", flush=True)
+
+
 def timed(fn, rounds: int) -> list[float]:  # type: ignore[no-untyped-def]
     seconds = []
     for _ in range(rounds):
-        dist.barrier()
+        dist.barrier(device_ids=[torch.cuda.current_device()])
         torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
-        dist.barrier()
+        dist.barrier(device_ids=[torch.cuda.current_device()])
         seconds.append(time.perf_counter() - start)
+        say(f"call {len(seconds)}: {seconds[-1]:.3f} s")
     return seconds
 
 
 def main() -> None:
     checkpoint, out, rounds = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before any collective: one GPU per rank
+    start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(checkpoint, tp_plan="auto", dtype=torch.bfloat16).eval()
     device = model.device
+    say(f"loaded with tp_plan='auto' in {time.perf_counter() - start:.1f} s on {device}")
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prefill = torch.randint(0, vocab, (32, 512), generator=generator).to(device)
