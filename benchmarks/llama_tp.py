@@ -55,7 +55,10 @@ def main() -> None:
                                           pad_token_id=0, cache_implementation="static"), rounds)
     if dist.get_rank() == 0:
         out.write_text(json.dumps({"W3": w3, "W4": w4}))
+    dist.barrier(device_ids=[torch.cuda.current_device()])
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # inductor's compile workers kept the ranks alive past the store's shutdown (a hang at exit)
 
 
 if __name__ == "__main__":
