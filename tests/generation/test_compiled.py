@@ -107,3 +107,24 @@ def test_accelerate_device_hooks_are_bypassed_during_a_call_and_put_back(monkeyp
     assert not counters["graph_break"]
     assert all(module.forward == hooked[name] for name, module in model.named_modules())
     torch._dynamo.reset()
+
+
+def test_cli_generate_compile_reports_the_first_call_and_the_steady_one(monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from devmap.cli import main
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    result = CliRunner().invoke(main, ["generate", "llama-tiny", "--max-memory", "cpu=1GB", "--batch-size", "2",
+                                       "--prompt-len", "4", "--max-new-tokens", "3", "--compile", "--repeat", "2",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["compile"] is True and data["first_call_seconds"] > 0 and data["new_tokens"] <= 3
+    result = CliRunner().invoke(main, ["generate", "llama-tiny", "--max-memory", "cpu=1GB", "--max-new-tokens", "2",
+                                       "--repeat", "2", "--batch-size", "2", "--prompt-len", "3"])
+    assert result.exit_code == 0 and "fastest of 1 calls after the first" in result.output
+    torch._dynamo.reset()
