@@ -15,7 +15,7 @@ from torch import nn
 
 from .causal_lm import CausalLMStages
 from ..errors import UsageError
-from .lane_runner import LaneRunner, split_lanes
+from .lane_runner import LaneRunner, OnTokens, split_lanes
 from .sampling import Sampling
 from .step_cache import StepCache, step_cache, weight_pointers
 
@@ -38,6 +38,7 @@ def generate(
     graphs: bool = True,
     keep_graphs: bool = True,
     compile: bool = False,
+    on_tokens: OnTokens | None = None,
 ) -> torch.Tensor:
     """Generate up to `max_new_tokens` per row; returns prompt + new tokens (on the CPU), like transformers'
     generate: a row that ends (EOS) is padded with `pad_token_id` until every row has ended.
@@ -52,6 +53,9 @@ def generate(
     `compile`: run each stage's prefill and decode step as torch.compile (inductor) code inside those graphs:
     the first call of each shape compiles (tens of seconds for a 1B model, cached on disk by torch), later
     calls run fused kernels. Worth it for many calls (a service, a batch job), not for one short one.
+    `on_tokens(rows, step, tokens)`: streams each step's new tokens of each lane (`rows`: a slice of the batch;
+    `tokens`: on the CPU, a row that ended holds `pad_token_id`), a couple of steps behind the GPUs so the host
+    never waits for the step in flight; returning False stops generation (what was generated is returned).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -79,7 +83,7 @@ def generate(
     with stages.hooks_bypassed():
         for k, lane in enumerate(lane_list):
             run.prepare_decode(k, lane, max_len, entries, cache)
-        run.generate(max_new_tokens, sampling, eos_list, pad, entries if keep_graphs else None, cache)
+        run.generate(max_new_tokens, sampling, eos_list, pad, entries if keep_graphs else None, cache, on_tokens)
         run.streams.join([t for lane in lane_list for t in lane.tokens + lane.unfinished])
     lengths = []
     for lane in lane_list:  # a lane's tokens after all its rows ended are padding: trim to where it ended

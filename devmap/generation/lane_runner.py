@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -40,6 +40,7 @@ class Lane:
     done: bool = False
     prompt: dict[str, Any] = field(default_factory=dict)  # mask, position ids (stage 0's device), ready event
     token_ready: Any = None  # event: the lane's last token is in stage 0's input buffer
+    undelivered: list[tuple[int, Any, torch.Tensor]] = field(default_factory=list)  # (step, event, host tokens)
 
 
 class LaneRunner:
@@ -255,7 +256,7 @@ class LaneRunner:
             entries[k] = (lane.caches, lane.steps, inputs)
 
     def generate(self, max_new_tokens: int, sampling: Sampling, eos: list[int], pad: int,
-                 entries: dict | None, cache: StepCache | None) -> None:
+                 entries: dict | None, cache: StepCache | None, on_tokens: OnTokens | None = None) -> None:
         head_device = self.s.head_device
         eos_ids = torch.tensor(eos, device=head_device) if eos else None
         generator = torch.Generator(device=head_device).manual_seed(sampling.seed) if sampling.do_sample else None
@@ -278,6 +279,10 @@ class LaneRunner:
                 lane.ended.append((_record(compute), flag))
             lane.tokens.append(token)
             lane.unfinished.append(unfinished)
+            if on_tokens is not None:  # the host reads them EOS_CHECK_LAG steps later, when they surely are there
+                host = torch.empty(token.shape, dtype=token.dtype, pin_memory=token.is_cuda)
+                host.copy_(token, non_blocking=True)
+                lane.undelivered.append((step, _record(compute), host))
             if step + 1 < max_new_tokens:  # stage 0 waits for it only right before the lane's next step
                 lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, _record(compute), 0,
                                               self.streams)
@@ -293,6 +298,8 @@ class LaneRunner:
             with self.on(last) as compute:
                 finish(lane, self.s.head(hidden[:, -1:, :])[:, -1].float(), compute, 0)
         for step in range(1, max_new_tokens):
+            if on_tokens is not None and not self.deliver(on_tokens, step - 1):
+                return
             for lane in self.lanes:
                 if lane.done or _ended(lane, step):
                     lane.done = True
@@ -308,6 +315,25 @@ class LaneRunner:
                         event = _record(compute)
                 with self.on(last) as compute:
                     finish(lane, out, compute, step)
+        if on_tokens is not None:
+            self.deliver(on_tokens, max_new_tokens, lag=0)
+
+    def deliver(self, on_tokens: OnTokens, step: int, lag: int | None = None) -> bool:
+        """Hand the host every lane's tokens up to `step - lag` (lag: EOS_CHECK_LAG on GPUs, so the host waits
+        for work issued steps ago, never for the step in flight); False when `on_tokens` asks to stop."""
+        lag = (EOS_CHECK_LAG if self.s.head_device.type == "cuda" else 0) if lag is None else lag
+        go_on = True
+        for lane in self.lanes:
+            while lane.undelivered and lane.undelivered[0][0] <= step - lag:
+                index, event, host = lane.undelivered.pop(0)
+                if event is not None:
+                    event.synchronize()
+                go_on = on_tokens(lane.rows, index, host) and go_on
+        return go_on
+
+
+OnTokens = Callable[[slice, int, torch.Tensor], bool]
+"""Called with (the lane's rows of the batch, the step, those rows' tokens on the CPU); False stops generation."""
 
 
 def graphs_possible(devices: list[torch.device]) -> bool:

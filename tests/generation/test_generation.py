@@ -217,3 +217,23 @@ def test_eight_stages_generate_and_forward_like_transformers():
     with torch.no_grad():
         reference = model(ids, attention_mask=mask).logits
     torch.testing.assert_close(forward(model, ids, mask, split_layers=split), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_streamed_tokens_are_the_returned_ones_and_a_false_stops(model):
+    ids, mask = prompts()
+    got: dict[int, list[torch.Tensor]] = {}
+
+    def on_tokens(rows, step, tokens):
+        got.setdefault(step, [None] * ids.shape[0])
+        for i, row in enumerate(range(rows.start, rows.stop)):
+            got[step][row] = int(tokens[i])
+        return True
+
+    out = generate(model, ids, mask, max_new_tokens=6, lanes=2, split_layers=[2], eos_token_id=[],
+                   on_tokens=on_tokens)
+    assert sorted(got) == list(range(6))
+    assert torch.equal(torch.tensor([got[s] for s in range(6)]).T, out[:, ids.shape[1]:])
+    steps = []
+    out = generate(model, ids, mask, max_new_tokens=12, lanes=2, split_layers=[2], eos_token_id=[],
+                   on_tokens=lambda rows, step, tokens: steps.append(step) or step < 2)
+    assert out.shape[1] - ids.shape[1] == 3 and max(steps) == 2  # stopped after the step that said so
