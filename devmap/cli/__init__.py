@@ -17,6 +17,7 @@ _COMMANDS = {
     "compare": ("devmap.cli.compare_cmd", "compare"),
     "tune": ("devmap.cli.tune_cmd", "tune"),
     "generate": ("devmap.cli.generate_cmd", "generate"),
+    "serve": ("devmap.cli.serve_cmd", "serve"),
 }
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import CheckpointError, UsageError
 from .initialization import init_module_
+from .tokenizer import SPECIAL, write_tokenizer
 from ..planning.memory import Size, dtype_name, format_bytes, parse_dtype, parse_size
 from ..planning.models import ModelSource, resolve_source
 
@@ -249,6 +250,8 @@ def _write_config(src: ModelSource, model: nn.Module, target: torch.dtype, tmp: 
     config.architectures = [type(model).__name__]
     config.save_pretrained(str(tmp))
     GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+    if config.vocab_size >= 259 + len(SPECIAL):  # byte-level BPE needs its 256 bytes and the special ids
+        write_tokenizer(tmp, config.vocab_size)
 
 
 def _write_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -1,0 +1,86 @@
+"""`devmap serve`: keep models on their devices and answer an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+import click
+
+from .options import load_options
+
+
+@click.command()
+@click.argument("model_dirs", nargs=-1, type=click.Path(exists=True, file_okay=False))
+@load_options
+@click.option("--model-root", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Directory whose sub-directories clients may load with POST /v1/models/load.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; anything but loopback needs --api-key.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", default=None, envvar="DEVMAP_API_KEY",
+              help="Bearer key every request must send (or DEVMAP_API_KEY).")
+@click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Most requests in one generate batch.")
+@click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Most waiting requests; more get 429.")
+@click.option("--max-prompt-tokens", default=4096, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-tokens", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Largest max_tokens a request may ask for.")
+@click.option("--request-timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds before a request is given up (504).")
+@click.option("--idle-timeout", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Unload a model unused for this many seconds.")
+@click.option("--lanes", default=None, type=click.IntRange(min=1), help="Micro-batches in flight (default: stages).")
+@click.option("--compile", "compile_steps", is_flag=True,
+              help="torch.compile each stage's steps (the first batch of each shape compiles).")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
+          model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
+          max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
+          lanes: int | None, compile_steps: bool, log_level: str) -> None:
+    """Load MODEL_DIR... (ids: their directory names) and serve them until SIGTERM or Ctrl-C.
+
+    POST /v1/completions and /v1/chat/completions (streaming with stream=true), GET /v1/models,
+    POST /v1/models/load and DELETE /v1/models/{id}, GET /health and /metrics (Prometheus).
+    """
+    if not _loopback(host) and not api_key:
+        raise click.UsageError(f"binding {host} exposes the service beyond this machine: pass --api-key KEY "
+                               "(or set DEVMAP_API_KEY), or bind 127.0.0.1")
+    if not model_dirs and model_root is None:
+        raise click.UsageError("nothing to serve: name model directories, or --model-root for loads on request")
+    from pathlib import Path
+
+    import uvicorn
+
+    from devmap.serving import Engine, EngineLimits, ModelRegistry
+    from devmap.serving.app import create_app
+    from devmap.serving.errors import ServiceError
+
+    registry = ModelRegistry(model_root, device_map, max_memory, dtype)
+    for directory in model_dirs:
+        path = Path(directory).expanduser().resolve()
+        try:
+            resident = registry.load(path)
+        except ServiceError as exc:
+            raise click.ClickException(exc.message) from None
+        click.echo(f"loaded {resident.id} from {path} onto "
+                   f"{', '.join(sorted({str(v) for v in resident.model.hf_device_map.values()}))}", err=True)
+    limits = EngineLimits(max_batch=max_batch, max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
+                          max_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
+                          lanes=lanes, compile=compile_steps)
+    app = create_app(Engine(registry, limits), api_key=api_key)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # uvicorn handles SIGTERM and SIGINT: it stops accepting, lets in-flight requests finish, then the app's
+    # lifespan drains the engine
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(request_timeout) + 5)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,197 @@
+"""The HTTP layer: FastAPI routes of the OpenAI-compatible API and the loader endpoints over an `Engine`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .engine import Engine, Job
+from .errors import ServiceError
+from .protocol import (ChatRequest, CompletionRequest, LoadRequest, chat_body, chat_chunk, completion_body,
+                       error_body, new_id, usage)
+
+OPEN_PATHS = ("/health",)  # answered without the API key (liveness probes)
+
+
+def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine and, on shutdown (after in-flight requests), drains and stops it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        engine.metrics.models.set(len(engine.registry.all()))
+        yield
+        await run_in_threadpool(engine.close)
+
+    app = FastAPI(title="devmap serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(_Observed, engine=engine, api_key=api_key)
+
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "the body is not valid JSON"
+        text = f"{where}: {message}" if where else message
+        return JSONResponse(error_body(text, "invalid_request_error", where or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        return JSONResponse(error_body(message, "invalid_request_error"), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "models": [r.id for r in engine.registry.all()]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [r.describe() for r in engine.registry.all()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        return engine.registry.get(model_id).describe()
+
+    @app.post("/v1/models/load")
+    async def load(body: LoadRequest) -> dict[str, Any]:
+        path = engine.registry.under_root(body.model)
+        resident = await run_in_threadpool(engine.registry.load, path, body.id, body.device_map, body.max_memory,
+                                           body.dtype)
+        engine.metrics.models.set(len(engine.registry.all()))
+        return {**resident.describe(), "plan": resident.model.devmap_plan.to_dict(), "load_report": resident.report}
+
+    @app.delete("/v1/models/{model_id:path}")
+    async def unload(model_id: str) -> dict[str, Any]:
+        await run_in_threadpool(engine.registry.unload, model_id)
+        engine.metrics.models.set(len(engine.registry.all()))
+        return {"id": model_id, "object": "model", "deleted": True}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        resident = engine.registry.get(body.model)
+        prompt = body.prompt
+        ids = prompt if isinstance(prompt, list) else resident.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        job = engine.submit(body.model, list(ids), body.params())
+        request_id = new_id("cmpl")
+        if body.stream:
+            return _sse(_completion_events(engine, job, request_id, body.model))
+        text = "".join([piece async for piece in engine.stream(job)])
+        return completion_body(request_id, body.model, text, job.finish_reason,
+                               usage(len(job.prompt_ids), len(job.generated)))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest) -> Any:
+        resident = engine.registry.get(body.model)
+        ids = _chat_ids(resident.tokenizer, body)
+        job = engine.submit(body.model, ids, body.params())
+        request_id = new_id("chatcmpl")
+        if body.stream:
+            return _sse(_chat_events(engine, job, request_id, body.model))
+        text = "".join([piece async for piece in engine.stream(job)])
+        return chat_body(request_id, body.model, text, job.finish_reason or "stop",
+                         usage(len(job.prompt_ids), len(job.generated)))
+
+    return app
+
+
+def _chat_ids(tokenizer: Any, body: ChatRequest) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ServiceError(f"model {body.model!r} has no chat template; use /v1/completions", param="messages")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def lines() -> AsyncIterator[str]:
+        async for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _completion_events(engine: Engine, job: Job, request_id: str, model: str) -> AsyncIterator[dict]:
+    try:
+        async for piece in engine.stream(job):
+            yield completion_body(request_id, model, piece, None, None)
+    except ServiceError as exc:  # headers are sent: the error goes in the stream, as OpenAI's servers do
+        yield error_body(exc.message, exc.kind, exc.param)
+        return
+    yield completion_body(request_id, model, "", job.finish_reason, usage(len(job.prompt_ids), len(job.generated)))
+
+
+async def _chat_events(engine: Engine, job: Job, request_id: str, model: str) -> AsyncIterator[dict]:
+    yield chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None)
+    try:
+        async for piece in engine.stream(job):
+            yield chat_chunk(request_id, model, {"content": piece}, None)
+    except ServiceError as exc:
+        yield error_body(exc.message, exc.kind, exc.param)
+        return
+    final = chat_chunk(request_id, model, {}, job.finish_reason or "stop")
+    final["usage"] = usage(len(job.prompt_ids), len(job.generated))
+    yield final
+
+
+class _Observed:
+    """ASGI middleware: the API key check, and per-request metrics (status, latency to the last byte)."""
+
+    def __init__(self, app: ASGIApp, engine: Engine, api_key: str | None) -> None:
+        self.app, self.engine, self.api_key = app, engine, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if not path.startswith("/v1/models/") else "/v1/models/{id}"
+        if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+            response = JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                               "authentication_error"), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+            self.engine.metrics.requests.labels(endpoint=endpoint, status="401").inc()
+            await response(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = {"code": 500}
+
+        async def observed(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self.engine.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - start)
+
+        try:
+            await self.app(scope, receive, observed)
+        finally:
+            self.engine.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = given.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), self.api_key or "")
+
+

@@ -1,0 +1,318 @@
+"""The serving engine: requests queue up, a worker thread batches those for the same model and sampling into one
+`devmap.generate` call (dynamic batching: whatever arrived while the previous batch ran goes together), and
+each request's tokens stream back to its own asyncio queue as the lanes produce them.
+
+The HTTP app is a thin layer over `Engine`; Python code can use it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import torch
+
+from .errors import GenerationFailed, QueueFull, RequestTimeout, ServiceError, ShuttingDown
+from .metrics import ServiceMetrics
+from .registry import ModelRegistry, ResidentModel
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What a request asks for: temperature 0 is greedy decoding (transformers' tokens)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def batch_key(self) -> tuple:
+        """Requests batch together when they decode the same way (one sampling setting per generate call)."""
+        if self.temperature == 0:
+            return ("greedy",)
+        return ("sample", self.temperature, self.top_p, self.top_k, self.seed)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Bounds of the service: batch and queue sizes, prompt and output caps, per-request timeout."""
+
+    max_batch: int = 64
+    max_queue: int = 256
+    max_prompt_tokens: int = 4096
+    max_tokens: int = 1024
+    request_timeout: float = 600.0
+    idle_timeout: float | None = None  # unload models unused this long (seconds)
+    lanes: int | None = None
+    compile: bool = False
+
+
+@dataclass
+class Completion:
+    """A finished request: its text, why it ended ("stop" or "length") and the token counts."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Job:
+    """One request on its way through the engine; events go to `events` on the request's event loop."""
+
+    model_id: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    generated: list[int] = field(default_factory=list)
+    sent: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+    stopped: bool = False  # a stop string ended it
+
+    def emit(self, *event: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Engine:
+    """Resident models and the batching worker. `start()` before use, `close()` to drain and stop."""
+
+    def __init__(self, registry: ModelRegistry, limits: EngineLimits | None = None) -> None:
+        self.registry = registry
+        self.limits = limits or EngineLimits()
+        self.metrics = ServiceMetrics()
+        self._queue: queue.Queue[Job] = queue.Queue()
+        self._waiting: list[Job] = []  # taken off the queue, not yet batched (another model or sampling)
+        self._pending = 0
+        self._count = threading.Lock()
+        self._closing = threading.Event()
+        self._worker: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="devmap-engine", daemon=True)
+            self._worker.start()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new requests, finish the queued and running ones, stop the worker."""
+        self._closing.set()
+        if self._worker is not None:
+            self._worker.join(timeout)
+            self._worker = None
+
+    # -- requests -----------------------------------------------------------------------------------------------
+
+    def check(self, resident: ResidentModel, prompt_ids: list[int], params: GenerationParams) -> None:
+        """Refuse what the limits or the model's context do not allow (a 400 naming the field)."""
+        limits = self.limits
+        if not prompt_ids:
+            raise ServiceError("the prompt is empty", param="prompt")
+        if len(prompt_ids) > limits.max_prompt_tokens:
+            raise ServiceError(f"the prompt has {len(prompt_ids)} tokens; this service takes at most "
+                               f"{limits.max_prompt_tokens}", param="prompt")
+        if params.max_tokens < 1 or params.max_tokens > limits.max_tokens:
+            raise ServiceError(f"max_tokens must be between 1 and {limits.max_tokens}, got {params.max_tokens}",
+                               param="max_tokens")
+        if resident.context and len(prompt_ids) + params.max_tokens > resident.context:
+            raise ServiceError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                               f"more than the model's context of {resident.context} tokens", param="max_tokens")
+
+    def submit(self, model_id: str, prompt_ids: list[int], params: GenerationParams) -> Job:
+        """Queue a request (from a coroutine: its events arrive on the running loop)."""
+        if self._closing.is_set():
+            raise ShuttingDown("the service is shutting down")
+        resident = self.registry.get(model_id)
+        self.check(resident, prompt_ids, params)
+        with self._count:
+            if self._pending >= self.limits.max_queue:
+                raise QueueFull(f"{self._pending} requests are waiting, the most this service queues; retry later")
+            self._pending += 1
+        self.metrics.queue_depth.inc()
+        self.metrics.prompt_tokens.labels(model=model_id).inc(len(prompt_ids))
+        job = Job(model_id, list(prompt_ids), params, asyncio.get_running_loop())
+        self._queue.put(job)
+        return job
+
+    async def stream(self, job: Job) -> AsyncIterator[str]:
+        """The request's text as it is generated; ends when the request finishes (see `job.finish_reason`)."""
+        deadline = job.arrived + self.limits.request_timeout
+        try:
+            while True:
+                left = deadline - time.perf_counter()
+                try:
+                    event = await asyncio.wait_for(job.events.get(), timeout=max(left, 0.0))
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(f"the request ran past the service's timeout of "
+                                         f"{self.limits.request_timeout:g} s") from None
+                if event[0] == "text":
+                    yield event[1]
+                elif event[0] == "done":
+                    job.finish_reason = event[1]
+                    return
+                else:
+                    raise event[1]
+        finally:
+            job.cancelled.set()  # a client that went away (or timed out) frees its row of the batch
+
+    async def complete(self, model_id: str, prompt_ids: list[int], params: GenerationParams) -> Completion:
+        job = self.submit(model_id, prompt_ids, params)
+        text = "".join([piece async for piece in self.stream(job)])
+        return Completion(text, job.finish_reason or "stop", len(prompt_ids), len(job.generated))
+
+    # -- the worker ---------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_idle_check = time.monotonic()
+        while True:
+            batch = self._next_batch()
+            if batch:
+                self._serve(batch)
+            elif self._closing.is_set() and not self._waiting and self._queue.empty():
+                return
+            if self.limits.idle_timeout is not None and time.monotonic() - last_idle_check > 1.0:
+                last_idle_check = time.monotonic()
+                for model_id in self.registry.idle(self.limits.idle_timeout):
+                    self.registry.unload(model_id)
+                self.metrics.models.set(len(self.registry.all()))
+
+    def _next_batch(self) -> list[Job]:
+        """The oldest waiting request and every other waiting one of the same model and sampling (up to max_batch)."""
+        if not self._waiting:
+            try:
+                self._waiting.append(self._queue.get(timeout=0.05))
+            except queue.Empty:
+                return []
+        while True:  # whatever else has arrived meanwhile
+            try:
+                self._waiting.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        first = self._waiting[0]
+        key = (first.model_id, first.params.batch_key())
+        batch = [j for j in self._waiting if (j.model_id, j.params.batch_key()) == key][: self.limits.max_batch]
+        chosen = {id(j) for j in batch}
+        self._waiting = [j for j in self._waiting if id(j) not in chosen]
+        with self._count:
+            self._pending -= len(batch)
+        self.metrics.queue_depth.dec(len(batch))
+        return [j for j in batch if not j.cancelled.is_set()]
+
+    def _serve(self, jobs: list[Job]) -> None:
+        try:
+            resident = self.registry.get(jobs[0].model_id)
+        except ServiceError as exc:
+            for job in jobs:
+                job.emit("error", exc)
+            return
+        self.metrics.batch_size.observe(len(jobs))
+        self.metrics.running.set(len(jobs))
+        try:
+            with resident.busy:
+                resident.last_used = time.monotonic()
+                _generate(resident, jobs, self.limits, self.metrics)
+                resident.last_used = time.monotonic()
+        except Exception as exc:  # the batch failed: every request in it gets the reason, the service goes on
+            failure = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+            for job in jobs:
+                if not job.finished:
+                    job.finished = True
+                    job.emit("error", failure)
+        finally:
+            self.metrics.running.set(0)
+
+
+def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, metrics: ServiceMetrics) -> None:
+    """One devmap.generate call for the batch; tokens go to each job as the lanes produce them."""
+    from ..generation.api import generate
+
+    tokenizer = resident.tokenizer
+    eos = _eos_ids(resident)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    length = max(len(j.prompt_ids) for j in jobs)
+    ids = torch.full((len(jobs), length), pad, dtype=torch.long)
+    mask = torch.zeros((len(jobs), length), dtype=torch.long)
+    for row, job in enumerate(jobs):  # left padding: every row continues from its last column
+        ids[row, length - len(job.prompt_ids):] = torch.tensor(job.prompt_ids)
+        mask[row, length - len(job.prompt_ids):] = 1
+    new = max(j.params.max_tokens for j in jobs)
+    if resident.context:
+        new = min(new, resident.context - length)
+    params = jobs[0].params
+
+    def on_tokens(rows: slice, step: int, tokens: torch.Tensor) -> bool:
+        for offset, row in enumerate(range(rows.start, rows.stop)):
+            job = jobs[row]
+            if job.finished or job.cancelled.is_set():
+                continue
+            token = int(tokens[offset])
+            if token in eos:
+                _finish(job, "stop", resident, metrics)
+                continue
+            job.generated.append(token)
+            if len(job.generated) == 1:
+                metrics.first_token.observe(time.perf_counter() - job.arrived)
+            if _send_text(job, tokenizer):
+                _finish(job, "stop", resident, metrics)
+            elif len(job.generated) >= job.params.max_tokens:
+                _finish(job, "length", resident, metrics)
+        return any(not j.finished and not j.cancelled.is_set() for j in jobs)
+
+    generate(resident.model, ids, mask, max_new_tokens=new, lanes=limits.lanes,
+             do_sample=params.temperature != 0, temperature=params.temperature or 1.0, top_k=params.top_k,
+             top_p=params.top_p, seed=params.seed or 0, eos_token_id=eos, pad_token_id=pad,
+             compile=limits.compile, on_tokens=on_tokens)
+    for job in jobs:  # ran into the context's end
+        if not job.finished:
+            _finish(job, "length", resident, metrics)
+
+
+def _send_text(job: Job, tokenizer: Any) -> bool:
+    """Emit the text the job's tokens add (held back while it may be the start of a stop string or of a
+    multi-byte character); True when a stop string appeared (the text before it is sent, the rest never)."""
+    text = tokenizer.decode(job.generated, skip_special_tokens=True)
+    for stop in job.params.stop:
+        at = text.find(stop, max(len(job.sent) - len(stop), 0)) if stop else -1
+        if at >= 0:
+            if at > len(job.sent):
+                job.emit("text", text[len(job.sent):at])
+            job.sent = text[:at]
+            job.stopped = True
+            return True
+    hold = max((len(s) - 1 for s in job.params.stop), default=0)
+    ready = len(text) - hold
+    while ready > len(job.sent) and text[ready - 1] == "\ufffd":
+        ready -= 1
+    if ready > len(job.sent):
+        job.emit("text", text[len(job.sent):ready])
+        job.sent = text[:ready]
+    return False
+
+
+def _finish(job: Job, reason: str, resident: ResidentModel, metrics: ServiceMetrics) -> None:
+    """Send the text held back (unless a stop string ended it) and end the job's stream."""
+    text = resident.tokenizer.decode(job.generated, skip_special_tokens=True)
+    if not job.stopped and len(text) > len(job.sent):
+        job.emit("text", text[len(job.sent):])
+        job.sent = text
+    job.finished = True
+    metrics.completion_tokens.labels(model=job.model_id).inc(len(job.generated))
+    job.emit("done", reason)
+
+
+def _eos_ids(resident: ResidentModel) -> list[int]:
+    config = getattr(resident.model, "generation_config", None) or resident.model.config
+    eos = getattr(config, "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if resident.tokenizer.eos_token_id is not None and resident.tokenizer.eos_token_id not in ids:
+        ids.append(resident.tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,44 @@
+"""Errors of the service, each with its HTTP status and OpenAI error type."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """A request the service refuses or could not serve; `status` and `kind` go into the OpenAI error body."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class ModelNotFound(ServiceError):
+    status = 404
+    kind = "not_found_error"
+
+
+class QueueFull(ServiceError):
+    status = 429
+    kind = "rate_limit_error"
+
+
+class DoesNotFit(ServiceError):
+    status = 409
+    kind = "insufficient_memory"
+
+
+class RequestTimeout(ServiceError):
+    status = 504
+    kind = "timeout_error"
+
+
+class ShuttingDown(ServiceError):
+    status = 503
+    kind = "service_unavailable"
+
+
+class GenerationFailed(ServiceError):
+    status = 500
+    kind = "server_error"

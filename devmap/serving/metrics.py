@@ -1,0 +1,40 @@
+"""Prometheus metrics of one service (its own registry, so several engines can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServiceMetrics:
+    """Requests, tokens, queue depth, latencies, batch sizes, resident models and device memory."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("devmap_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("devmap_prompt_tokens", "Prompt tokens received", ["model"], registry=r)
+        self.completion_tokens = Counter("devmap_completion_tokens", "Tokens generated and returned", ["model"],
+                                         registry=r)
+        self.queue_depth = Gauge("devmap_queue_depth", "Requests waiting for a batch", registry=r)
+        self.running = Gauge("devmap_running_requests", "Requests in the batch running now", registry=r)
+        self.latency = Histogram("devmap_request_seconds", "Request latency, arrival to last byte", ["endpoint"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.first_token = Histogram("devmap_time_to_first_token_seconds", "Arrival to the first generated token",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("devmap_batch_size", "Requests per generate batch",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.models = Gauge("devmap_resident_models", "Models loaded", registry=r)
+        self.device_memory = Gauge("devmap_device_memory_bytes", "Memory allocated by torch on each GPU",
+                                   ["device"], registry=r)
+
+    def render(self) -> bytes:
+        """The text exposition format, with device memory read now."""
+        import torch
+
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                self.device_memory.labels(device=f"cuda:{index}").set(torch.cuda.memory_allocated(index))
+        return generate_latest(self.registry)

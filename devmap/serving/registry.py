@@ -1,0 +1,174 @@
+"""Resident models: loaded once onto their devices, found by id, unloaded on request or when idle.
+
+Clients may only name directories under the model root (never an arbitrary path). When the service has a
+memory budget (`max_memory`), each load gets what earlier resident models left of it, so a model that does
+not fit is refused by the planner with its reason instead of running the GPUs out of memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import DevmapError, DoesNotFitError
+from ..planning.budget import resolve_budget
+from .errors import DoesNotFit, ModelNotFound, ServiceError
+
+
+@dataclass
+class ResidentModel:
+    """A model on its devices with its tokenizer; `busy` is held while a batch runs on it."""
+
+    id: str
+    path: Path
+    model: nn.Module
+    tokenizer: Any
+    created: int
+    context: int
+    planned: dict[Any, int]  # bytes per budget key (GPU index, "cpu", "disk")
+    report: dict[str, Any]
+    last_used: float = field(default_factory=time.monotonic)
+    busy: threading.Lock = field(default_factory=threading.Lock)
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "model", "created": self.created, "owned_by": "devmap",
+                "path": str(self.path), "context_length": self.context,
+                "device_map": {k: str(v) for k, v in self.model.hf_device_map.items()}}
+
+
+class ModelRegistry:
+    """The resident models of one service. Thread-safe; loads run one at a time."""
+
+    def __init__(self, model_root: str | Path | None = None, device_map: Any = "balanced",
+                 max_memory: str | Mapping[Any, Any] | None = None, dtype: str | None = None) -> None:
+        self.root = Path(model_root).expanduser().resolve() if model_root is not None else None
+        self.device_map, self.dtype = device_map, dtype
+        self.budget = dict(resolve_budget(max_memory).limits) if max_memory is not None else {}
+        self._models: dict[str, ResidentModel] = {}
+        self._lock = threading.Lock()
+        self._loading = threading.Lock()
+
+    def under_root(self, name: str) -> Path:
+        """The directory a client named, which must lie under the model root (symlinks resolved)."""
+        if self.root is None:
+            raise ServiceError("this service was started without --model-root: it loads no models on request",
+                               param="model")
+        relative = Path(name)
+        if not name or relative.is_absolute() or ".." in relative.parts:
+            raise ServiceError(f"model {name!r} must be a directory name under the model root, not a path",
+                               param="model")
+        path = (self.root / relative).resolve()
+        if not path.is_relative_to(self.root) or not path.is_dir():
+            raise ModelNotFound(f"no model directory {name!r} under the model root", param="model")
+        return path
+
+    def load(self, path: Path, model_id: str | None = None, device_map: Any = None,
+             max_memory: str | Mapping[Any, Any] | None = None, dtype: str | None = None) -> ResidentModel:
+        """Load the directory onto its devices (within what the budget has left) and make it resident."""
+        from ..loading.loader import load
+
+        model_id = model_id or path.name
+        with self._loading:
+            with self._lock:
+                if model_id in self._models:
+                    raise ServiceError(f"model {model_id!r} is already loaded; unload it first or pick another id",
+                                       param="id")
+            budget = max_memory if max_memory is not None else self.remaining()
+            try:
+                model = load(str(path), device_map or self.device_map, budget, dtype or self.dtype)
+            except DoesNotFitError as exc:
+                raise DoesNotFit(f"{model_id} does not fit in what the service's budget has left: {exc}") from None
+            except DevmapError as exc:
+                raise ServiceError(f"cannot load {model_id}: {exc}") from None
+            try:
+                tokenizer = _tokenizer(path)
+            except BaseException:
+                _free(model)
+                raise
+            report = model.devmap_load_report.to_dict()
+            resident = ResidentModel(
+                id=model_id, path=path, model=model, tokenizer=tokenizer, created=int(time.time()),
+                context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
+                planned={_budget_key(k): d.planned_bytes for k, d in model.devmap_load_report.devices.items()},
+                report=report,
+            )
+            with self._lock:
+                self._models[model_id] = resident
+            return resident
+
+    def remaining(self) -> dict[Any, int] | None:
+        """The service budget less what resident models planned on each device (None: no service budget)."""
+        if not self.budget:
+            return None
+        left = dict(self.budget)
+        with self._lock:
+            for resident in self._models.values():
+                for key, size in resident.planned.items():
+                    if key in left:
+                        left[key] = max(left[key] - size, 0)
+        return left
+
+    def get(self, model_id: str) -> ResidentModel:
+        with self._lock:
+            resident = self._models.get(model_id)
+        if resident is None:
+            raise ModelNotFound(f"model {model_id!r} is not loaded; GET /v1/models lists the loaded ones",
+                                param="model")
+        return resident
+
+    def all(self) -> list[ResidentModel]:
+        with self._lock:
+            return list(self._models.values())
+
+    def unload(self, model_id: str) -> None:
+        """Drop the model (after any batch running on it) and free its device memory."""
+        resident = self.get(model_id)
+        with resident.busy:
+            with self._lock:
+                self._models.pop(model_id, None)
+            _free(resident.model)
+        del resident
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def idle(self, seconds: float) -> list[str]:
+        """Ids of models unused for more than `seconds`."""
+        now = time.monotonic()
+        return [r.id for r in self.all() if now - r.last_used > seconds and not r.busy.locked()]
+
+
+def _tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ServiceError(f"{path.name} has no usable tokenizer ({str(exc).splitlines()[0]}); a server answers "
+                           "text, so the directory needs tokenizer files (devmap save writes them)") from None
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _budget_key(device: str) -> Any:
+    name = device.removeprefix("cuda:")
+    return int(name) if name.isdigit() else name
+
+
+def _free(model: nn.Module) -> None:
+    """Release the model's tensors and captured graphs now (not whenever the last reference goes)."""
+    from ..generation.step_cache import release_graphs
+
+    release_graphs(model)
+    for module in model.modules():
+        for key in list(module._parameters):
+            module._parameters[key] = None
+        for key in list(module._buffers):
+            module._buffers[key] = None

@@ -1,0 +1,69 @@
+"""A saved llama-tiny checkpoint (with the tokenizer `devmap save` writes) and real `devmap serve` processes."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import devmap
+
+START_TIMEOUT = 90  # seconds for a fresh process to import torch, load llama-tiny and bind
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    devmap.save("llama-tiny", root / "tiny")
+    devmap.save("llama-tiny", root / "second", seed=1)
+    (root / "outside").mkdir()
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(root: Path, *extra: str):
+    """`devmap serve ROOT/tiny --model-root ROOT ...` on a free port; always stopped (SIGTERM, then kill)."""
+    port = free_port()
+    command = [sys.executable, "-m", "devmap", "serve", str(root / "tiny"), "--model-root", str(root),
+               "--max-memory", "cpu=2GB", "--port", str(port), "--log-level", "warning", *extra]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"devmap serve exited with {process.returncode}: {process.stdout.read()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("devmap serve did not answer /health in time")
+            time.sleep(0.1)
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(model_root):
+    with running_server(model_root, "--max-tokens", "64", "--max-prompt-tokens", "200") as (url, _):
+        yield url

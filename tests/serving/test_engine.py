@@ -1,0 +1,115 @@
+"""The engine in-process: a full queue, a client that goes away mid-stream, the per-request timeout, idle unloads."""
+
+import asyncio
+
+import pytest
+
+from devmap.serving import Engine, EngineLimits, GenerationParams, ModelRegistry
+from devmap.serving.errors import QueueFull, RequestTimeout, ServiceError, ShuttingDown
+
+
+@pytest.fixture(scope="module")
+def registry(model_root):
+    registry = ModelRegistry(model_root, "auto", "cpu=2GB")
+    registry.load(model_root / "tiny")
+    return registry
+
+
+def test_a_full_queue_refuses_with_429(registry):
+    engine = Engine(registry, EngineLimits(max_queue=2))  # not started: nothing leaves the queue
+
+    async def fill() -> None:
+        for _ in range(2):
+            engine.submit("tiny", [5, 6, 7], GenerationParams(max_tokens=2))
+        with pytest.raises(QueueFull) as refused:
+            engine.submit("tiny", [5, 6, 7], GenerationParams(max_tokens=2))
+        assert refused.value.status == 429
+
+    asyncio.run(fill())
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_batch(registry):
+    engine = Engine(registry)
+    engine.start()
+
+    async def leave_early() -> int:
+        job = engine.submit("tiny", [5, 6, 7], GenerationParams(max_tokens=200, temperature=0))
+        stream = engine.stream(job)
+        await stream.__anext__()
+        await stream.aclose()  # what the server does when the client disconnects
+        for _ in range(200):  # the worker notices at its next step and ends the generate call
+            await asyncio.sleep(0.01)
+            if not registry.get("tiny").busy.locked():
+                break
+        return len(job.generated)
+
+    try:
+        assert asyncio.run(leave_early()) < 200
+        assert not registry.get("tiny").busy.locked()
+    finally:
+        engine.close(timeout=30)
+
+
+def test_the_request_timeout_gives_504_and_closing_refuses_new_work(registry):
+    engine = Engine(registry, EngineLimits(request_timeout=1e-4))
+    engine.start()
+
+    async def too_slow() -> None:
+        with pytest.raises(RequestTimeout) as late:
+            await engine.complete("tiny", [5, 6, 7], GenerationParams(max_tokens=50))
+        assert late.value.status == 504
+
+    try:
+        asyncio.run(too_slow())
+    finally:
+        engine.close(timeout=30)
+
+    async def after_close() -> None:
+        with pytest.raises(ShuttingDown):
+            engine.submit("tiny", [5], GenerationParams())
+
+    asyncio.run(after_close())
+
+
+def test_stop_strings_end_the_text_before_them(registry):
+    engine = Engine(registry)
+    engine.start()
+
+    async def run() -> tuple:
+        free = await engine.complete("tiny", [5, 6, 7], GenerationParams(max_tokens=12, temperature=0))
+        stop = free.text[3:5] if len(free.text) >= 5 else None
+        stopped = None
+        if stop:
+            stopped = await engine.complete("tiny", [5, 6, 7], GenerationParams(max_tokens=12, temperature=0,
+                                                                                 stop=(stop,)))
+        return free, stop, stopped
+
+    try:
+        free, stop, stopped = asyncio.run(run())
+    finally:
+        engine.close(timeout=30)
+    if stop:
+        assert stopped.text == free.text[:free.text.find(stop)] and stopped.finish_reason == "stop"
+
+
+def test_idle_models_are_unloaded_and_paths_stay_under_the_root(model_root):
+    registry = ModelRegistry(model_root, "auto", "cpu=2GB")
+    engine = Engine(registry, EngineLimits(idle_timeout=0.01))
+    registry.load(registry.under_root("second"))
+    engine.start()
+
+    async def wait_gone() -> None:
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            if not registry.all():
+                return
+
+    try:
+        asyncio.run(wait_gone())
+        assert registry.all() == []
+    finally:
+        engine.close(timeout=30)
+    for bad in ("..", "../models", "/tmp", "", "a/../../b"):
+        with pytest.raises(ServiceError):
+            registry.under_root(bad)
+    assert ModelRegistry(model_root).remaining() is None

@@ -1,0 +1,168 @@
+"""A real `devmap serve` process on 127.0.0.1, driven by the openai client and httpx."""
+
+import asyncio
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoTokenizer
+
+import devmap
+from devmap.cli import main
+
+from .conftest import running_server
+
+
+@pytest.fixture(scope="module")
+def reference(model_root):
+    """What devmap.generate answers in this process for one prompt (greedy, cut at EOS)."""
+    model = devmap.load(str(model_root / "tiny"), "auto", "cpu=1GB")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_root / "tiny"), local_files_only=True)
+
+    def answer(ids: list[int], new: int) -> str:
+        out = devmap.generate(model, torch.tensor([ids]), max_new_tokens=new, eos_token_id=[2], pad_token_id=2)
+        tokens = out[0, len(ids):].tolist()
+        tokens = tokens[:tokens.index(2)] if 2 in tokens else tokens
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def chat_ids(messages: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    answer.tokenizer, answer.chat_ids = tokenizer, chat_ids
+    return answer
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_completion_and_chat_equal_devmap_generate(server, reference):
+    api = client(server)
+    prompt = "The quick brown fox"
+    ids = reference.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    done = api.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert done.choices[0].text == reference(ids, 8)
+    assert done.usage.prompt_tokens == len(ids) and done.choices[0].finish_reason in ("length", "stop")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello! How are you?"}]
+    chat = api.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == reference(reference.chat_ids(messages), 6)
+    assert chat.choices[0].message.role == "assistant"
+    assert [m.id for m in api.models.list().data] == ["tiny"]
+
+
+def test_streaming_gives_the_same_text(server):
+    api = client(server)
+    whole = api.completions.create(model="tiny", prompt="Hello", max_tokens=10, temperature=0).choices[0].text
+    pieces = list(api.completions.create(model="tiny", prompt="Hello", max_tokens=10, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == whole
+    assert pieces[-1].choices[0].finish_reason in ("length", "stop")
+    messages = [{"role": "user", "content": "what is the capital of France?"}]
+    whole = api.chat.completions.create(model="tiny", messages=messages, max_tokens=7, temperature=0)
+    chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=7, temperature=0,
+                                              stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason is not None
+
+
+def test_twenty_concurrent_clients_are_batched_and_answered_like_generate(server, reference):
+    sentences = ["Hello", "The quick brown fox jumps", "devmap spreads one model", "A pipeline",
+                 "Paris is the capital of", "0 1 2 3 4 5 6 7"]
+    prompts = [sentences[i % len(sentences)] + " " * (i // len(sentences)) for i in range(20)]
+
+    async def ask(http: httpx.AsyncClient, prompt: str) -> str:
+        response = await http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 8,
+                                                             "temperature": 0})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    async def everyone() -> list[str]:
+        async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+            return await asyncio.gather(*(ask(http, p) for p in prompts))
+
+    answers = asyncio.run(everyone())
+    for prompt, answer in zip(prompts, answers):
+        assert answer == reference(reference.tokenizer(prompt, add_special_tokens=False)["input_ids"], 8)
+    metrics = httpx.get(server + "/metrics").text
+    batches = float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("devmap_batch_size_count")))
+    requests = float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("devmap_batch_size_sum")))
+    assert requests > batches  # some requests shared a generate call
+    assert "devmap_request_seconds_bucket" in metrics and "devmap_queue_depth" in metrics
+
+
+def test_load_and_unload_a_second_model(server, model_root):
+    with httpx.Client(base_url=server, timeout=60) as http:
+        loaded = http.post("/v1/models/load", json={"model": "second", "device_map": "auto"})
+        assert loaded.status_code == 200, loaded.text
+        body = loaded.json()
+        assert body["id"] == "second" and body["plan"]["device_map"] and body["load_report"]["devices"]
+        assert sorted(m["id"] for m in http.get("/v1/models").json()["data"]) == ["second", "tiny"]
+        answer = http.post("/v1/completions", json={"model": "second", "prompt": "Hello", "max_tokens": 3})
+        assert answer.status_code == 200
+        assert http.post("/v1/models/load", json={"model": "second"}).status_code == 400  # already loaded
+        assert http.delete("/v1/models/second").json()["deleted"] is True
+        gone = http.post("/v1/completions", json={"model": "second", "prompt": "Hello"})
+        assert gone.status_code == 404 and gone.json()["error"]["type"] == "not_found_error"
+        assert http.delete("/v1/models/second").status_code == 404
+        for name, status in (("../outside", 400), ("/etc", 400), ("missing", 404), ("outside", 400)):
+            refused = http.post("/v1/models/load", json={"model": name})
+            assert refused.status_code == status, (name, refused.text)
+            assert refused.json()["error"]["message"]
+        too_big = http.post("/v1/models/load", json={"model": "second", "max_memory": "cpu=10KB"})
+        assert too_big.status_code == 409 and "does not fit" in too_big.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{bad json", 400, "JSON"),
+    ({"model": "nope", "prompt": "x"}, 404, "not loaded"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 65}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "word " * 300}, 400, "at most 200"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "temperature": 5}, 400, "temperature"),
+    ({"model": "tiny", "prompt": ""}, 400, "empty"),
+    ({"prompt": "x"}, 400, "model"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, words):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    response = httpx.post(server + "/v1/completions", timeout=30, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"] and error["type"]
+    unknown = httpx.get(server + "/v1/nothing-here")
+    assert unknown.status_code == 404 and "no route" in unknown.json()["error"]["message"]
+
+
+def test_api_key_and_graceful_shutdown(model_root):
+    with running_server(model_root, "--api-key", "sesame") as (url, process):
+        assert httpx.get(url + "/health").status_code == 200  # liveness stays open
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.list()
+        api = client(url, "sesame")
+        stream = api.completions.create(model="tiny", prompt="Hello", max_tokens=60, temperature=0, stream=True)
+        pieces = [next(iter(stream))]
+        process.send_signal(signal.SIGTERM)  # in flight: the request still completes
+        pieces += list(stream)
+        assert pieces[-1].choices[0].finish_reason in ("length", "stop")
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+
+
+def test_cli_refuses_an_open_bind_without_a_key(model_root):
+    result = CliRunner().invoke(main, ["serve", str(model_root / "tiny"), "--host", "0.0.0.0"])
+    assert result.exit_code == 2 and "--api-key" in result.output
+    result = CliRunner().invoke(main, ["serve"])
+    assert result.exit_code == 2 and "nothing to serve" in result.output
+
+
+def test_a_request_that_ends_early_is_counted(server):
+    started = time.perf_counter()
+    response = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2,
+                                                              "temperature": 0, "stop": ["\n"]}, timeout=30)
+    assert response.status_code == 200 and time.perf_counter() - started < 30
+    assert response.json()["usage"]["completion_tokens"] <= 2
