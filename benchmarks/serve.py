@@ -1,0 +1,193 @@
+"""Serving: N concurrent streaming clients against `devmap serve` and `transformers serve`, same model, same run.
+
+Run on nvidia-h200-x2 (the wheels of fastapi, uvicorn, pydantic and openai travel with the command):
+    PYTHONPATH=. python3 benchmarks/serve.py --model tinyllama-1.1b --clients 1,8,32,64 --out $OUT
+The checkpoint is `devmap save MODEL` (random bf16 weights and devmap's offline tokenizer), written once to
+a temporary directory. Each server runs as its own process on 127.0.0.1; each client sends streaming chat
+completions of mixed prompt lengths (greedy, `max_tokens` new tokens) back to back for `--seconds`.
+Reported per server and client count: output tokens/s (all clients), time to first token p50/p99,
+per-token latency p50/p99 (the gaps between a request's chunks), and devmap's ratio to transformers.
+transformers serve runs with its best flags (`--continuous-batching --compile --device auto`); flags its
+release does not know are dropped one at a time, and the flags used are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+WORDS = ("the quick brown fox jumps over the lazy dog devmap spreads one model over the GPUs of a machine and "
+         "makes them work together a pipeline splits the batch into micro batches").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(command: list[str], port: int, name: str, timeout: float = 600) -> Iterator[str]:
+    """Start a server process and wait for it to answer; always stopped after."""
+    log = open(Path(tempfile.gettempdir()) / f"serve-bench-{name}.log", "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}; see {log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(url + "/health", timeout=2)  # any answer: it listens (transformers' /v1/models
+                break                                   # needs a hub cache directory)
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"{name} did not answer in {timeout} s; see {log.name}")
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": new,
+            "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    times: list[float] = []
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{response.status_code}: {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choices = chunk.get("choices") or [{}]
+            if (choices[0].get("delta") or {}).get("content"):
+                times.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {"ttft": times[0] - start if times else None, "tokens": len(times), "gaps": gaps}
+
+
+async def load_test(url: str, model: str, clients: int, seconds: float, new: int, seed: int,
+                    lengths: list[int]) -> dict[str, Any]:
+    rng = random.Random(seed)
+    results: list[dict[str, Any]] = []
+    stop_at = time.perf_counter() + seconds
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while time.perf_counter() < stop_at:
+            words = rng.choice(lengths)  # mixed prompt lengths
+            prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+            results.append(await one_request(http, model, prompt, new))
+
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        await one_request(http, model, "warm up " * 8, new)  # first call: compilation, graphs
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        elapsed = time.perf_counter() - start
+    ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
+    gaps = sorted(g for r in results for g in r["gaps"])
+    return {"clients": clients, "requests": len(results), "seconds": elapsed,
+            "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
+            "ttft_p50": _quantile(ttfts, 0.5), "ttft_p99": _quantile(ttfts, 0.99),
+            "token_p50": _quantile(gaps, 0.5), "token_p99": _quantile(gaps, 0.99)}
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[min(int(q * 100), 99) - 1]
+
+
+def transformers_command(path: Path, port: int) -> list[str]:
+    """`transformers serve PATH` with the best flags this release knows."""
+    base = [sys.executable, "-m", "transformers.cli.transformers", "serve"]
+    help_text = subprocess.run(base + ["--help"], capture_output=True, text=True).stdout
+    flags = [f for f in ("--continuous-batching", "--compile") if f in help_text]
+    if "--device" in help_text:
+        flags += ["--device", "auto"]
+    print(f"  transformers serve flags: {' '.join(flags)}", flush=True)
+    return base + [str(path), "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", *flags]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tinyllama-1.1b")
+    parser.add_argument("--clients", default="1,8,32,64")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--new", type=int, default=64, help="max_tokens of each request")
+    parser.add_argument("--systems", default="devmap,transformers")
+    parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
+    parser.add_argument("--devmap-args", default="--device-map balanced --compile",
+                        help="extra flags of devmap serve")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    counts = [int(c) for c in args.clients.split(",")]
+    rows: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("DEVMAP_BENCH_TMP")) as folder:
+        path = Path(folder) / args.model
+        subprocess.run([sys.executable, "-m", "devmap", "save", args.model, str(path), "--dtype", "bfloat16"],
+                       check=True, stdout=subprocess.DEVNULL)
+        for system in args.systems.split(","):
+            port = free_port()
+            if system == "devmap":
+                command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype",
+                           "bfloat16", "--log-level", "warning", "--max-queue", "4096",
+                           *args.devmap_args.split()]
+                model = path.name
+            else:
+                command, model = transformers_command(path, port), str(path)
+            with server(command, port, system) as url:
+                for clients in counts:
+                    row = asyncio.run(load_test(url, model, clients, args.seconds, args.new, seed=clients,
+                                              lengths=[int(w) for w in args.prompt_words.split(",")]))
+                    rows.setdefault(system, []).append(row)
+                    print(f"  {system} {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
+                          f"ttft p50 {row['ttft_p50']} p99 {row['ttft_p99']}", flush=True)
+    report(args.model, rows, counts, args.out)
+
+
+def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int], out: str | None) -> None:
+    print(f"\nserving {model}, streaming chat completions, greedy")
+    print("| system | clients | requests | output tok/s | TTFT p50 / p99 s | per-token p50 / p99 ms | vs transformers |")
+    print("|---|---|---|---|---|---|---|")
+    peer = {r["clients"]: r["tokens_per_s"] for r in rows.get("transformers", [])}
+    for system, results in rows.items():
+        for r in results:
+            ratio = f"{r['tokens_per_s'] / peer[r['clients']]:.2f}x" if peer.get(r["clients"]) else "-"
+            ttft = f"{_fmt(r['ttft_p50'])} / {_fmt(r['ttft_p99'])}"
+            token = f"{_fmt(r['token_p50'], 1000)} / {_fmt(r['token_p99'], 1000)}"
+            print(f"| {system} | {r['clients']} | {r['requests']} | {r['tokens_per_s']:,.0f} | {ttft} | {token} | "
+                  f"{ratio} |")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"serve_{model}.json").write_text(json.dumps(rows, indent=2))
+
+
+def _fmt(value: float | None, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{value * scale:.3f}"
+
+
+if __name__ == "__main__":
+    main()
