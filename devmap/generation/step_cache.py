@@ -1,12 +1,14 @@
 """Captured stage steps kept on the model between calls, so a repeated batch shape replays instead of recapturing.
 
-A cache holds the steps of one call signature (lane shapes, stage layout) per kind of call; a call with
-another signature, or weights that moved since the capture, drops them. `release_graphs(model)` frees
-them (and the GPU memory their buffers and graph pools hold).
+A cache holds the steps of the most recent call signatures (lane shapes, stage layout) per kind of call:
+one by default, more after `keep_shapes(model, n)` (a service whose batches come in a few shapes); the
+least recently used signature goes first, and weights that moved since the capture drop them all.
+`release_graphs(model)` frees them (and the GPU memory their buffers and graph pools hold).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -16,20 +18,36 @@ _ATTRIBUTE = "_devmap_steps"
 
 
 class StepCache:
-    """Steps of one signature, keyed by (stage, lane); pools of captured graphs per device."""
+    """Steps of the recent signatures, keyed by (stage, lane); pools of captured graphs per device and signature.
+    `entries` and `pools` are those of the signature last passed to `use`."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 1) -> None:
+        self.capacity = capacity
         self.signature: Any = None
         self.pointers: tuple[int, ...] = ()
         self.entries: dict[Any, Any] = {}
         self.pools: dict[torch.device, Any] = {}
+        self._kept: OrderedDict[Any, tuple[dict, dict]] = OrderedDict()
 
     def use(self, signature: Any, pointers: tuple[int, ...]) -> dict[Any, Any]:
-        """The entries for `signature`, emptied first if the signature or the weights' addresses changed."""
-        if signature != self.signature or pointers != self.pointers:
-            self.entries, self.pools = {}, {}
-            self.signature, self.pointers = signature, pointers
+        """The entries for `signature` (new and empty if it is not kept; all are dropped if the weights' addresses
+        changed), which becomes the most recently used."""
+        if pointers != self.pointers:
+            self._kept.clear()
+            self.pointers = pointers
+        if signature not in self._kept:
+            self._kept[signature] = ({}, {})
+            while len(self._kept) > max(self.capacity, 1):
+                self._kept.popitem(last=False)
+        self._kept.move_to_end(signature)
+        self.signature = signature
+        self.entries, self.pools = self._kept[signature]
         return self.entries
+
+    @property
+    def shapes(self) -> int:
+        """How many signatures are kept now."""
+        return len(self._kept)
 
     def pool(self, device: torch.device) -> Any:
         """The graph memory pool shared by this cache's steps on `device` (None off GPUs)."""
@@ -42,7 +60,17 @@ class StepCache:
 
 def step_cache(model: nn.Module, kind: str) -> StepCache:
     caches = model.__dict__.setdefault(_ATTRIBUTE, {})
-    return caches.setdefault(kind, StepCache())
+    return caches.setdefault(kind, StepCache(model.__dict__.get("_devmap_keep_shapes", 1)))
+
+
+def keep_shapes(model: nn.Module, count: int) -> None:
+    """Keep the captured steps of the `count` most recent call shapes of each kind (generate, forward) on the
+    model, instead of one: each holds its lanes' KV caches and graph pools, so memory grows with `count`."""
+    if count < 1:
+        raise ValueError(f"keep_shapes needs a count of at least 1, got {count}")
+    model.__dict__["_devmap_keep_shapes"] = count
+    for cache in model.__dict__.get(_ATTRIBUTE, {}).values():
+        cache.capacity = count
 
 
 def weight_pointers(model: nn.Module) -> tuple[int, ...]:

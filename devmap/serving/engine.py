@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from ..generation.step_cache import keep_shapes
 from .errors import GenerationFailed, QueueFull, RequestTimeout, ServiceError, ShuttingDown
 from .metrics import ServiceMetrics
 from .registry import ModelRegistry, ResidentModel
@@ -51,6 +52,8 @@ class EngineLimits:
     idle_timeout: float | None = None  # unload models unused this long (seconds)
     lanes: int | None = None
     compile: bool = False
+    length_bucket: int = 32  # prompts are left-padded to a multiple of this, new tokens rounded up to one
+    graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
 
 
 @dataclass
@@ -219,6 +222,7 @@ class Engine:
         try:
             with resident.busy:
                 resident.last_used = time.monotonic()
+                keep_shapes(resident.model, self.limits.graph_shapes)
                 _generate(resident, jobs, self.limits, self.metrics)
                 resident.last_used = time.monotonic()
         except Exception as exc:  # the batch failed: every request in it gets the reason, the service goes on
@@ -238,19 +242,25 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
     tokenizer = resident.tokenizer
     eos = _eos_ids(resident)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    length = max(len(j.prompt_ids) for j in jobs)
-    ids = torch.full((len(jobs), length), pad, dtype=torch.long)
-    mask = torch.zeros((len(jobs), length), dtype=torch.long)
-    for row, job in enumerate(jobs):  # left padding: every row continues from its last column
-        ids[row, length - len(job.prompt_ids):] = torch.tensor(job.prompt_ids)
-        mask[row, length - len(job.prompt_ids):] = 1
-    new = max(j.params.max_tokens for j in jobs)
-    if resident.context:
+    # batch shapes in buckets (rows: powers of two; lengths: multiples of length_bucket), so that a service
+    # sees few shapes and replays their captured steps instead of capturing (or compiling) each new one
+    rows = min(1 << (len(jobs) - 1).bit_length(), max(limits.max_batch, len(jobs)))
+    longest, most = max(len(j.prompt_ids) for j in jobs), max(j.params.max_tokens for j in jobs)
+    length, new = _round_up(longest, limits.length_bucket), _round_up(most, limits.length_bucket)
+    if resident.context:  # the bucket never costs a request its tokens (check() made longest + most fit)
+        if length + most > resident.context:
+            length = longest
         new = min(new, resident.context - length)
+    ids = torch.full((rows, length), pad, dtype=torch.long)
+    mask = torch.zeros((rows, length), dtype=torch.long)
+    for row in range(rows):  # left padding: every row continues from its last column; extra rows repeat the first
+        prompt = jobs[row].prompt_ids if row < len(jobs) else jobs[0].prompt_ids
+        ids[row, length - len(prompt):] = torch.tensor(prompt)
+        mask[row, length - len(prompt):] = 1
     params = jobs[0].params
 
-    def on_tokens(rows: slice, step: int, tokens: torch.Tensor) -> bool:
-        for offset, row in enumerate(range(rows.start, rows.stop)):
+    def on_tokens(lane_rows: slice, step: int, tokens: torch.Tensor) -> bool:
+        for offset, row in enumerate(range(lane_rows.start, min(lane_rows.stop, len(jobs)))):
             job = jobs[row]
             if job.finished or job.cancelled.is_set():
                 continue
@@ -274,6 +284,10 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
     for job in jobs:  # ran into the context's end
         if not job.finished:
             _finish(job, "length", resident, metrics)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple if multiple > 1 else value
 
 
 def _send_text(job: Job, tokenizer: Any) -> bool:

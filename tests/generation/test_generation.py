@@ -237,3 +237,30 @@ def test_streamed_tokens_are_the_returned_ones_and_a_false_stops(model):
     out = generate(model, ids, mask, max_new_tokens=12, lanes=2, split_layers=[2], eos_token_id=[],
                    on_tokens=lambda rows, step, tokens: steps.append(step) or step < 2)
     assert out.shape[1] - ids.shape[1] == 3 and max(steps) == 2  # stopped after the step that said so
+
+
+def test_keep_shapes_replays_alternating_shapes(model, monkeypatch):
+    from devmap import release_graphs
+    from devmap.generation import lane_runner
+    from devmap.generation.step_cache import keep_shapes
+
+    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)
+    ids, mask = prompts()
+    kwargs = dict(max_new_tokens=4, lanes=2, split_layers=[2], eos_token_id=[])
+    keep_shapes(model, 2)
+    try:
+        first = generate(model, ids, mask, **kwargs)
+        steps = model._devmap_steps["generate"].entries[0][1]
+        second = generate(model, ids[:3], mask[:3], **kwargs)
+        assert model._devmap_steps["generate"].shapes == 2
+        assert torch.equal(generate(model, ids, mask, **kwargs), first)
+        assert model._devmap_steps["generate"].entries[0][1] is steps  # the first shape's steps, kept
+        assert torch.equal(generate(model, ids[:3], mask[:3], **kwargs), second)
+        generate(model, ids[:2], mask[:2], **kwargs)  # a third shape pushes out the least recent (the first)
+        generate(model, ids, mask, **kwargs)
+        assert model._devmap_steps["generate"].entries[0][1] is not steps
+        with pytest.raises(ValueError):
+            keep_shapes(model, 0)
+    finally:
+        release_graphs(model)
+        model.__dict__.pop("_devmap_keep_shapes", None)

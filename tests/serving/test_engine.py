@@ -113,3 +113,25 @@ def test_idle_models_are_unloaded_and_paths_stay_under_the_root(model_root):
         with pytest.raises(ServiceError):
             registry.under_root(bad)
     assert ModelRegistry(model_root).remaining() is None
+
+
+def test_shape_buckets_never_cost_a_request_its_tokens(registry):
+    engine = Engine(registry, EngineLimits(length_bucket=32))
+    engine.start()
+
+    async def at_the_edge() -> tuple:
+        prompt = [5 + i % 300 for i in range(200)]  # 200 + 56 = the model's whole context of 256
+        done = await engine.complete("tiny", prompt, GenerationParams(max_tokens=56, temperature=0))
+        small = await asyncio.gather(*(engine.complete("tiny", [5, 6, 7][: k + 1], GenerationParams(max_tokens=3,
+                                                                                                     temperature=0))
+                                       for k in range(3)))
+        return done, small
+
+    try:
+        done, small = asyncio.run(at_the_edge())
+    finally:
+        engine.close(timeout=30)
+    assert done.finish_reason == "stop" or done.completion_tokens == 56
+    assert all(s.finish_reason == "stop" or s.completion_tokens == 3 for s in small)
+    with pytest.raises(ServiceError, match="context"):
+        engine.check(registry.get("tiny"), [5] * 200, GenerationParams(max_tokens=57))
