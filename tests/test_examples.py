@@ -13,6 +13,7 @@ SMALL = {
     "resnet50_pipeline.py": ["--batch-size", "4", "--image-size", "32", "--chunks", "2", "--steps", "2"],
     "llama_save_load_generate.py": ["--out", "{tmp}"],
     "tutorial_comparison.py": ["--out", "{tmp}", "--small"],
+    "serve_openai_client.py": ["--out", "{tmp}"],
 }
 
 
