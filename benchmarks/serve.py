@@ -139,8 +139,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64, help="max_tokens of each request")
     parser.add_argument("--systems", default="devmap,transformers")
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
-    parser.add_argument("--devmap-args", default="--device-map balanced --compile",
-                        help="extra flags of devmap serve")
+    parser.add_argument("--devmap-args", default="--device-map balanced",
+                        help="extra flags of devmap serve (e.g. add --compile: each new batch shape compiles)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
