@@ -1,0 +1,172 @@
+"""devmap splits run on torch.distributed.pipelining: 2 and 4 gloo processes under torchrun (and two torchrun
+agents as two "nodes" on one machine) give the losses and parameters of devmap's single-process pipeline."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from devmap.distributed import split_model
+from devmap.distributed.train import batch, build_parser, make_model
+from devmap.pipelining import pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+RESNET = ["--model", "resnet18", "--num-classes", "10", "--input-shape", "3,64,64", "--batch-size", "16",
+          "--chunks", "4", "--steps", "2"]
+
+
+def torchrun(*args: str, procs: int = 2, timeout: int = 240, extra: tuple = ()) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", *extra]
+    if not extra:
+        command += ["--nproc-per-node", str(procs), "--master-port", str(free_port())]
+    command += ["-m", "devmap.distributed.train", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reference(argv: list[str], stages: int):
+    """devmap's single-process pipeline on the same split, batches and optimizer: losses, state, eval output.
+    One thread, as torchrun's ranks: ResNet micro-batches of 2 rows reach BatchNorm with 2 values per channel,
+    whose backward magnifies the last-bit differences of another thread count's reductions."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(argv, stages)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(argv: list[str], stages: int):
+    args = build_parser().parse_args(argv)
+    model = make_model(args, meta=False)
+    shape = tuple(int(s) for s in args.input_shape.split(","))
+    split = split_model(model, split_points=args.split_points.split(",")) if args.split_points else \
+        split_model(model, stages=stages, sample_shape=shape)
+    pipe = pipeline([(m, "cpu") for m in split.modules], chunks=args.chunks)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr)
+    losses = []
+    for step in range(args.steps):
+        x, target = batch(args, step, shape)
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(pipe(x), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    with torch.no_grad():
+        x, _ = batch(args, args.steps, shape)
+        plain = model(x)  # the plain model, in eval mode, with the trained weights
+    return losses, model.state_dict(), plain, split.names
+
+
+def check_run(tmp_path: Path, argv: list[str], procs: int, stages: int, eval_output: bool = True) -> None:
+    result = torchrun(*argv, "--out", str(tmp_path), "--json", procs=procs)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    got = json.loads((tmp_path / "losses.json").read_text())
+    losses, state, plain, names = reference(argv, stages)
+    assert got["stage_blocks"] == names and got["stages"] == stages
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    merged = {}
+    for rank in range(procs):
+        merged.update(load_file(str(tmp_path / f"rank{rank}.safetensors")))
+    assert set(merged) == set(state)  # every tensor lives on exactly one rank
+    for name, value in merged.items():
+        torch.testing.assert_close(value, state[name], rtol=1e-4, atol=1e-5, msg=name)
+    if eval_output:
+        out = load_file(str(tmp_path / "eval_outputs.safetensors"))["batch0"]
+        torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule, stages", [("1f1b", 2), ("gpipe", 2), ("interleaved", 4)])
+def test_two_ranks_equal_the_single_process_pipeline(tmp_path, schedule, stages):
+    argv = [*RESNET, "--schedule", schedule, "--eval-batches", "1"]
+    if schedule == "1f1b":
+        argv += ["--split-points", "layer2.1"]  # a residual-free boundary, as the tutorial's split
+    check_run(tmp_path, argv, procs=2, stages=stages)
+
+
+def test_zero_bubble_trains_like_the_single_process_pipeline(tmp_path):
+    check_run(tmp_path, [*RESNET, "--schedule", "zb"], procs=2, stages=4, eval_output=False)
+
+
+def test_four_ranks_equal_the_single_process_pipeline(tmp_path):
+    check_run(tmp_path, [*RESNET, "--schedule", "1f1b", "--eval-batches", "1"], procs=4, stages=4)
+
+
+def test_a_rank_that_raises_stops_every_rank(tmp_path):
+    result = torchrun("--factory", "tests.distributed.models:fails_on_rank_1", "--input-shape", "12",
+                      "--batch-size", "8", "--steps", "2", procs=2, timeout=120)
+    assert result.returncode != 0
+    assert "rank 1 could not build its model" in result.stdout + result.stderr
+
+
+def test_two_nodes_on_one_machine(tmp_path):
+    port = free_port()
+    argv = ["--factory", "tests.distributed.models:small_sequential", "--num-classes", "10", "--input-shape", "12",
+            "--batch-size", "8", "--chunks", "2", "--steps", "3", "--split-points", "4", "--out", str(tmp_path), "--json"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "devmap",
+                               "--node-rank", str(rank), "-m", "devmap.distributed.train", *argv],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert all(node.returncode == 0 for node in nodes), "\n".join(o[-2000:] for o in outputs)
+    got = json.loads((tmp_path / "losses.json").read_text())
+    losses, state, _, _ = reference(argv[:-3], stages=2)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_splits_are_refused():
+    from devmap.errors import PipelineError
+    from devmap.distributed import stage_indices
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    with pytest.raises(PipelineError, match="one of"):
+        split_model(model)
+    with pytest.raises(PipelineError, match="not blocks"):
+        split_model(model, split_points=["nope"])
+    with pytest.raises(PipelineError, match="2 ranks need 4 stages"):
+        stage_indices("zb", 0, 2, 2)
+    with pytest.raises(PipelineError, match="unknown schedule"):
+        stage_indices("fast", 0, 2, 2)
+    assert stage_indices("zb", 0, 2, 4) == [0, 3] and stage_indices("interleaved", 1, 2, 4) == [1, 3]
+
+
+def test_each_rank_reads_only_its_own_stage_from_a_checkpoint(tmp_path):
+    import devmap
+    from devmap.loading.checkpoint import index_checkpoint
+
+    devmap.save("resnet18", tmp_path / "ckpt", seed=3)
+    out = tmp_path / "out"
+    result = torchrun("--model", "resnet18", "--checkpoint", str(tmp_path / "ckpt"), "--input-shape", "3,32,32",
+                      "--batch-size", "4", "--chunks", "2", "--steps", "0", "--split-points", "layer3", "--out",
+                      str(out), procs=2)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [load_file(str(out / f"rank{r}.safetensors")) for r in range(2)]
+    assert not set(ranks[0]) & set(ranks[1])
+    assert all(n.startswith(("conv1", "bn1", "layer1", "layer2")) for n in ranks[0])
+    saved = {}
+    for name, entry in index_checkpoint(tmp_path / "ckpt").items():
+        saved[name] = load_file(str(entry.file))[name]
+    merged = {**ranks[0], **ranks[1]}
+    assert set(merged) == set(saved)
+    assert all(torch.equal(merged[n], saved[n]) for n in saved)
