@@ -57,7 +57,7 @@ def run(batch: int, gpus: int, args: argparse.Namespace, folder: Path) -> list[d
     chunks = args.chunks or 4 * gpus
     pipe = devmap.pipeline(model, chunks=chunks, balance="time", sample=x).prepare(x)
     devmap_rate = batch / time_training(pipe, x, args.steps)
-    split = {name: stage for stage, group in enumerate(pipe.block_names) for name in group if name != "flatten"}
+    split = dict(model.hf_device_map)  # the time-balanced placement, residual cuts included; devices = stages
     del pipe, model
     torch.cuda.empty_cache()
     map_file = folder / f"map_{gpus}_{batch}.json"
