@@ -170,3 +170,19 @@ def test_each_rank_reads_only_its_own_stage_from_a_checkpoint(tmp_path):
     merged = {**ranks[0], **ranks[1]}
     assert set(merged) == set(saved)
     assert all(torch.equal(merged[n], saved[n]) for n in saved)
+
+
+def test_a_residual_block_cut_by_the_map_is_cut_the_same_way():
+    import torchvision
+
+    from devmap.pipelining.stages import blocks_of, placement_entries, split_units
+
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    units = split_units(blocks_of(model))
+    cut = next(i for i, (name, _) in enumerate(units) if name.startswith("layer2.0[tail"))
+    devices = [torch.device("cuda", 0 if i < cut else 1) for i in range(len(units))]
+    split = split_model(model, device_map=placement_entries(units, devices))
+    assert split.names[0][-1].startswith("layer2.0[head") and split.names[1][0].startswith("layer2.0[tail")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(split.modules[1](split.modules[0](x)), model(x))
