@@ -22,6 +22,8 @@ from .options import load_options
               help="Bearer key every request must send (or DEVMAP_API_KEY).")
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1),
               help="Most requests in one generate batch.")
+@click.option("--batch-wait-ms", default=5.0, show_default=True, type=click.FloatRange(min=0),
+              help="How long a batch waits for more requests after its first.")
 @click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=1),
               help="Most waiting requests; more get 429.")
 @click.option("--max-prompt-tokens", default=4096, show_default=True, type=click.IntRange(min=1))
@@ -37,7 +39,8 @@ from .options import load_options
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
-          model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
+          model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int, batch_wait_ms: float,
+          max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
           lanes: int | None, compile_steps: bool, log_level: str) -> None:
     """Load MODEL_DIR... (ids: their directory names) and serve them until SIGTERM or Ctrl-C.
@@ -67,7 +70,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
             raise click.ClickException(exc.message) from None
         click.echo(f"loaded {resident.id} from {path} onto "
                    f"{', '.join(sorted({str(v) for v in resident.model.hf_device_map.values()}))}", err=True)
-    limits = EngineLimits(max_batch=max_batch, max_queue=max_queue, max_prompt_tokens=max_prompt_tokens,
+    limits = EngineLimits(max_batch=max_batch, batch_wait=batch_wait_ms / 1000, max_queue=max_queue,
+                          max_prompt_tokens=max_prompt_tokens,
                           max_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
                           lanes=lanes, compile=compile_steps)
     app = create_app(Engine(registry, limits), api_key=api_key)

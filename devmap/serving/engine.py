@@ -52,6 +52,8 @@ class EngineLimits:
     idle_timeout: float | None = None  # unload models unused this long (seconds)
     lanes: int | None = None
     compile: bool = False
+    batch_wait: float = 0.005  # seconds a batch waits for more requests after its first (clients that just got
+    # their answers come back together: without it the next batch would start with only the first of them)
     length_bucket: int = 32  # prompts are left-padded to a multiple of this, new tokens rounded up to one
     graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
 
@@ -195,9 +197,10 @@ class Engine:
                 self._waiting.append(self._queue.get(timeout=0.05))
             except queue.Empty:
                 return []
-        while True:  # whatever else has arrived meanwhile
+        deadline = time.perf_counter() + self.limits.batch_wait
+        while len(self._waiting) < self.limits.max_batch:  # whatever arrives within the batching window
             try:
-                self._waiting.append(self._queue.get_nowait())
+                self._waiting.append(self._queue.get(timeout=max(deadline - time.perf_counter(), 0.0)))
             except queue.Empty:
                 break
         first = self._waiting[0]
