@@ -54,9 +54,10 @@ class GraphedStep:
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         # capture_begin/end rather than torch.cuda.graph(): that one synchronizes the device, collects garbage
-        # and empties the allocator's cache on entry, once per captured step
+        # and empties the allocator's cache on entry, once per captured step. "thread_local": another thread's
+        # CUDA calls (a service loading a model while a batch captures) do not invalidate this capture
         with torch.cuda.stream(side), no_recompiles():
-            graph.capture_begin(pool=self.pool)
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 out = self.body(self.static_in)
             except Exception as exc:  # not capturable: end the capture, stay eager
