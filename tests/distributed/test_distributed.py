@@ -18,6 +18,8 @@ from devmap.distributed.train import batch, build_parser, make_model
 from devmap.pipelining import pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # the factories are named tests.distributed.models, here as in the ranks
+    sys.path.insert(0, str(ROOT))
 RESNET = ["--model", "resnet18", "--num-classes", "10", "--input-shape", "3,64,64", "--batch-size", "16",
           "--chunks", "4", "--steps", "2"]
 
