@@ -43,7 +43,9 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
           max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
           lanes: int | None, compile_steps: bool, log_level: str) -> None:
-    """Load MODEL_DIR... (ids: their directory names) and serve them until SIGTERM or Ctrl-C.
+    """Serve models on their devices over an OpenAI-compatible HTTP API.
+
+    Loads MODEL_DIR... (ids: their directory names) and serves them until SIGTERM or Ctrl-C.
 
     POST /v1/completions and /v1/chat/completions (streaming with stream=true), GET /v1/models,
     POST /v1/models/load and DELETE /v1/models/{id}, GET /health and /metrics (Prometheus).
