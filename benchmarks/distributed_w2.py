@@ -68,7 +68,7 @@ def run(batch: int, gpus: int, args: argparse.Namespace, folder: Path) -> list[d
               str(args.steps + 2), "--json"]
     for schedule in args.schedules.split(","):
         where = ["--device-map", str(map_file)] if schedule in ("gpipe", "1f1b") else ["--stages", str(2 * gpus)]
-        result = torchrun(gpus, "-m", "devmap.distributed.train", *common, *where, "--schedule", schedule)
+        result = torchrun(gpus, "-m", "devmap", "train", *common, *where, "--schedule", schedule)
         if result is not None:
             rows.append({"system": f"devmap on torch.distributed.pipelining, {schedule}",
                          "images_per_s": batch / best(result["step_seconds"])})

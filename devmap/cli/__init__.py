@@ -18,6 +18,7 @@ _COMMANDS = {
     "tune": ("devmap.cli.tune_cmd", "tune"),
     "generate": ("devmap.cli.generate_cmd", "generate"),
     "serve": ("devmap.cli.serve_cmd", "serve"),
+    "train": ("devmap.cli.train_cmd", "train"),
 }
 
 

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from devmap.distributed import split_model
-from devmap.distributed.train import batch, build_parser, make_model
+from devmap.cli.train_cmd import parse
+from devmap.distributed.training import batch, make_model
 from devmap.pipelining import pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ def torchrun(*args: str, procs: int = 2, timeout: int = 240, extra: tuple = ()) 
     command = [sys.executable, "-m", "torch.distributed.run", *extra]
     if not extra:
         command += ["--nproc-per-node", str(procs), "--master-port", str(free_port())]
-    command += ["-m", "devmap.distributed.train", *args]
+    command += ["-m", "devmap", "train", *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -52,10 +53,11 @@ def reference(argv: list[str], stages: int, devices: list[str] | None = None):
 
 
 def _reference(argv: list[str], stages: int, devices: list[str] | None = None):
-    args = build_parser().parse_args(argv)
+    args = [a for a in argv if a != "--json"]
+    args = parse(args[:args.index("--out")] if "--out" in args else args)
     model = make_model(args, meta=False)
-    shape = tuple(int(s) for s in args.input_shape.split(","))
-    split = split_model(model, split_points=args.split_points.split(",")) if args.split_points else \
+    shape = args.input_shape
+    split = split_model(model, split_points=args.split_points) if args.split_points else \
         split_model(model, stages=stages, sample_shape=shape)
     devices = devices or ["cpu"] * len(split.modules)
     pipe = pipeline([(m.to(d), d) for m, d in zip(split.modules, devices)], chunks=args.chunks)
@@ -126,7 +128,7 @@ def test_two_nodes_on_one_machine(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "devmap",
-                               "--node-rank", str(rank), "-m", "devmap.distributed.train", *argv],
+                               "--node-rank", str(rank), "-m", "devmap", "train", *argv],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(2)]
     try:
@@ -137,7 +139,7 @@ def test_two_nodes_on_one_machine(tmp_path):
                 node.kill()
     assert all(node.returncode == 0 for node in nodes), "\n".join(o[-2000:] for o in outputs)
     got = json.loads((tmp_path / "losses.json").read_text())
-    losses, state, _, _ = reference(argv[:-3], stages=2)
+    losses, state, _, _ = reference(argv, stages=2)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
 
 
@@ -155,6 +157,21 @@ def test_bad_splits_are_refused():
     with pytest.raises(PipelineError, match="unknown schedule"):
         stage_indices("fast", 0, 2, 2)
     assert stage_indices("zb", 0, 2, 4) == [0, 3] and stage_indices("interleaved", 1, 2, 4) == [1, 3]
+    from devmap.cli.train_cmd import SCHEDULE_NAMES
+    from devmap.distributed import SCHEDULES
+
+    assert SCHEDULE_NAMES == SCHEDULES  # the CLI's copy (it imports no torch for --help)
+
+
+def test_train_command_refuses_bad_use():
+    from click.testing import CliRunner
+
+    from devmap.cli import main
+
+    result = CliRunner().invoke(main, ["train", "--model", "resnet18"], env={"RANK": None})
+    assert result.exit_code == 2 and "torchrun" in result.output
+    result = CliRunner().invoke(main, ["train", "--stages", "2", "--split-points", "layer3"], env={"RANK": "0"})
+    assert result.exit_code == 2 and "one of" in result.output
 
 
 def test_each_rank_reads_only_its_own_stage_from_a_checkpoint(tmp_path):

@@ -1,0 +1,87 @@
+"""`torchrun ... -m devmap train`: train a model split into pipeline stages over ranks (torch.distributed.pipelining)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import click
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+@click.command()
+@click.option("--model", default="resnet50", show_default=True, help="A torchvision model name (resnet18..resnet152).")
+@click.option("--factory", default=None, help="module:function returning the nn.Module, instead of --model.")
+@click.option("--num-classes", default=1000, show_default=True, type=click.IntRange(min=1))
+@click.option("--checkpoint", default=None, type=click.Path(exists=True),
+              help="safetensors checkpoint to start from; each rank reads only its own stage's tensors.")
+@click.option("--split-points", default=None, help="Comma-separated blocks that start a stage, e.g. layer3.")
+@click.option("--device-map", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A JSON file {module: stage} (a devmap plan's map: its devices are the stages, in order).")
+@click.option("--stages", default=None, type=click.IntRange(min=1),
+              help="Cut into this many FLOP-balanced stages (default: one per rank, two for interleaved and zb).")
+@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(SCHEDULE_NAMES))
+@click.option("--chunks", default=4, show_default=True, type=click.IntRange(min=1), help="Micro-batches per step.")
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--input-shape", default="3,224,224", show_default=True, help="One sample's shape.")
+@click.option("--steps", default=3, show_default=True, type=click.IntRange(min=0))
+@click.option("--lr", default=0.001, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--eval-batches", default=0, show_default=True, type=click.IntRange(min=0),
+              help="After training, this many batches in eval mode; their mean loss is reported.")
+@click.option("--out", default=None, type=click.Path(file_okay=False),
+              help="Directory for losses.json, each rank's final stage tensors and the eval outputs.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON line (from the last stage's rank).")
+def train(as_json: bool, **options: Any) -> None:
+    """Train a model cut into pipeline stages over the ranks torchrun starts (gloo on CPUs, NCCL on GPUs).
+
+    Run as `torchrun --nproc-per-node N -m devmap train ...` (several machines: --nnodes and a rendezvous
+    endpoint). The data is the PyTorch tutorial's: random images, one-hot labels, MSE.
+    """
+    if "RANK" not in os.environ:
+        raise click.UsageError("run under torchrun, e.g. torchrun --nproc-per-node 2 -m devmap train ...")
+    config = config_from(options)
+    import torch
+    import torch.distributed as dist
+
+    from devmap.distributed.training import train as run_training
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        result = run_training(config)
+    finally:
+        dist.destroy_process_group()
+    if result is None:
+        return
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    best = f"; step {min(result['step_seconds']):.3f} s (best)" if result["step_seconds"] else ""
+    click.echo(f"{result['ranks']} ranks, {result['stages']} stages, {config.schedule}: losses "
+               + ", ".join(f"{x:.6f}" for x in result["losses"]) + best)
+
+
+def config_from(options: dict[str, Any]) -> Any:
+    """The TrainConfig of the command's options (tests parse the same options into the same config)."""
+    from devmap.distributed.training import TrainConfig
+
+    chosen = [name for name in ("split_points", "device_map", "stages") if options.get(name) is not None]
+    if len(chosen) > 1:
+        raise click.UsageError(f"give one of --split-points, --device-map and --stages, not {len(chosen)}")
+    try:
+        shape = tuple(int(s) for s in options["input_shape"].split(","))
+    except ValueError:
+        raise click.UsageError(f"--input-shape {options['input_shape']!r}: give integers like 3,224,224") from None
+    points = options.get("split_points")
+    return TrainConfig(**{**options, "input_shape": shape,
+                          "split_points": [p for p in points.split(",") if p] if points else None})
+
+
+def parse(argv: list[str]) -> Any:
+    """TrainConfig from command-line arguments, without running anything."""
+    with train.make_context("train", list(argv)) as ctx:
+        options = dict(ctx.params)
+    options.pop("as_json", None)
+    return config_from(options)
