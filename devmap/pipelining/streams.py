@@ -72,18 +72,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, event: Any, stage: int, stre
         with torch.cuda.stream(compute):
             dst.copy_(src, non_blocking=True)
         return
-    recv = streams.get("recv", stage, dst.device)
-    if src.is_cuda:
-        send = streams.get("send", stage, src.device)
-        if event is not None:
-            send.wait_event(event)
-        with torch.cuda.stream(send), torch.cuda.stream(recv):
-            dst.copy_(src, non_blocking=True)
-        src.record_stream(send)
-    else:
-        with torch.cuda.stream(recv):
-            dst.copy_(src, non_blocking=True)
-    compute.wait_stream(recv)
+    compute.wait_stream(_copy_on_side_streams(dst, src, event, stage, streams))
 
 
 def copy_later(dst: torch.Tensor, src: torch.Tensor, event: Any, stage: int, streams: StreamSet) -> Any:
@@ -95,6 +84,14 @@ def copy_later(dst: torch.Tensor, src: torch.Tensor, event: Any, stage: int, str
     if not dst.is_cuda:
         dst.copy_(src)
         return None
+    ready = torch.cuda.Event()
+    ready.record(_copy_on_side_streams(dst, src, event, stage, streams))
+    return ready
+
+
+def _copy_on_side_streams(dst: torch.Tensor, src: torch.Tensor, event: Any, stage: int, streams: StreamSet) -> Any:
+    """The copy on the stage's receive stream of dst's device (and the send stream of src's, across GPUs), after
+    `event`; returns the receive stream."""
     recv = streams.get("recv", stage, dst.device)
     if src.is_cuda and src.device != dst.device:
         send = streams.get("send", stage, src.device)
@@ -110,6 +107,4 @@ def copy_later(dst: torch.Tensor, src: torch.Tensor, event: Any, stage: int, str
             dst.copy_(src, non_blocking=True)
         if src.is_cuda:
             src.record_stream(recv)
-    ready = torch.cuda.Event()
-    ready.record(recv)
-    return ready
+    return recv
