@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import PipelineError
 from ..pipelining.residual_parts import parse_unit
-from ..pipelining.stages import blocks_of, placed_units
+from ..pipelining.stages import blocks_of, group_stages, placed_units, stage_module
 from ..planning.planner import owner_of
 
 
@@ -54,19 +54,13 @@ def split_model(model: nn.Module, device_map: Mapping[str, Any] | None = None,
             del model.hf_device_map
         else:
             model.hf_device_map = had
-    keys = [_unit_key(name, module, device_map) for name, module in units]
-    modules: list[nn.Sequential] = []
-    names: list[list[str]] = []
-    previous = object()
-    for (name, module), key in zip(units, keys):
-        if key is _previous_key:
-            key = previous
-        if key != previous:
-            modules.append(nn.Sequential())
-            names.append([])
-            previous = key
-        modules[-1].add_module(_child(name), module)
-        names[-1].append(name)
+    keys: list[Any] = []
+    for name, module in units:  # the flatten before fc has no entry: it stays with the block before it
+        key = _unit_key(name, module, device_map)
+        keys.append(keys[-1] if key is _previous_key else key)
+    groups = group_stages(units, keys)
+    modules = [stage_module(blocks) for blocks, _ in groups]
+    names = [[name for name, _ in blocks] for blocks, _ in groups]
     return StageSplit(modules, names, dict(device_map))
 
 
@@ -88,10 +82,6 @@ class _PreviousKey:
 
 
 _previous_key = _PreviousKey()
-
-
-def _child(unit: str) -> str:
-    return unit.replace(".", "_").replace("[", "_").replace("]", "").replace("@", "_")
 
 
 def _map_from_points(model: nn.Module, points: list[str]) -> dict[str, Any]:

@@ -21,7 +21,6 @@ import functools
 import math
 import queue
 import threading
-from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,7 +29,7 @@ from torch import nn
 from ..errors import PipelineError
 from .grad_sums import GradSums, open_pass
 from .graphs import StageGraph
-from .stages import block_devices, group_stages, placed_units
+from .stages import block_devices, group_stages, placed_units, stage_module
 from .streams import StreamSet, hand_off
 
 GRAPH_MODES = ("auto", "on", "off")
@@ -303,13 +302,8 @@ def from_placement(model: nn.Module, chunks: int | None = None, split_size: int 
     devices = block_devices(model, units)
     stages = []
     for stage_blocks, device in group_stages(units, devices):
-        module = nn.Sequential(OrderedDict((_child_name(name), block) for name, block in stage_blocks))
-        stages.append((module.to(device), device))
+        stages.append((stage_module(stage_blocks).to(device), device))
     pipe = Pipeline(stages, chunks, split_size, graphs, deferred_weights)
     pipe.block_names = [[name for name, _ in s] for s, _ in group_stages(units, devices)]
     return pipe
 
-
-def _child_name(unit: str) -> str:
-    """An nn.Sequential child name for a unit ("layer2.0[head]" -> "layer2_0_head")."""
-    return unit.replace(".", "_").replace("[", "_").replace("]", "").replace("@", "_")

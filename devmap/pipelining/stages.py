@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections import OrderedDict
+from typing import Any, Sequence, Union
 
 import torch
 from torch import nn
@@ -176,8 +177,8 @@ def block_devices(model: nn.Module, blocks: list[Block]) -> list[torch.device]:
     return devices
 
 
-def group_stages(blocks: list[Block], devices: list[torch.device]) -> list[tuple[list[Block], torch.device]]:
-    """Consecutive blocks on one device form a stage."""
+def group_stages(blocks: list[Block], devices: list[Any]) -> list[tuple[list[Block], Any]]:
+    """Consecutive blocks on one device (or with one stage key) form a stage."""
     stages: list[tuple[list[Block], torch.device]] = []
     for block, device in zip(blocks, devices):
         if stages and stages[-1][1] == device:
@@ -185,6 +186,12 @@ def group_stages(blocks: list[Block], devices: list[torch.device]) -> list[tuple
         else:
             stages.append(([block], device))
     return stages
+
+
+def stage_module(blocks: list[Block]) -> nn.Sequential:
+    """A stage's blocks as one nn.Sequential, children named after the units ("layer2.0[head]" -> "layer2_0_head")."""
+    return nn.Sequential(OrderedDict(
+        (name.replace(".", "_").replace("[", "_").replace("]", "").replace("@", "_"), block) for name, block in blocks))
 
 
 def check_stage_devices(stages: Sequence[StageSpec]) -> list[tuple[nn.Module, torch.device]]:
