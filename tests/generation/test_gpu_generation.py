@@ -24,16 +24,38 @@ def two_gpu_copy(model):
     return dispatch(placed, device_map)
 
 
+def left_padded(rows, length, padded_row, pads):
+    """Random prompt ids on the first GPU, one row left-padded by `pads` tokens, and their attention mask."""
+    ids = torch.randint(3, 1000, (rows, length), device="cuda:0")
+    mask = torch.ones_like(ids)
+    mask[padded_row, :pads] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.fixture
+def lane_runs(monkeypatch):
+    """Every LaneRunner the test's calls create, in order."""
+    from devmap.generation import api as generation
+
+    runs = []
+    original = generation.LaneRunner
+
+    class Recording(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            runs.append(self)
+
+    monkeypatch.setattr(generation, "LaneRunner", Recording)
+    return runs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_two_gpus_match_one(dtype, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=dtype).to("cuda:0").eval()
     placed = two_gpu_copy(reference)
-    ids = torch.randint(3, 1000, (6, 16), device="cuda:0")
-    mask = torch.ones_like(ids)
-    mask[2, :4] = 0
-    ids = ids.masked_fill(mask == 0, 0)
+    ids, mask = left_padded(6, 16, 2, 4)
     with torch.no_grad():
         expected_logits = reference(ids, attention_mask=mask).logits.float()
     tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16: rounding of a different kernel order
@@ -46,34 +68,20 @@ def test_two_gpus_match_one(dtype, monkeypatch):
         assert torch.equal(generate(placed, ids, mask, max_new_tokens=16, lanes=2, eos_token_id=[]), expected)
 
 
-def test_decode_steps_are_replayed_graphs_and_eos_stops_like_transformers(monkeypatch):
-    from devmap.generation import api as generation
-
+def test_decode_steps_are_replayed_graphs_and_eos_stops_like_transformers(monkeypatch, lane_runs):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     torch.manual_seed(1)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
     placed = two_gpu_copy(reference)
-    ids = torch.randint(3, 1000, (8, 12), device="cuda:0")
-    mask = torch.ones_like(ids)
-    mask[5, :3] = 0
-    ids = ids.masked_fill(mask == 0, 0)
+    ids, mask = left_padded(8, 12, 5, 3)
     free = reference.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
                               eos_token_id=None).cpu()
     eos = int(free[0, 12 + 4])
     expected = reference.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
                                   eos_token_id=eos).cpu()
-    runs = []
-    original = generation.LaneRunner
-
-    class Recording(original):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            runs.append(self)
-
-    monkeypatch.setattr(generation, "LaneRunner", Recording)
     out = generate(placed, ids, mask, max_new_tokens=20, lanes=3, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(out, expected)
-    steps = [step for lane in runs[0].lanes for step in lane.steps]
+    steps = [step for lane in lane_runs[0].lanes for step in lane.steps]
     assert len(steps) == 6 and all(step.capture_error is None for step in steps)
     assert all(step.graph is not None for step in steps if step.calls > 1)
     eager = generate(placed, ids, mask, max_new_tokens=20, lanes=3, eos_token_id=eos, pad_token_id=0, graphs=False)
@@ -113,34 +121,20 @@ def test_tied_head_on_the_first_gpu_and_norm_on_the_last(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_steps_match_one_gpu_and_are_captured(dtype, monkeypatch):
+def test_compiled_steps_match_one_gpu_and_are_captured(dtype, monkeypatch, lane_runs):
     """compile=True: inductor's kernels inside devmap's graphs give transformers' greedy tokens (fp32) and logits
     within bf16 tolerance, every decode step is captured, and a second call compiles nothing new."""
     from torch._dynamo.utils import counters
-
-    from devmap.generation import api as generation
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     torch.manual_seed(2)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=dtype).to("cuda:0").eval()
     placed = two_gpu_copy(reference)
-    ids = torch.randint(3, 1000, (8, 12), device="cuda:0")
-    mask = torch.ones_like(ids)
-    mask[5, :3] = 0
-    ids = ids.masked_fill(mask == 0, 0)
+    ids, mask = left_padded(8, 12, 5, 3)
     with torch.no_grad():
         expected_logits = reference(ids, attention_mask=mask).logits.float()
     expected = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
                                   eos_token_id=None).cpu()
-    runs = []
-    original = generation.LaneRunner
-
-    class Recording(original):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            runs.append(self)
-
-    monkeypatch.setattr(generation, "LaneRunner", Recording)
     tol = 1e-4 if dtype == torch.float32 else 0.1
     for call in range(3):  # compile + run, capture, replay
         logits = forward(placed, ids, mask, lanes=2, compile=True).float().to("cuda:0")
@@ -151,5 +145,5 @@ def test_compiled_steps_match_one_gpu_and_are_captured(dtype, monkeypatch):
         if call == 0:
             compiled = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == compiled
-    steps = [step for lane in runs[-1].lanes for step in lane.steps]
+    steps = [step for lane in lane_runs[-1].lanes for step in lane.steps]
     assert steps and all(step.graph is not None and step.capture_error is None for step in steps)
