@@ -80,7 +80,9 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)
-    sent: str = ""
+    text: str = ""  # decoded so far (up to the last complete character)
+    sent: str = ""  # emitted so far (a prefix of text)
+    decoded: tuple[int, int] = (0, 0)  # token offsets: start of the decode window, end of what text covers
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
     stopped: bool = False  # a stop string ended it
@@ -293,10 +295,24 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple if multiple > 1 else value
 
 
+def _decode_new(job: Job, tokenizer: Any, final: bool = False) -> None:
+    """Extend `job.text` by what the new tokens add, decoding a short window of tokens instead of the whole
+    output each step (the host thread that runs this also issues the GPUs' work). The window starts one update
+    back, so a token's leading space is decoded the way a whole-sequence decode does; an incomplete multi-byte
+    character waits for its next token (unless `final`)."""
+    start, end = job.decoded
+    before = tokenizer.decode(job.generated[start:end], skip_special_tokens=True)
+    after = tokenizer.decode(job.generated[start:], skip_special_tokens=True)
+    if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+        job.text += after[len(before):]
+        job.decoded = (end, len(job.generated))
+
+
 def _send_text(job: Job, tokenizer: Any) -> bool:
-    """Emit the text the job's tokens add (held back while it may be the start of a stop string or of a
-    multi-byte character); True when a stop string appeared (the text before it is sent, the rest never)."""
-    text = tokenizer.decode(job.generated, skip_special_tokens=True)
+    """Emit the text the job's tokens add (held back while it may be the start of a stop string); True when a
+    stop string appeared (the text before it is sent, the rest never)."""
+    _decode_new(job, tokenizer)
+    text = job.text
     for stop in job.params.stop:
         at = text.find(stop, max(len(job.sent) - len(stop), 0)) if stop else -1
         if at >= 0:
@@ -305,10 +321,7 @@ def _send_text(job: Job, tokenizer: Any) -> bool:
             job.sent = text[:at]
             job.stopped = True
             return True
-    hold = max((len(s) - 1 for s in job.params.stop), default=0)
-    ready = len(text) - hold
-    while ready > len(job.sent) and text[ready - 1] == "\ufffd":
-        ready -= 1
+    ready = len(text) - max((len(s) - 1 for s in job.params.stop), default=0)
     if ready > len(job.sent):
         job.emit("text", text[len(job.sent):ready])
         job.sent = text[:ready]
@@ -317,10 +330,11 @@ def _send_text(job: Job, tokenizer: Any) -> bool:
 
 def _finish(job: Job, reason: str, resident: ResidentModel, metrics: ServiceMetrics) -> None:
     """Send the text held back (unless a stop string ended it) and end the job's stream."""
-    text = resident.tokenizer.decode(job.generated, skip_special_tokens=True)
-    if not job.stopped and len(text) > len(job.sent):
-        job.emit("text", text[len(job.sent):])
-        job.sent = text
+    if not job.stopped:
+        _decode_new(job, resident.tokenizer, final=True)
+        if len(job.text) > len(job.sent):
+            job.emit("text", job.text[len(job.sent):])
+            job.sent = job.text
     job.finished = True
     metrics.completion_tokens.labels(model=job.model_id).inc(len(job.generated))
     job.emit("done", reason)

@@ -135,3 +135,22 @@ def test_shape_buckets_never_cost_a_request_its_tokens(registry):
     assert all(s.finish_reason == "stop" or s.completion_tokens == 3 for s in small)
     with pytest.raises(ServiceError, match="context"):
         engine.check(registry.get("tiny"), [5] * 200, GenerationParams(max_tokens=57))
+
+
+def test_incremental_decoding_gives_the_whole_decode(registry):
+    import asyncio as _asyncio
+
+    from devmap.serving.engine import Job, _decode_new
+
+    tokenizer = registry.get("tiny").tokenizer
+    ids = tokenizer("héllo wörld ✓ the quick brown fox, (100) — ok", add_special_tokens=False)["input_ids"]
+    job = Job("tiny", [1], GenerationParams(), _asyncio.new_event_loop())
+    seen = []
+    for token in ids:
+        job.generated.append(token)
+        _decode_new(job, tokenizer)
+        seen.append(job.text)
+        assert "\ufffd" not in job.text  # a half character waits for its next byte
+    _decode_new(job, tokenizer, final=True)
+    assert job.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
