@@ -46,6 +46,7 @@ def server(command: list[str], port: int, name: str, timeout: float = 600) -> It
     log = open(Path(tempfile.gettempdir()) / f"serve-bench-{name}.log", "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -57,6 +58,7 @@ def server(command: list[str], port: int, name: str, timeout: float = 600) -> It
             time.sleep(0.5)
         else:
             raise RuntimeError(f"{name} did not answer in {timeout} s; see {log.name}")
+        print(f"  {name} answers {time.monotonic() - started:.1f} s after its process started", flush=True)
         yield url
     finally:
         process.terminate()
@@ -90,7 +92,7 @@ async def load_test(url: str, model: str, clients: int, seconds: float, new: int
                     lengths: list[int]) -> dict[str, Any]:
     rng = random.Random(seed)
     results: list[dict[str, Any]] = []
-    stop_at = time.perf_counter() + seconds
+    stop_at = 0.0  # set once the warm-up request is done
 
     async def client(http: httpx.AsyncClient) -> None:
         while time.perf_counter() < stop_at:
@@ -100,13 +102,16 @@ async def load_test(url: str, model: str, clients: int, seconds: float, new: int
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        await one_request(http, model, "warm up " * 8, new)  # first call: compilation, graphs
         start = time.perf_counter()
+        await one_request(http, model, "warm up " * 8, new)  # first call: compilation, graphs
+        first_call = time.perf_counter() - start
+        start = time.perf_counter()
+        stop_at = start + seconds
         await asyncio.gather(*(client(http) for _ in range(clients)))
         elapsed = time.perf_counter() - start
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     gaps = sorted(g for r in results for g in r["gaps"])
-    return {"clients": clients, "requests": len(results), "seconds": elapsed,
+    return {"clients": clients, "requests": len(results), "seconds": elapsed, "first_call_s": first_call,
             "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
             "ttft_p50": _quantile(ttfts, 0.5), "ttft_p99": _quantile(ttfts, 0.99),
             "token_p50": _quantile(gaps, 0.5), "token_p99": _quantile(gaps, 0.99)}
@@ -170,15 +175,17 @@ def main() -> None:
 
 def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int], out: str | None) -> None:
     print(f"\nserving {model}, streaming chat completions, greedy")
-    print("| system | clients | requests | output tok/s | TTFT p50 / p99 s | per-token p50 / p99 ms | vs transformers |")
-    print("|---|---|---|---|---|---|---|")
+    print("| system | clients | requests | first call s | output tok/s | TTFT p50 / p99 s | per-token p50 / p99 ms "
+          "| vs transformers |")
+    print("|---|---|---|---|---|---|---|---|")
     peer = {r["clients"]: r["tokens_per_s"] for r in rows.get("transformers", [])}
     for system, results in rows.items():
         for r in results:
             ratio = f"{r['tokens_per_s'] / peer[r['clients']]:.2f}x" if peer.get(r["clients"]) else "-"
             ttft = f"{_fmt(r['ttft_p50'])} / {_fmt(r['ttft_p99'])}"
             token = f"{_fmt(r['token_p50'], 1000)} / {_fmt(r['token_p99'], 1000)}"
-            print(f"| {system} | {r['clients']} | {r['requests']} | {r['tokens_per_s']:,.0f} | {ttft} | {token} | "
+            print(f"| {system} | {r['clients']} | {r['requests']} | {r['first_call_s']:.2f} | {r['tokens_per_s']:,.0f} "
+                  f"| {ttft} | {token} | "
                   f"{ratio} |")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
