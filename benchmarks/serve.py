@@ -6,8 +6,9 @@ The checkpoint is `devmap save MODEL` (random bf16 weights and devmap's offline 
 a temporary directory. Each server runs as its own process on 127.0.0.1; each client sends streaming chat
 completions of mixed prompt lengths (greedy, `max_tokens` new tokens) back to back for `--seconds`.
 Reported per server and client count: output tokens/s (all clients), time to first token p50/p99,
-per-token latency p50/p99 (the gaps between a request's chunks), and devmap's ratio to transformers.
-transformers serve runs with its best flags (`--continuous-batching --compile --device auto`); flags its
+time per output token p50/p99 (a request's time from its first text to its
+last, over its output tokens after the first), and devmap's ratio to transformers.
+transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its
 release does not know are dropped one at a time, and the flags used are printed.
 """
 
@@ -43,7 +44,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def server(command: list[str], port: int, name: str, timeout: float = 600) -> Iterator[str]:
     """Start a server process and wait for it to answer; always stopped after."""
-    log = open(Path(tempfile.gettempdir()) / f"serve-bench-{name}.log", "w")
+    log = open(Path(os.environ.get("SERVE_BENCH_LOGS", tempfile.gettempdir())) / f"serve-bench-{name}.log", "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
@@ -70,10 +71,13 @@ def server(command: list[str], port: int, name: str, timeout: float = 600) -> It
 
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int) -> dict[str, Any]:
+    """One streaming chat completion: time to its first piece of text, its output tokens (the final chunk's
+    usage, else the number of text pieces) and its time per output token after the first."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": new,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     times: list[float] = []
+    tokens = None
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{response.status_code}: {(await response.aread()).decode()[:300]}")
@@ -81,11 +85,14 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
             choices = chunk.get("choices") or [{}]
             if (choices[0].get("delta") or {}).get("content"):
                 times.append(time.perf_counter())
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    return {"ttft": times[0] - start if times else None, "tokens": len(times), "gaps": gaps}
+    tokens = len(times) if tokens is None else tokens
+    tpot = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None
+    return {"ttft": times[0] - start if times else None, "tokens": tokens, "tpot": tpot}
 
 
 async def load_test(url: str, model: str, clients: int, seconds: float, new: int, seed: int,
@@ -110,11 +117,11 @@ async def load_test(url: str, model: str, clients: int, seconds: float, new: int
         await asyncio.gather(*(client(http) for _ in range(clients)))
         elapsed = time.perf_counter() - start
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
-    gaps = sorted(g for r in results for g in r["gaps"])
+    tpots = sorted(r["tpot"] for r in results if r["tpot"] is not None)
     return {"clients": clients, "requests": len(results), "seconds": elapsed, "first_call_s": first_call,
             "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
             "ttft_p50": _quantile(ttfts, 0.5), "ttft_p99": _quantile(ttfts, 0.99),
-            "token_p50": _quantile(gaps, 0.5), "token_p99": _quantile(gaps, 0.99)}
+            "tpot_p50": _quantile(tpots, 0.5), "tpot_p99": _quantile(tpots, 0.99)}
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -126,12 +133,14 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 def transformers_command(path: Path, port: int) -> list[str]:
-    """`transformers serve PATH` with the best flags this release knows."""
+    """`transformers serve PATH` with the best flags this release knows. Continuous batching keeps its paged
+    cache on one device (with `--device auto` spreading the model over two GPUs its worker dies on a cross-device
+    index_copy), so the model goes on cuda:0: the 1.1B and 13B shapes fit one H200."""
     base = [sys.executable, "-m", "transformers.cli.transformers", "serve"]
     help_text = subprocess.run(base + ["--help"], capture_output=True, text=True).stdout
     flags = [f for f in ("--continuous-batching", "--compile") if f in help_text]
     if "--device" in help_text:
-        flags += ["--device", "auto"]
+        flags += ["--device", "cuda:0" if "--continuous-batching" in flags else "auto"]
     print(f"  transformers serve flags: {' '.join(flags)}", flush=True)
     return base + [str(path), "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", *flags]
 
@@ -158,7 +167,7 @@ def main() -> None:
             port = free_port()
             if system == "devmap":
                 command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype",
-                           "bfloat16", "--log-level", "warning", "--max-queue", "4096",
+                           "bfloat16", "--log-level", "debug", "--max-queue", "4096",
                            *args.devmap_args.split()]
                 model = path.name
             else:
@@ -168,6 +177,10 @@ def main() -> None:
                     row = asyncio.run(load_test(url, model, clients, args.seconds, args.new, seed=clients,
                                               lengths=[int(w) for w in args.prompt_words.split(",")]))
                     rows.setdefault(system, []).append(row)
+                    if args.out and system == "devmap":  # batch sizes and first-token times as the server saw them
+                        Path(args.out).mkdir(parents=True, exist_ok=True)
+                        (Path(args.out) / f"metrics_{args.model}_{clients}.txt").write_text(
+                            httpx.get(url + "/metrics", timeout=10).text)
                     print(f"  {system} {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
                           f"ttft p50 {row['ttft_p50']} p99 {row['ttft_p99']}", flush=True)
     report(args.model, rows, counts, args.out)
@@ -175,7 +188,7 @@ def main() -> None:
 
 def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int], out: str | None) -> None:
     print(f"\nserving {model}, streaming chat completions, greedy")
-    print("| system | clients | requests | first call s | output tok/s | TTFT p50 / p99 s | per-token p50 / p99 ms "
+    print("| system | clients | requests | first call s | output tok/s | TTFT p50 / p99 s | time per token p50 / p99 ms "
           "| vs transformers |")
     print("|---|---|---|---|---|---|---|---|")
     peer = {r["clients"]: r["tokens_per_s"] for r in rows.get("transformers", [])}
@@ -183,7 +196,7 @@ def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int],
         for r in results:
             ratio = f"{r['tokens_per_s'] / peer[r['clients']]:.2f}x" if peer.get(r["clients"]) else "-"
             ttft = f"{_fmt(r['ttft_p50'])} / {_fmt(r['ttft_p99'])}"
-            token = f"{_fmt(r['token_p50'], 1000)} / {_fmt(r['token_p99'], 1000)}"
+            token = f"{_fmt(r['tpot_p50'], 1000)} / {_fmt(r['tpot_p99'], 1000)}"
             print(f"| {system} | {r['clients']} | {r['requests']} | {r['first_call_s']:.2f} | {r['tokens_per_s']:,.0f} "
                   f"| {ttft} | {token} | "
                   f"{ratio} |")

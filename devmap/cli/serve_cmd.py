@@ -78,6 +78,10 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
                           lanes=lanes, compile=compile_steps)
     app = create_app(Engine(registry, limits), api_key=api_key)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import logging
+
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")  # uvicorn's look
+    logging.getLogger("devmap").setLevel(log_level.upper())  # per-batch timings at debug
     # uvicorn handles SIGTERM and SIGINT: it stops accepting, lets in-flight requests finish, then the app's
     # lifespan drains the engine
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(request_timeout) + 5)

@@ -8,6 +8,7 @@ The HTTP app is a thin layer over `Engine`; Python code can use it directly.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -20,6 +21,8 @@ from ..generation.step_cache import keep_shapes
 from .errors import GenerationFailed, QueueFull, RequestTimeout, ServiceError, ShuttingDown
 from .metrics import ServiceMetrics
 from .registry import ModelRegistry, ResidentModel
+
+log = logging.getLogger("devmap.serving")
 
 
 @dataclass(frozen=True)
@@ -264,7 +267,11 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
         mask[row, length - len(prompt):] = 1
     params = jobs[0].params
 
+    started, first = time.perf_counter(), []
+
     def on_tokens(lane_rows: slice, step: int, tokens: torch.Tensor) -> bool:
+        if not first:
+            first.append(time.perf_counter())
         for offset, row in enumerate(range(lane_rows.start, min(lane_rows.stop, len(jobs)))):
             job = jobs[row]
             if job.finished or job.cancelled.is_set():
@@ -289,6 +296,11 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
     for job in jobs:  # ran into the context's end
         if not job.finished:
             _finish(job, "length", resident, metrics)
+    if log.isEnabledFor(logging.DEBUG):
+        done = time.perf_counter()
+        log.debug("batch of %d (rows %d, prompt %d, new %d): oldest waited %.0f ms, first tokens %.0f ms, "
+                  "done %.0f ms", len(jobs), rows, length, new, 1000 * (started - min(j.arrived for j in jobs)),
+                  1000 * ((first[0] if first else done) - started), 1000 * (done - started))
 
 
 def _round_up(value: int, multiple: int) -> int:
