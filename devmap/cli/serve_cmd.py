@@ -23,7 +23,9 @@ from .options import load_options
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1),
               help="Most requests in one generate batch.")
 @click.option("--batch-wait-ms", default=5.0, show_default=True, type=click.FloatRange(min=0),
-              help="How long a batch waits for more requests after its first.")
+              help="A batch takes requests until none has come for this long.")
+@click.option("--max-batch-wait-ms", default=50.0, show_default=True, type=click.FloatRange(min=0),
+              help="A batch starts at the latest this long after its oldest request arrived.")
 @click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=1),
               help="Most waiting requests; more get 429.")
 @click.option("--max-prompt-tokens", default=4096, show_default=True, type=click.IntRange(min=1))
@@ -40,6 +42,7 @@ from .options import load_options
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
           model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int, batch_wait_ms: float,
+          max_batch_wait_ms: float,
           max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
           lanes: int | None, compile_steps: bool, log_level: str) -> None:
@@ -72,7 +75,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
             raise click.ClickException(exc.message) from None
         click.echo(f"loaded {resident.id} from {path} onto "
                    f"{', '.join(sorted({str(v) for v in resident.model.hf_device_map.values()}))}", err=True)
-    limits = EngineLimits(max_batch=max_batch, batch_wait=batch_wait_ms / 1000, max_queue=max_queue,
+    limits = EngineLimits(max_batch=max_batch, batch_wait=batch_wait_ms / 1000,
+                          max_batch_wait=max(max_batch_wait_ms, batch_wait_ms) / 1000, max_queue=max_queue,
                           max_prompt_tokens=max_prompt_tokens,
                           max_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
                           lanes=lanes, compile=compile_steps)

@@ -55,8 +55,10 @@ class EngineLimits:
     idle_timeout: float | None = None  # unload models unused this long (seconds)
     lanes: int | None = None
     compile: bool = False
-    batch_wait: float = 0.005  # seconds a batch waits for more requests after its first (clients that just got
-    # their answers come back together: without it the next batch would start with only the first of them)
+    batch_wait: float = 0.005  # a batch takes requests until none came for this long (seconds): clients that just
+    # got their answers come back together, spread over tens of milliseconds, and without it the next batch would
+    # start with the first few of them while the rest wait for its whole length
+    max_batch_wait: float = 0.05  # but starts at the latest this long after its oldest request arrived
     length_bucket: int = 32  # prompts are left-padded to a multiple of this, new tokens rounded up to one
     graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
 
@@ -107,6 +109,8 @@ class Engine:
         self._count = threading.Lock()
         self._closing = threading.Event()
         self._worker: threading.Thread | None = None
+        self._last_start = self._last_done = 0.0  # perf_counter when the last batch started and finished
+        self._last_size = 0  # and how many requests it held
 
     def start(self) -> None:
         if self._worker is None:
@@ -202,10 +206,17 @@ class Engine:
                 self._waiting.append(self._queue.get(timeout=0.05))
             except queue.Empty:
                 return []
-        deadline = time.perf_counter() + self.limits.batch_wait
-        while len(self._waiting) < self.limits.max_batch:  # whatever arrives within the batching window
+        # A batch that just finished sends its clients their answers; in a busy service they come back within
+        # tens of milliseconds. Until as many requests as it held have arrived since it started, the next batch
+        # waits for them (at most max_batch_wait after the later of its oldest request and that finish); then
+        # it takes requests until none has come for batch_wait.
+        latest = max(self._waiting[0].arrived, self._last_done) + self.limits.max_batch_wait
+        while len(self._waiting) < self.limits.max_batch:
+            left = latest - time.perf_counter()
+            back = sum(j.arrived > self._last_start for j in self._waiting)
+            wait = min(self.limits.batch_wait, left) if back >= self._last_size else left
             try:
-                self._waiting.append(self._queue.get(timeout=max(deadline - time.perf_counter(), 0.0)))
+                self._waiting.append(self._queue.get(timeout=max(wait, 0.0)))
             except queue.Empty:
                 break
         first = self._waiting[0]
@@ -226,6 +237,7 @@ class Engine:
                 job.emit("error", exc)
             return
         self.metrics.batch_size.observe(len(jobs))
+        self._last_start, self._last_size = time.perf_counter(), len(jobs)
         self.metrics.running.set(len(jobs))
         try:
             with resident.busy:
@@ -241,6 +253,7 @@ class Engine:
                     job.emit("error", failure)
         finally:
             self.metrics.running.set(0)
+            self._last_done = time.perf_counter()
 
 
 def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, metrics: ServiceMetrics) -> None:
