@@ -14,9 +14,13 @@ from .output import echo_json, table
 @click.option("--offload-folder", default=None, help="Folder for disk offload (adds a disk budget).")
 @click.option("--layers", is_flag=True, help="Also print a per-layer table (type, output shape, params, device).")
 @click.option("--input-shape", default=None, help="Input shape for --layers, e.g. 1,3,224,224 or 1,128 (tokens).")
+@click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4"]),
+              help="Count the blocks' Linear weights quantized (int8: torchao, int4: torchao, nf4: bitsandbytes); "
+                   "embeddings, norms and lm_head stay at --dtype.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None, max_memory: str | None,
-         dtype: str | None, offload_folder: str | None, layers: bool, input_shape: str | None, as_json: bool) -> None:
+         dtype: str | None, offload_folder: str | None, layers: bool, input_shape: str | None, quantize: str | None,
+         as_json: bool) -> None:
     """Plan where each block of SOURCE goes.
 
     SOURCE is a preset (resnet18..resnet152, llama-tiny, tinyllama-1.1b, llama-2-7b/13b/70b,
@@ -30,7 +34,7 @@ def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None,
         raise click.UsageError("--input-shape only applies with --layers")
     shape = parse_shape(input_shape) if input_shape else None
     result = make_plan(source, device_map, max_memory, dtype, gpus=gpus, gpu_memory=gpu_memory,
-                       offload_folder=offload_folder)
+                       offload_folder=offload_folder, quantization=quantize)
     rows = layer_table(result, shape) if layers else None
     if as_json:
         data = result.to_dict()
@@ -56,7 +60,9 @@ def render_plan(result) -> str:  # type: ignore[no-untyped-def]
     from devmap.planning.memory import dtype_name, format_bytes, format_count
 
     kind = "simulated GPUs" if result.budget.simulated else "real devices"
-    head = (f"{result.source} · {result.strategy} · {dtype_name(result.dtype)} · "
+    quantized = (f" with {result.quantization.scheme} weights ({result.quantization.library})"
+                 if result.quantization else "")
+    head = (f"{result.source} · {result.strategy} · {dtype_name(result.dtype)}{quantized} · "
             f"{format_count(result.total_params)} params · {format_bytes(result.total_bytes)} · budgets for {kind}")
     rows = [
         [name, len(u.modules), format_count(u.params), format_bytes(u.bytes),
@@ -64,7 +70,13 @@ def render_plan(result) -> str:  # type: ignore[no-untyped-def]
          f"{100 * u.share:.1f}%" if u.share is not None else "-"]
         for name, u in result.devices.items()
     ]
-    lines = [head, "", table(["device", "blocks", "params", "size", "budget", "use"], rows, right=(1, 2, 3, 4, 5)),
+    lines = [head]
+    if result.quantization and result.unquantized_bytes:
+        lines.append(f"Quantized to {result.quantization.scheme}: {format_bytes(result.total_bytes)} instead of "
+                     f"{format_bytes(result.unquantized_bytes)} in {dtype_name(result.dtype)} "
+                     f"({', '.join(result.quantization.skip_modules)}, embeddings and norms stay in "
+                     f"{dtype_name(result.dtype)})")
+    lines += ["", table(["device", "blocks", "params", "size", "budget", "use"], rows, right=(1, 2, 3, 4, 5)),
              "", "Map:"]
     lines += [f"  {run}" for run in result.runs]
     lines += [f"Warning: {w}" for w in result.warnings]

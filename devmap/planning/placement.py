@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -47,11 +47,12 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def module_sizes(model: nn.Module, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes of every module and tensor name at `dtype` (accelerate's accounting; tied weights counted once)."""
+def module_sizes(model: nn.Module, dtype: torch.dtype, special: dict[str, Any] | None = None) -> dict[str, int]:
+    """Bytes of every module and tensor name at `dtype`, tensors named in `special` at theirs (quantized weights;
+    accelerate's accounting, tied weights counted once)."""
     from accelerate.utils import compute_module_sizes
 
-    return dict(compute_module_sizes(model, dtype=dtype))
+    return dict(compute_module_sizes(model, dtype=dtype, special_dtypes=special or None))
 
 
 def usage(device_map: DeviceMap, sizes: dict[str, int]) -> dict[DeviceKey, int]:
@@ -62,13 +63,13 @@ def usage(device_map: DeviceMap, sizes: dict[str, int]) -> dict[DeviceKey, int]:
     return used
 
 
-def _infer(model: nn.Module, caps: dict[DeviceKey, int], no_split: list[str], dtype: torch.dtype) -> DeviceMap:
+def _infer(model: nn.Module, caps: dict[DeviceKey, int], no_split: list[str], dtype: torch.dtype,
+           special: dict[str, Any] | None = None) -> DeviceMap:
     from accelerate import infer_auto_device_map
 
     with _quiet():
-        return dict(
-            infer_auto_device_map(model, max_memory=dict(caps), no_split_module_classes=no_split, dtype=dtype)
-        )
+        return dict(infer_auto_device_map(model, max_memory=dict(caps), no_split_module_classes=no_split, dtype=dtype,
+                                          special_dtypes=special or None))
 
 
 def _gpu_only(
@@ -77,6 +78,7 @@ def _gpu_only(
     sizes: dict[str, int],
     no_split: list[str],
     dtype: torch.dtype,
+    special: dict[str, Any] | None = None,
 ) -> DeviceMap | None:
     """Place everything on GPUs with at most caps[g] bytes on GPU g, or return None if it doesn't fit.
 
@@ -85,7 +87,7 @@ def _gpu_only(
     is passed as g + 1), so the reserve lands there and the real GPUs get exactly their caps.
     """
     shifted = {0: 0, **{g + 1: c for g, c in caps.items()}}
-    device_map = _infer(model, shifted, no_split, dtype)
+    device_map = _infer(model, shifted, no_split, dtype, special)
     if not all(isinstance(d, int) and d > 0 for d in device_map.values()):
         return None
     device_map = {name: d - 1 for name, d in device_map.items()}
@@ -100,6 +102,7 @@ def _min_max_split(
     sizes: dict[str, int],
     no_split: list[str],
     dtype: torch.dtype,
+    special: dict[str, Any] | None = None,
 ) -> DeviceMap | None:
     """Binary-search the smallest per-GPU share C (GPU g capped at weights[g] * C) that holds the whole model."""
     gpus = list(weights)
@@ -107,7 +110,7 @@ def _min_max_split(
 
     def attempt(share: float) -> DeviceMap | None:
         caps = {g: min(int(weights[g] * share), limits[g]) for g in gpus}
-        return _gpu_only(model, caps, sizes, no_split, dtype)
+        return _gpu_only(model, caps, sizes, no_split, dtype, special)
 
     hi = max(limits[g] / weights[g] for g in gpus)
     # Caps of (total + one largest unbreakable block per GPU) always hold a contiguous fill, so the search
@@ -145,18 +148,21 @@ def place(
     limits: dict[DeviceKey, int],
     no_split: list[str],
     dtype: torch.dtype,
+    special: dict[str, Any] | None = None,
 ) -> DeviceMap:
-    """Device map for `strategy` under byte `limits` (GPUs first, then cpu, then disk). Accelerate may put
-    the overflow on "disk" even where `limits` has no disk: the caller checks that."""
-    sizes = module_sizes(model, dtype)
+    """Device map for `strategy` under byte `limits` (GPUs first, then cpu, then disk); tensors named in
+    `special` are sized at their dtype (quantized weights). Accelerate may put the overflow on "disk" even where
+    `limits` has no disk: the caller checks that."""
+    sizes = module_sizes(model, dtype, special)
     gpus = [k for k in limits if isinstance(k, int) and limits[k] > 0]
     if gpus:
         if strategy == "sequential":
-            found = _gpu_only(model, {g: limits[g] for g in gpus}, sizes, no_split, dtype)
+            found = _gpu_only(model, {g: limits[g] for g in gpus}, sizes, no_split, dtype, special)
         else:
             low_0 = strategy == "balanced_low_0" and len(gpus) > 1
             weights = {g: (0.5 if low_0 and g == gpus[0] else 1.0) for g in gpus}
-            found = _min_max_split(model, limits, weights, sizes, no_split, dtype)
+            found = _min_max_split(model, limits, weights, sizes, no_split, dtype, special)
         if found is not None:
             return found
-    return _infer(model, {k: v for k, v in limits.items() if k in gpus or not isinstance(k, int)}, no_split, dtype)
+    return _infer(model, {k: v for k, v in limits.items() if k in gpus or not isinstance(k, int)}, no_split, dtype,
+                  special)

@@ -23,6 +23,8 @@ from .memory import (
 from .device_maps import DeviceMapSpec, normalize_device_map
 from .models import ModelSource, default_no_split, resolve_source
 from .placement import DeviceMap, module_sizes, place, usage
+from .quantization import (Quantization, check_quantizable, parse_quantization, quantized_dtype,
+                           special_dtypes)
 
 
 
@@ -80,6 +82,8 @@ class Plan:
     budget: Budget
     no_split_module_classes: list[str]
     warnings: list[str] = field(default_factory=list)
+    quantization: Quantization | None = None
+    unquantized_bytes: int | None = None  # the model's size at `dtype` alone, when quantized
     model: nn.Module | None = field(default=None, repr=False, compare=False)
     model_source: ModelSource | None = field(default=None, repr=False, compare=False)
 
@@ -101,6 +105,8 @@ class Plan:
             "source": self.source,
             "strategy": self.strategy,
             "dtype": dtype_name(self.dtype),
+            "quantization": self.quantization.to_dict() if self.quantization else None,
+            "unquantized_bytes": self.unquantized_bytes,
             "device_map": dict(self.device_map),
             "devices": {name: usage.to_dict() for name, usage in self.devices.items()},
             "runs": [{"first": r.first, "last": r.last, "device": r.device, "count": r.count} for r in self.runs],
@@ -123,33 +129,43 @@ def plan(
     gpu_memory: Size | None = None,
     offload_folder: str | None = None,
     no_split_module_classes: list[str] | None = None,
+    quantization: Any = None,
 ) -> Plan:
     """Place `source` (preset name, local HF directory or nn.Module) on devices without allocating memory.
 
     `device_map` is a strategy (auto, balanced, balanced_low_0, sequential), one device for the whole model
     (0, "cuda:1", "cpu", torch.device), an explicit {module name: device}, or a .json file holding one. Budgets come from `max_memory`, simulated `gpus` x `gpu_memory`, or this
-    machine (see devmap.planning.budget.resolve_budget). `dtype` sets the size of each weight.
+    machine (see devmap.planning.budget.resolve_budget). `dtype` sets the size of each weight; `quantization`
+    ("int8", "int4", "nf4" or a transformers BitsAndBytesConfig) counts the blocks' Linear weights at 1 or ½ byte.
     """
     device_map = normalize_device_map(device_map)
     torch_dtype = parse_dtype(dtype)
     model_source = resolve_source(source)
     budget = resolve_budget(max_memory, gpus=gpus, gpu_memory=gpu_memory, offload_folder=offload_folder)
-    check_could_fit(model_source, budget, torch_dtype or model_source.default_dtype)
+    quantized = parse_quantization(quantization)
+    torch_dtype = quantized_dtype(quantized, torch_dtype)
+    if quantized is not None:
+        check_quantizable(quantized, model_source.is_causal_lm, model_source.name,
+                          torch_dtype or model_source.default_dtype)
+    check_could_fit(model_source, budget, torch_dtype or model_source.default_dtype, quantized)
     model = model_source.build("meta")
     return plan_model(model, model_source, device_map, budget, torch_dtype or model_source.default_dtype,
-                      no_split_module_classes)
+                      no_split_module_classes, quantized)
 
 
-def check_could_fit(model_source: ModelSource, budget: Budget, dtype: torch.dtype) -> None:
+def check_could_fit(model_source: ModelSource, budget: Budget, dtype: torch.dtype,
+                    quantization: Quantization | None = None) -> None:
     """Refuse, before building anything, a model whose config alone shows it exceeds every budget together."""
-    least = getattr(model_source.config, "devmap_min_params", 0) * dtype.itemsize
+    per_param = quantization.bits / 8 if quantization is not None else dtype.itemsize  # a lower bound either way
+    least = int(getattr(model_source.config, "devmap_min_params", 0) * per_param)
     available = sum(budget.limits.values())
     if budget.limits and least > available:
         raise DoesNotFitError(
-            f"{model_source.name} needs at least {format_bytes(least)} in {dtype_name(dtype)} (from its config.json) "
-            f"but the budget holds {format_bytes(available)} ({budget.label()}); at least "
-            f"{format_bytes(least - available)} fits nowhere. Add offload with --max-memory (e.g. cpu=64GiB,"
-            "disk=200GiB), use more GPUs, or a smaller --dtype"
+            f"{model_source.name} needs at least {format_bytes(least)} in {dtype_name(dtype)}"
+            f"{' quantized to ' + quantization.scheme if quantization else ''} (from its config.json) but the budget "
+            f"holds {format_bytes(available)} ({budget.label()}); at least {format_bytes(least - available)} fits "
+            "nowhere. Add offload with --max-memory (e.g. cpu=64GiB,disk=200GiB), use more GPUs, or a smaller --dtype"
+            + (" or --quantize int8|int4|nf4" if model_source.is_causal_lm and quantization is None else "")
         )
 
 
@@ -160,16 +176,19 @@ def plan_model(
     budget: Budget,
     dtype: torch.dtype,
     no_split_module_classes: list[str] | None = None,
+    quantization: Quantization | None = None,
 ) -> Plan:
-    """Plan an already built model (parameters on meta or real) under `budget`."""
+    """Plan an already built model (parameters on meta or real) under `budget`, its quantized weights (if any)
+    at their quantized size."""
     device_map = normalize_device_map(device_map)
     strategy = device_map if isinstance(device_map, str) else "explicit"
     no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model)
-    sizes = module_sizes(model, dtype)
+    special = special_dtypes(model, quantization)
+    sizes = module_sizes(model, dtype, special)
     if isinstance(device_map, str):
         if not budget.limits or not any(budget.limits.values()):
             raise UsageError("no device has any memory budget: give --max-memory or --gpus N --gpu-memory SIZE")
-        placed = in_model_order(model, place(model, strategy, budget.limits, no_split, dtype))
+        placed = in_model_order(model, place(model, strategy, budget.limits, no_split, dtype, special))
         _check_fits(model_source.name, placed, sizes, budget, dtype)
         warnings: list[str] = []
     else:
@@ -187,6 +206,8 @@ def plan_model(
         budget=budget,
         no_split_module_classes=no_split,
         warnings=warnings,
+        quantization=quantization,
+        unquantized_bytes=module_sizes(model, dtype)[""] if special else None,
         model=model,
         model_source=model_source,
     )
@@ -201,7 +222,8 @@ def _check_fits(name: str, placed: DeviceMap, sizes: dict[str, int], budget: Bud
     raise DoesNotFitError(
         f"{name} needs {format_bytes(sizes[''])} in {dtype_name(dtype)} but the budget holds "
         f"{format_bytes(available)} ({budget.label()}); {format_bytes(overflow)} fits nowhere. "
-        "Add offload with --max-memory (e.g. cpu=64GiB,disk=200GiB), use more GPUs, or a smaller --dtype"
+        "Add offload with --max-memory (e.g. cpu=64GiB,disk=200GiB), use more GPUs, or a smaller --dtype (or, "
+        "for a LLaMA-style model, --quantize int8|int4|nf4)"
     )
 
 

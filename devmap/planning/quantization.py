@@ -1,0 +1,112 @@
+"""Quantization schemes as the planner sees them: which weights shrink, and to how many bytes each.
+
+`int8` is 8-bit weight-only (torchao's Int8WeightOnlyConfig; bitsandbytes' LLM.int8 when a user passes
+transformers' `BitsAndBytesConfig(load_in_8bit=True)`), `int4` is 4-bit weight-only with groups of 128 (torchao),
+`nf4` is bitsandbytes' 4-bit NormalFloat (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`).
+As in transformers, only the Linear layers inside the model's blocks are quantized: embeddings, norms and the
+output head (`lm_head`, and any module a BitsAndBytesConfig names in `llm_int8_skip_modules`) keep the model's
+dtype. Sizes follow accelerate's accounting of quantized weights (1 byte, or half a byte, per weight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UsageError
+
+SCHEMES = ("int8", "int4", "nf4")
+LIBRARIES = {"int8": "torchao", "int4": "torchao", "nf4": "bitsandbytes"}
+DEFAULT_SKIP = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """A scheme, the library that carries it out, and the modules left at the model's dtype."""
+
+    scheme: str
+    library: str
+    skip_modules: tuple[str, ...] = DEFAULT_SKIP
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.scheme == "int8" else 4
+
+    def weight_dtype(self) -> Any:
+        """What accelerate counts each quantized weight as."""
+        from accelerate.utils import CustomDtype
+
+        return torch.int8 if self.bits == 8 else CustomDtype.INT4
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scheme": self.scheme, "library": self.library, "skip_modules": list(self.skip_modules)}
+
+
+def parse_quantization(spec: Any) -> Quantization | None:
+    """None, "int8" / "int4" / "nf4", a Quantization, or transformers' BitsAndBytesConfig."""
+    if spec is None or isinstance(spec, Quantization):
+        return spec
+    if isinstance(spec, str):
+        scheme = spec.strip().lower()
+        if scheme in ("", "none"):
+            return None
+        if scheme not in SCHEMES:
+            raise UsageError(f"unknown quantization {spec!r}: use one of {', '.join(SCHEMES)}")
+        return Quantization(scheme, LIBRARIES[scheme])
+    if type(spec).__name__ == "BitsAndBytesConfig":
+        return _from_bitsandbytes(spec)
+    raise UsageError(f"quantization must be one of {', '.join(SCHEMES)} or a transformers BitsAndBytesConfig, "
+                     f"got {type(spec).__name__}")
+
+
+def _from_bitsandbytes(config: Any) -> Quantization:
+    skip = tuple(getattr(config, "llm_int8_skip_modules", None) or DEFAULT_SKIP)
+    if getattr(config, "load_in_8bit", False):
+        return Quantization("int8", "bitsandbytes", skip)
+    if getattr(config, "load_in_4bit", False):
+        kind = getattr(config, "bnb_4bit_quant_type", "fp4")
+        if kind != "nf4":
+            raise UsageError(f"BitsAndBytesConfig with bnb_4bit_quant_type={kind!r}: devmap loads 4-bit weights "
+                             "as nf4 only; pass bnb_4bit_quant_type=\"nf4\"")
+        return Quantization("nf4", "bitsandbytes", skip)
+    raise UsageError("this BitsAndBytesConfig quantizes nothing: set load_in_8bit=True or load_in_4bit=True")
+
+
+def check_quantizable(quantization: Quantization, is_causal_lm: bool, name: str, dtype: torch.dtype) -> None:
+    """Refuse combinations that make no sense: a model without LLaMA-style blocks, or a float32 model (the
+    quantized layers compute in 16-bit; ask for bfloat16 or float16, the default with quantization)."""
+    if not is_causal_lm:
+        raise UsageError(f"--quantize {quantization.scheme} applies to LLaMA-style models; {name} is not one "
+                         "(its layers stay in floating point: drop --quantize)")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise UsageError(f"--quantize {quantization.scheme} with --dtype {str(dtype).removeprefix('torch.')}: "
+                         "quantized layers compute in 16-bit and keep unquantized ones at the model's dtype; use "
+                         "--dtype bfloat16 or float16")
+
+
+def quantized_weights(model: nn.Module, quantization: Quantization) -> list[str]:
+    """Names of the weights the scheme quantizes: those of the Linear layers outside the skipped modules."""
+    names = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if any(skip + "." in module_name + "." for skip in quantization.skip_modules):  # transformers' matching
+            continue
+        names.append(f"{module_name}.weight")
+    return names
+
+
+def special_dtypes(model: nn.Module, quantization: Quantization | None) -> dict[str, Any]:
+    """{weight name: accelerate dtype} for the planner's size accounting (empty without quantization)."""
+    if quantization is None:
+        return {}
+    dtype = quantization.weight_dtype()
+    return {name: dtype for name in quantized_weights(model, quantization)}
+
+
+def quantized_dtype(quantization: Quantization | None, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype of a plan or load: bfloat16 when quantizing and none was asked for."""
+    return torch.bfloat16 if quantization is not None and dtype is None else dtype

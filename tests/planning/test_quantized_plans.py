@@ -1,0 +1,78 @@
+"""Plans with quantized weights: sizes per scheme, what stays unquantized, BitsAndBytesConfig, and refusals."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import devmap
+from devmap.cli import main
+from devmap.errors import DoesNotFitError, UsageError
+from devmap.planning.layers import layer_table
+from devmap.planning.quantization import parse_quantization, quantized_weights
+
+
+def test_70b_in_int4_fits_one_gpu_where_bfloat16_does_not():
+    with pytest.raises(DoesNotFitError, match="--quantize"):
+        devmap.plan("llama-2-70b", "auto", gpus=1, gpu_memory="80GiB", dtype="bfloat16")
+    plan = devmap.plan("llama-2-70b", "auto", gpus=1, gpu_memory="80GiB", dtype="bfloat16", quantization="int4")
+    assert set(plan.device_map.values()) == {0}
+    assert plan.total_bytes < 40 * 2**30 < 128 * 2**30 < plan.unquantized_bytes
+
+
+@pytest.mark.parametrize("scheme, per_weight", [("int8", 1.0), ("int4", 0.5), ("nf4", 0.5)])
+def test_block_linears_shrink_and_the_rest_stays_at_dtype(scheme, per_weight):
+    plain = devmap.plan("llama-tiny", "auto", gpus=2, gpu_memory="1GiB", dtype="bfloat16")
+    plan = devmap.plan("llama-tiny", "auto", gpus=2, gpu_memory="1GiB", dtype="bfloat16", quantization=scheme)
+    model = plan.model
+    names = quantized_weights(model, plan.quantization)
+    assert names and all(".layers." in n for n in names)  # lm_head, embeddings and norms are not quantized
+    shrunk = sum(model.get_parameter(n).numel() for n in names)
+    assert plan.total_bytes == plain.total_bytes - int(shrunk * (2 - per_weight))
+    assert plan.unquantized_bytes == plain.total_bytes
+    rows = {r.name: r for r in layer_table(plan)}
+    q_proj = model.get_submodule("model.layers.0.self_attn.q_proj").weight
+    assert rows["model.layers.0.self_attn.q_proj"].bytes == int(q_proj.numel() * per_weight)
+    assert rows["lm_head"].bytes == model.lm_head.weight.numel() * 2
+    assert rows["model.norm"].bytes == model.model.norm.weight.numel() * 2
+    assert json.loads(json.dumps(plan.to_dict()))["quantization"]["scheme"] == scheme
+
+
+def test_bitsandbytes_configs_are_accepted():
+    from transformers import BitsAndBytesConfig
+
+    eight = parse_quantization(BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["lm_head", "mlp"]))
+    assert (eight.scheme, eight.library, eight.skip_modules) == ("int8", "bitsandbytes", ("lm_head", "mlp"))
+    four = parse_quantization(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+    assert (four.scheme, four.library) == ("nf4", "bitsandbytes")
+    plan = devmap.plan("llama-tiny", "auto", gpus=1, gpu_memory="1GiB", dtype="bfloat16", quantization=eight)
+    assert not any(".mlp." in n for n in quantized_weights(plan.model, plan.quantization))
+    with pytest.raises(UsageError, match="nf4"):
+        parse_quantization(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "resnet50", "--quantize", "int8"], "applies to LLaMA-style models"),
+    (["plan", "llama-tiny", "--quantize", "int8", "--dtype", "float32"], "use --dtype bfloat16 or float16"),
+    (["plan", "llama-tiny", "--quantize", "int3"], "'int3' is not one of"),
+])
+def test_bad_combinations_are_refused(argv, message):
+    result = CliRunner().invoke(main, [*argv, "--gpus", "1", "--gpu-memory", "1GiB"])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_unknown_scheme_in_python():
+    with pytest.raises(UsageError, match="unknown quantization 'int3'"):
+        parse_quantization("int3")
+
+
+def test_cli_says_what_quantization_saves():
+    result = CliRunner().invoke(main, ["plan", "llama-2-70b", "--gpus", "1", "--gpu-memory", "80GiB", "--dtype",
+                                       "bfloat16", "--quantize", "int4"])
+    assert result.exit_code == 0, result.output
+    assert "Quantized to int4" in result.output and "instead of 128.48 GiB in bfloat16" in result.output
+    data = json.loads(CliRunner().invoke(main, ["plan", "llama-tiny", "--gpus", "1", "--gpu-memory", "1GiB",
+                                                "--quantize", "int8", "--json"]).output)
+    assert data["quantization"] == {"scheme": "int8", "library": "torchao", "skip_modules": ["lm_head"]}
+    assert torch.bfloat16  # noqa: B018 (imported for dtype names above)
