@@ -58,7 +58,7 @@ class EngineLimits:
     batch_wait: float = 0.005  # a batch takes requests until none came for this long (seconds): clients that just
     # got their answers come back together, spread over tens of milliseconds, and without it the next batch would
     # start with the first few of them while the rest wait for its whole length
-    max_batch_wait: float = 0.05  # but starts at the latest this long after its oldest request arrived
+    max_batch_wait: float = 0.05  # but starts at the latest this long after its oldest request or the last batch
     length_bucket: int = 32  # prompts are left-padded to a multiple of this, new tokens rounded up to one
     graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
 
