@@ -28,7 +28,8 @@ from .output import echo_json
 @click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
               help="Generate this many times; reports the first call and the fastest later one.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def generate(source: str, device_map: str, max_memory: str | None, dtype: str | None, batch_size: int,
+def generate(source: str, device_map: str, max_memory: str | None, dtype: str | None, quantize: str | None,
+             batch_size: int,
              prompt_len: int, max_new_tokens: int, lanes: int | None, prompt: str | None, do_sample: bool,
              temperature: float, top_k: int, top_p: float, seed: int, no_graphs: bool, compile_steps: bool, repeat: int,
              as_json: bool) -> None:
@@ -43,7 +44,7 @@ def generate(source: str, device_map: str, max_memory: str | None, dtype: str | 
 
     if prompt is None:  # refuse an impossible length before loading anything
         check_length(resolve_source(source).config, prompt_len + max_new_tokens)
-    model = load(source, device_map, max_memory, dtype)
+    model = load(source, device_map, max_memory, dtype, quantization=quantize)
     source_info = model.devmap_plan.model_source
     tokenizer = None
     if prompt is not None:

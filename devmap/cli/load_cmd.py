@@ -21,7 +21,8 @@ from .output import echo_json, table
 @click.option("--prompt", default=None, help="With --run on a LLaMA directory with a tokenizer: text to feed.")
 @click.option("--batch-size", default=1, show_default=True, type=click.IntRange(min=1), help="Batch for --run.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object; no progress bar.")
-def load(source: str, device_map: str, max_memory: str | None, dtype: str | None, offload_folder: str | None,
+def load(source: str, device_map: str, max_memory: str | None, dtype: str | None, quantize: str | None,
+         offload_folder: str | None,
          weights: str | None, allow_missing: bool, allow_pickle: bool, run_forward: bool, prompt: str | None,
          batch_size: int, as_json: bool) -> None:
     """Load SOURCE (a local model directory or a preset) onto its devices.
@@ -41,7 +42,8 @@ def load(source: str, device_map: str, max_memory: str | None, dtype: str | None
                disable=as_json or not sys.stderr.isatty())
     try:
         model = load_model(source, device_map, max_memory, dtype, offload_folder, weights,
-                           allow_missing=allow_missing, allow_pickle=allow_pickle, progress=bar.update)
+                           allow_missing=allow_missing, allow_pickle=allow_pickle, progress=bar.update,
+                           quantization=quantize)
     finally:
         bar.close()
     report = model.devmap_load_report

@@ -41,6 +41,7 @@ from .options import load_options
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
+          quantize: str | None,
           model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int, batch_wait_ms: float,
           max_batch_wait_ms: float,
           max_queue: int,
@@ -66,7 +67,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     from devmap.serving.app import create_app
     from devmap.serving.errors import ServiceError
 
-    registry = ModelRegistry(model_root, device_map, max_memory, dtype)
+    registry = ModelRegistry(model_root, device_map, max_memory, dtype, quantization=quantize)
     for directory in model_dirs:
         path = Path(directory).expanduser().resolve()
         try:

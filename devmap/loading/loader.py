@@ -30,6 +30,8 @@ from ..planning.memory import DeviceKey, Size, device_label, dtype_name, parse_d
 from ..planning.models import resolve_source
 from ..planning.placement import _quiet
 from ..planning.planner import DeviceMapSpec, Plan, check_could_fit, owner_of, plan_model
+from ..planning.quantization import check_quantizable, parse_quantization, quantized_dtype, quantized_weights
+from .quantize import check_library, load_quantized
 from .transfer import CopyJob, copy_into
 
 
@@ -90,12 +92,15 @@ def load(
     seed: int = 0,
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
+    quantization: Any = None,
 ) -> nn.Module:
     """Load `source` (a local HF directory, a directory `devmap save` wrote, or a preset) onto its planned devices.
 
     Weights go from safetensors straight to their device; the model is never built on the CPU first.
     Presets without `weights` are randomly initialized on their devices. The returned model carries
-    `hf_device_map`, `devmap_plan` (the Plan) and `devmap_load_report` (a LoadReport).
+    `hf_device_map`, `devmap_plan` (the Plan) and `devmap_load_report` (a LoadReport). `quantization` ("int8",
+    "int4", "nf4" or a transformers BitsAndBytesConfig) quantizes the blocks' Linear layers block by block as they
+    arrive on their devices (devmap.loading.quantize); the dtype then defaults to bfloat16.
     """
     start = time.perf_counter()
     cuda_init = hardware.start_gpus_in_background()  # contexts start while transformers' classes import
@@ -104,14 +109,20 @@ def load(
         cuda_init.join()
     if model_source.kind == "module":
         raise UsageError("load takes a preset or a local directory; for a model you built, use devmap.dispatch")
-    torch_dtype = parse_dtype(dtype) or model_source.default_dtype
+    quantized = parse_quantization(quantization)
+    torch_dtype = quantized_dtype(quantized, parse_dtype(dtype)) or model_source.default_dtype
+    if quantized is not None:
+        check_quantizable(quantized, model_source.is_causal_lm, model_source.name, torch_dtype)
     checkpoint = Path(weights).expanduser() if weights is not None else model_source.path
     entries = index_checkpoint(checkpoint, allow_pickle) if checkpoint is not None else None
     folder = str(offload_folder) if offload_folder is not None else None
     budget = resolve_budget(max_memory, offload_folder=folder)
-    check_could_fit(model_source, budget, torch_dtype)
+    check_could_fit(model_source, budget, torch_dtype, quantized)
     model = model_source.build(cpu_buffers=True)
-    plan = plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes)
+    plan = plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized)
+    shrink = set(quantized_weights(model, quantized)) if quantized is not None else set()
+    if quantized is not None:
+        check_library(quantized, {_target(plan, name) for name in shrink})
     with _undo_offload_on_failure(folder):
         _check_devices(plan, folder)
         from accelerate.utils import find_tied_parameters
@@ -123,7 +134,8 @@ def load(
                    if entries is not None else list(expected))
         std = float(getattr(model_source.config, "initializer_range", 0.02) or 0.02)
         try:
-            report = _materialize(model, plan, entries or {}, set(missing), std, seed, folder, workers, progress)
+            report = _materialize(model, plan, entries or {}, set(missing), std, seed, folder, workers, progress,
+                                  shrink)
             _attach_hooks(model, plan, folder)
         except BaseException:
             _release(model)
@@ -231,9 +243,10 @@ class _Deferred:
 
 def _materialize(
     model: nn.Module, plan: Plan, entries: dict[str, TensorEntry], missing: set[str], std: float, seed: int,
-    folder: str | None, workers: int | None, progress: Callable[[int], None] | None,
+    folder: str | None, workers: int | None, progress: Callable[[int], None] | None, shrink: set[str] = frozenset(),
 ) -> dict[str, Any]:
-    """Allocate every tensor on its device, initialize what the checkpoint lacks, copy the rest, offload disk."""
+    """Allocate every tensor on its device, initialize what the checkpoint lacks, copy the rest, offload disk;
+    the weights named in `shrink` come last, block by block, and are quantized as each block lands."""
     gpus = sorted({d for d in plan.device_map.values() if isinstance(d, int)})
     before = {g: torch.cuda.memory_allocated(g) for g in gpus}
     aliases = {n: a for group in _tied_groups(model) for n in group for a in group if a in entries}
@@ -242,6 +255,7 @@ def _materialize(
     jobs: list[CopyJob] = []
     deferred: dict[int, _Deferred] = {}
     to_init: dict[str, torch.device] = {}
+    later: dict[str, tuple[torch.device, TensorEntry | None]] = {}  # quantized weights, block by block
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     for name, tensor in named:
         key = _target(plan, name)
@@ -256,6 +270,9 @@ def _materialize(
         dtype = plan.dtype if floating else tensor.dtype
         entry = entries.get(name) or entries.get(aliases.get(name, ""))
         needs_init = entry is None and (tensor.device.type == "meta" or name in missing)
+        if name in shrink:
+            later[name] = (device, entry)
+            continue
         if key == "disk" and isinstance(tensor, nn.Parameter):  # buffers stay in memory (accelerate moves them)
             deferred[id(tensor)] = _Deferred(name, tuple(tensor.shape), dtype, tensor.requires_grad, entry, needs_init)
             continue
@@ -276,6 +293,8 @@ def _materialize(
         generator = generators.setdefault(device, torch.Generator(device=device).manual_seed(seed))
         init_module_(model.get_submodule(module_name), std=std, generator=generator)
     finished = copy_into(jobs, workers=workers, progress=progress)
+    if later:
+        load_quantized(model, plan, later, std, seed, workers, progress)
     if deferred:
         finished["disk"] = _offload(model, list(deferred.values()), folder, std, seed, progress)
     devices = {}

@@ -47,12 +47,20 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def module_sizes(model: nn.Module, dtype: torch.dtype, special: dict[str, Any] | None = None) -> dict[str, int]:
+def module_sizes(model: nn.Module, dtype: torch.dtype, special: dict[str, Any] | None = None,
+                 extra: dict[str, int] | None = None) -> dict[str, int]:
     """Bytes of every module and tensor name at `dtype`, tensors named in `special` at theirs (quantized weights;
-    accelerate's accounting, tied weights counted once)."""
+    accelerate's accounting, tied weights counted once), plus `extra` bytes per tensor (their scales)."""
     from accelerate.utils import compute_module_sizes
 
-    return dict(compute_module_sizes(model, dtype=dtype, special_dtypes=special or None))
+    sizes = {name: int(round(size)) for name, size in  # half bytes (int4) come back as floats
+             compute_module_sizes(model, dtype=dtype, special_dtypes=special or None).items()}
+    for name, more in (extra or {}).items():
+        parts = name.split(".")
+        for depth in range(len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            sizes[prefix] = sizes.get(prefix, 0) + more
+    return sizes
 
 
 def usage(device_map: DeviceMap, sizes: dict[str, int]) -> dict[DeviceKey, int]:
@@ -149,11 +157,13 @@ def place(
     no_split: list[str],
     dtype: torch.dtype,
     special: dict[str, Any] | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> DeviceMap:
     """Device map for `strategy` under byte `limits` (GPUs first, then cpu, then disk); tensors named in
-    `special` are sized at their dtype (quantized weights). Accelerate may put the overflow on "disk" even where
-    `limits` has no disk: the caller checks that."""
-    sizes = module_sizes(model, dtype, special)
+    `special` are sized at their dtype (quantized weights), `sizes` (default: module_sizes) are what the GPUs'
+    caps are checked against. Accelerate may put the overflow on "disk" even where `limits` has no disk: the
+    caller checks that."""
+    sizes = sizes if sizes is not None else module_sizes(model, dtype, special)
     gpus = [k for k in limits if isinstance(k, int) and limits[k] > 0]
     if gpus:
         if strategy == "sequential":

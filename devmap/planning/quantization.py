@@ -5,7 +5,8 @@ transformers' `BitsAndBytesConfig(load_in_8bit=True)`), `int4` is 4-bit weight-o
 `nf4` is bitsandbytes' 4-bit NormalFloat (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`).
 As in transformers, only the Linear layers inside the model's blocks are quantized: embeddings, norms and the
 output head (`lm_head`, and any module a BitsAndBytesConfig names in `llm_int8_skip_modules`) keep the model's
-dtype. Sizes follow accelerate's accounting of quantized weights (1 byte, or half a byte, per weight).
+dtype. Sizes are the libraries' layouts: 1 byte (int8) or half a byte (int4, nf4) per weight through accelerate's
+accounting, plus the scales each library keeps beside them (`scale_bytes`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from ..errors import UsageError
 SCHEMES = ("int8", "int4", "nf4")
 LIBRARIES = {"int8": "torchao", "int4": "torchao", "nf4": "bitsandbytes"}
 DEFAULT_SKIP = ("lm_head",)
+INT4_GROUP = 128  # torchao Int4WeightOnlyConfig's group size
+NF4_BLOCK = 64  # bitsandbytes' 4-bit block size
 
 
 @dataclass(frozen=True)
@@ -110,3 +113,22 @@ def special_dtypes(model: nn.Module, quantization: Quantization | None) -> dict[
 def quantized_dtype(quantization: Quantization | None, dtype: torch.dtype | None) -> torch.dtype | None:
     """The dtype of a plan or load: bfloat16 when quantizing and none was asked for."""
     return torch.bfloat16 if quantization is not None and dtype is None else dtype
+
+
+def weight_scale_bytes(quantization: Quantization, out_features: int, in_features: int) -> int:
+    """Bytes a library keeps beside one quantized weight of shape (out, in): int8 (torchao and bitsandbytes) a
+    float32 scale per output row; int4 (torchao, groups of 128) a bfloat16 scale and zero point per group;
+    nf4 (bitsandbytes, blocks of 64) a float32 absmax per block."""
+    if quantization.scheme == "int8":
+        return 4 * out_features
+    if quantization.scheme == "int4":
+        return 2 * 2 * out_features * -(-in_features // INT4_GROUP)
+    return 4 * -(-out_features * in_features // NF4_BLOCK)
+
+
+def scale_bytes(model: nn.Module, quantization: Quantization | None) -> dict[str, int]:
+    """{weight name: bytes of its scales} for the planner (empty without quantization)."""
+    if quantization is None:
+        return {}
+    return {name: weight_scale_bytes(quantization, *model.get_parameter(name).shape)
+            for name in quantized_weights(model, quantization)}

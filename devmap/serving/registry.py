@@ -47,9 +47,10 @@ class ModelRegistry:
     """The resident models of one service. Thread-safe; loads run one at a time."""
 
     def __init__(self, model_root: str | Path | None = None, device_map: Any = "balanced",
-                 max_memory: str | Mapping[Any, Any] | None = None, dtype: str | None = None) -> None:
+                 max_memory: str | Mapping[Any, Any] | None = None, dtype: str | None = None,
+                 quantization: Any = None) -> None:
         self.root = Path(model_root).expanduser().resolve() if model_root is not None else None
-        self.device_map, self.dtype = device_map, dtype
+        self.device_map, self.dtype, self.quantization = device_map, dtype, quantization
         self.budget = dict(resolve_budget(max_memory).limits) if max_memory is not None else {}
         self._models: dict[str, ResidentModel] = {}
         self._lock = threading.Lock()
@@ -82,7 +83,8 @@ class ModelRegistry:
                                        param="id")
             budget = max_memory if max_memory is not None else self.remaining()
             try:
-                model = load(str(path), device_map or self.device_map, budget, dtype or self.dtype)
+                model = load(str(path), device_map or self.device_map, budget, dtype or self.dtype,
+                             quantization=self.quantization)
             except DoesNotFitError as exc:
                 raise DoesNotFit(f"{model_id} does not fit in what the service's budget has left: {exc}") from None
             except DevmapError as exc:

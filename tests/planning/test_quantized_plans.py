@@ -10,7 +10,7 @@ import devmap
 from devmap.cli import main
 from devmap.errors import DoesNotFitError, UsageError
 from devmap.planning.layers import layer_table
-from devmap.planning.quantization import parse_quantization, quantized_weights
+from devmap.planning.quantization import parse_quantization, quantized_weights, weight_scale_bytes
 
 
 def test_70b_in_int4_fits_one_gpu_where_bfloat16_does_not():
@@ -29,11 +29,13 @@ def test_block_linears_shrink_and_the_rest_stays_at_dtype(scheme, per_weight):
     names = quantized_weights(model, plan.quantization)
     assert names and all(".layers." in n for n in names)  # lm_head, embeddings and norms are not quantized
     shrunk = sum(model.get_parameter(n).numel() for n in names)
-    assert plan.total_bytes == plain.total_bytes - int(shrunk * (2 - per_weight))
+    scales = sum(weight_scale_bytes(plan.quantization, *model.get_parameter(n).shape) for n in names)
+    assert plan.total_bytes == plain.total_bytes - int(shrunk * (2 - per_weight)) + scales
     assert plan.unquantized_bytes == plain.total_bytes
     rows = {r.name: r for r in layer_table(plan)}
     q_proj = model.get_submodule("model.layers.0.self_attn.q_proj").weight
-    assert rows["model.layers.0.self_attn.q_proj"].bytes == int(q_proj.numel() * per_weight)
+    assert rows["model.layers.0.self_attn.q_proj"].bytes == \
+        int(q_proj.numel() * per_weight) + weight_scale_bytes(plan.quantization, *q_proj.shape)
     assert rows["lm_head"].bytes == model.lm_head.weight.numel() * 2
     assert rows["model.norm"].bytes == model.model.norm.weight.numel() * 2
     assert json.loads(json.dumps(plan.to_dict()))["quantization"]["scheme"] == scheme

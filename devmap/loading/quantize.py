@@ -1,0 +1,121 @@
+"""Quantize Linear layers in place with torchao or bitsandbytes, one block at a time, on the layers' own devices.
+
+The planner decides which weights shrink (devmap.planning.quantization); the loader hands this module each
+block's Linears with their full-precision weights already on their device, and this module swaps them for the
+library's quantized form, so a device never holds more than one block in full precision beyond its plan.
+No kernel is hand-written: torchao's `quantize_` (Int8WeightOnlyConfig, Int4WeightOnlyConfig) and bitsandbytes'
+Linear8bitLt / Linear4bit do the work, as they do under transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import UsageError
+from ..planning.planner import Plan, owner_of
+from ..planning.quantization import INT4_GROUP, NF4_BLOCK, Quantization
+from .checkpoint import TensorEntry
+from .transfer import CopyJob, copy_into
+
+
+def check_library(quantization: Quantization, devices: set[Any]) -> None:
+    """Refuse, before anything is allocated, a scheme its library cannot run where the plan puts it."""
+    if "disk" in devices:
+        raise UsageError(f"{quantization.scheme} blocks cannot be offloaded to disk (accelerate's offload writes "
+                         "plain tensors, not the library's quantized ones): give the GPUs or the CPU more "
+                         "--max-memory")
+    needs_gpu = quantization.scheme in ("int4", "nf4")
+    if needs_gpu and "cpu" in devices:
+        raise UsageError(f"{quantization.scheme} runs on GPUs only ({quantization.library}'s 4-bit kernels are CUDA "
+                         "kernels), and the plan puts quantized blocks on the CPU: give the GPUs more memory, or "
+                         "use --quantize int8 (torchao runs it on the CPU too)")
+    module = "torchao" if quantization.library == "torchao" else "bitsandbytes"
+    try:
+        __import__(module)
+    except ImportError:
+        raise UsageError(f"--quantize {quantization.scheme} uses {module}, which is not installed: "
+                         f"pip install {module}") from None
+
+
+def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.device, TensorEntry | None]],
+                    std: float, seed: int, workers: int | None, progress: Callable[[int], None] | None) -> None:
+    """Block by block: allocate its Linear weights at the plan's dtype on their device, fill them (checkpoint, or
+    N(0, std) where it has none), then let the library quantize them, so a device holds at most one block in full
+    precision beyond its plan."""
+    assert plan.quantization is not None
+    by_block: dict[str, list[str]] = {}
+    for name in later:
+        by_block.setdefault(owner_of(name, plan.device_map) or "", []).append(name)
+    generators: dict[torch.device, torch.Generator] = {}
+    for names in by_block.values():
+        jobs, layers, parents = [], {}, {}
+        for name in names:
+            device, entry = later[name]
+            module_name, _, leaf = name.rpartition(".")
+            layer = model.get_submodule(module_name)
+            weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=plan.dtype, device=device), requires_grad=False)
+            layer.weight = weight
+            if entry is not None:
+                jobs.append(CopyJob(entry, weight.data))
+            else:
+                generator = generators.setdefault(device, torch.Generator(device=device).manual_seed(seed))
+                weight.data.normal_(0.0, std, generator=generator)
+            parent_name, _, attr = module_name.rpartition(".")
+            layers[module_name], parents[module_name] = layer, (model.get_submodule(parent_name), attr)
+        copy_into(jobs, workers=workers, progress=progress)
+        quantize_linears(layers, parents, plan.quantization)
+
+
+def quantize_linears(layers: dict[str, nn.Linear], parent_of: dict[str, tuple[nn.Module, str]],
+                     quantization: Quantization) -> None:
+    """Swap each named Linear (full-precision weight on its device) for its quantized form, in place."""
+    if quantization.library == "torchao":
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+        config = Int8WeightOnlyConfig() if quantization.scheme == "int8" else Int4WeightOnlyConfig(group_size=INT4_GROUP)
+        for layer in layers.values():
+            quantize_(layer, config)
+        return
+    for name, layer in layers.items():
+        parent, attr = parent_of[name]
+        setattr(parent, attr, _bitsandbytes_linear(layer, quantization))
+
+
+def _bitsandbytes_linear(layer: nn.Linear, quantization: Quantization) -> nn.Module:
+    import bitsandbytes as bnb
+
+    device = layer.weight.device
+    bias = layer.bias is not None
+    weight = layer.weight.data.to("cpu")  # the library quantizes as the weight moves onto its device
+    if quantization.scheme == "int8":
+        new: nn.Module = bnb.nn.Linear8bitLt(layer.in_features, layer.out_features, bias=bias,
+                                             has_fp16_weights=False, threshold=6.0)
+        new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    else:
+        new = bnb.nn.Linear4bit(layer.in_features, layer.out_features, bias=bias, compute_dtype=weight.dtype,
+                                quant_type="nf4")
+        new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK)
+    if bias:
+        new.bias = nn.Parameter(layer.bias.data, requires_grad=False)
+    return new.to(device)
+
+
+def quantized_nbytes(module: nn.Module) -> int:
+    """Bytes a module's parameters hold, quantized ones counted as the library stores them."""
+    total = 0
+    for param in module.parameters():
+        inner = [getattr(param, n) for n in getattr(param, "tensor_data_names", [])]  # torchao's tensor subclasses
+        state = getattr(param, "quant_state", None)  # bitsandbytes' 4-bit statistics
+        scb = getattr(param, "SCB", None)  # bitsandbytes' int8 row scales
+        if inner:
+            total += sum(t.numel() * t.element_size() for t in inner)
+        else:
+            total += param.numel() * param.element_size()
+        if state is not None:
+            total += state.absmax.numel() * state.absmax.element_size()
+        if isinstance(scb, torch.Tensor):
+            total += scb.numel() * scb.element_size()
+    return total

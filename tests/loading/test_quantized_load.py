@@ -1,0 +1,90 @@
+"""Loading with quantized Linear layers on the CPU (torchao int8): logits near the bfloat16 model's, plan bytes equal
+to what is allocated, greedy lanes equal transformers' generate, and what cannot work refused before loading."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import devmap
+from devmap.cli import main
+from devmap.errors import UsageError
+from devmap.loading.quantize import quantized_nbytes
+from devmap.planning.quantization import quantized_weights
+
+pytest.importorskip("torchao")  # a test dependency: installed in CI
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q") / "tiny"
+    subprocess.run([sys.executable, "-m", "devmap", "save", "llama-tiny", str(path), "--dtype", "bfloat16"],
+                   check=True, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def int8_model(tiny):
+    return devmap.load(tiny, device_map="cpu", quantization="int8")
+
+
+def test_int8_logits_stay_near_the_bfloat16_model(tiny, int8_model):
+    plain = devmap.load(tiny, device_map="cpu", dtype="bfloat16")
+    names = quantized_weights(int8_model, int8_model.devmap_plan.quantization)
+    assert names and all(type(int8_model.get_parameter(n)).__name__ == "Int8Tensor" for n in names)
+    assert int8_model.lm_head.weight.dtype == int8_model.model.norm.weight.dtype == torch.bfloat16
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = plain(ids).logits.float(), int8_model(ids).logits.float()
+    # stated tolerance: per-row int8 weights move each logit by under 2% of the largest one
+    assert (want - got).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_plan_bytes_are_the_bytes_allocated(tiny, int8_model):
+    plain = devmap.load(tiny, device_map="cpu", dtype="bfloat16")
+    buffers = plain.devmap_plan.total_bytes - sum(p.numel() * p.element_size() for p in plain.parameters())
+    assert int8_model.devmap_plan.total_bytes == quantized_nbytes(int8_model) + buffers  # buffers as accelerate counts
+
+
+def test_greedy_lanes_equal_transformers_generate_on_the_quantized_model(int8_model):
+    ids = torch.randint(3, 500, (4, 10), generator=torch.Generator().manual_seed(1))
+    ours = devmap.generate(int8_model, ids, max_new_tokens=6, lanes=2)
+    theirs = int8_model.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert torch.equal(ours[:, :theirs.shape[1]], theirs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(device_map="cpu", quantization="int4"), "runs on GPUs only"),
+    (dict(max_memory="cpu=100KB,disk=1GB", quantization="int8"), "cannot be offloaded to disk"),
+    (dict(device_map="cpu", quantization="int8", dtype="float32"), "use --dtype bfloat16 or float16"),
+])
+def test_what_cannot_work_is_refused_before_loading(tiny, tmp_path, kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        devmap.load(tiny, offload_folder=tmp_path / "off", **kwargs)
+    assert not (tmp_path / "off").exists() or not any((tmp_path / "off").iterdir())
+
+
+def test_bitsandbytes_4bit_config_needs_gpus(tiny):
+    from transformers import BitsAndBytesConfig
+
+    with pytest.raises(UsageError, match="runs on GPUs only"):
+        devmap.load(tiny, device_map="cpu",
+                    quantization=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+
+
+def test_resnet_is_refused():
+    with pytest.raises(UsageError, match="LLaMA-style"):
+        devmap.load("resnet18", device_map="cpu", quantization="int8")
+
+
+def test_cli_load_and_generate_quantized(tiny):
+    result = CliRunner().invoke(main, ["load", str(tiny), "--device-map", "cpu", "--quantize", "int8", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["plan"]["quantization"]["scheme"] == "int8"
+    result = CliRunner().invoke(main, ["generate", str(tiny), "--device-map", "cpu", "--quantize", "int8",
+                                       "--batch-size", "2", "--prompt-len", "8", "--max-new-tokens", "4", "--json"])
+    assert result.exit_code == 0, result.output
