@@ -92,12 +92,14 @@ def _bitsandbytes_linear(layer: nn.Linear, quantization: Quantization) -> nn.Mod
     weight = layer.weight.data.to("cpu")  # the library quantizes as the weight moves onto its device
     if quantization.scheme == "int8":
         new: nn.Module = bnb.nn.Linear8bitLt(layer.in_features, layer.out_features, bias=bias,
-                                             has_fp16_weights=False, threshold=6.0)
+                                             has_fp16_weights=False, threshold=6.0, device="meta")
         new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
     else:
+        # no double quantization (transformers' default, bnb_4bit_use_double_quant=False): float32 absmax per block
         new = bnb.nn.Linear4bit(layer.in_features, layer.out_features, bias=bias, compute_dtype=weight.dtype,
-                                quant_type="nf4")
-        new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK)
+                                compress_statistics=False, quant_type="nf4", device="meta")
+        new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK,
+                                       compress_statistics=False)
     if bias:
         new.bias = nn.Parameter(layer.bias.data, requires_grad=False)
     return new.to(device)
