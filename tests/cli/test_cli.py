@@ -11,8 +11,9 @@ from devmap.cli import main
 
 
 def run(*args):
+    """Exit code and output; with --json only stdout (libraries may log to stderr: torchao's import does)."""
     result = CliRunner().invoke(main, list(args))
-    return result.exit_code, result.output
+    return result.exit_code, result.stdout if "--json" in args and result.exit_code == 0 else result.output
 
 
 def test_help_does_not_import_torch():

@@ -122,7 +122,7 @@ def test_cli_generate_compile_reports_the_first_call_and_the_steady_one(monkeypa
                                        "--prompt-len", "4", "--max-new-tokens", "3", "--compile", "--repeat", "2",
                                        "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["compile"] is True and data["first_call_seconds"] > 0 and data["new_tokens"] <= 3
     result = CliRunner().invoke(main, ["generate", "llama-tiny", "--max-memory", "cpu=1GB", "--max-new-tokens", "2",
                                        "--repeat", "2", "--batch-size", "2", "--prompt-len", "3"])

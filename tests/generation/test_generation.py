@@ -120,11 +120,11 @@ def test_cli_generate():
     result = runner.invoke(main, ["generate", "llama-tiny", "--max-memory", "cpu=1GB", "--batch-size", "3",
                                   "--prompt-len", "5", "--max-new-tokens", "4", "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["new_tokens"] <= 4 and data["new_tokens_per_s"] > 0
     result = runner.invoke(main, ["generate", "llama-tiny", "--max-memory", "cpu=1GB", "--batch-size", "2",
                                   "--prompt-len", "3", "--max-new-tokens", "2", "--no-graphs", "--json"])
-    assert result.exit_code == 0 and json.loads(result.output)["cuda_graphs"] is False
+    assert result.exit_code == 0 and json.loads(result.stdout)["cuda_graphs"] is False
     result = runner.invoke(main, ["generate", "llama-tiny", "--prompt", "hi", "--max-memory", "cpu=1GB"])
     assert result.exit_code == 2 and "needs a model directory with a tokenizer" in result.output
     result = runner.invoke(main, ["generate", "resnet18", "--max-memory", "cpu=1GB"])

@@ -218,7 +218,7 @@ def test_cli_load_json_and_errors(llama_dir, llama_copy):
     runner = CliRunner()
     result = runner.invoke(main, ["load", str(llama_dir), "--max-memory", "cpu=1GiB", "--run", "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["run"]["output_shape"] == [1, 128, 512]
     assert data["load"]["devices"]["cpu"]["planned_bytes"] > 0
     corrupt(first_shard(llama_copy), "truncate")

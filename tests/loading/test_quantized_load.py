@@ -83,7 +83,7 @@ def test_resnet_is_refused():
 def test_cli_load_and_generate_quantized(tiny):
     result = CliRunner().invoke(main, ["load", str(tiny), "--device-map", "cpu", "--quantize", "int8", "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["plan"]["quantization"]["scheme"] == "int8"
     result = CliRunner().invoke(main, ["generate", str(tiny), "--device-map", "cpu", "--quantize", "int8",
                                        "--batch-size", "2", "--prompt-len", "8", "--max-new-tokens", "4", "--json"])

@@ -189,7 +189,7 @@ def test_device_map_json_file(llama_dir, tmp_path):
     result = CliRunner().invoke(main, ["plan", str(llama_dir), "--device-map", str(map_file), "--max-memory",
                                        "cpu=1GiB", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["device_map"] == json.loads(out)["device_map"]
+    assert json.loads(result.stdout)["device_map"] == json.loads(out)["device_map"]
     for bad, match in [("[1]", "non-empty JSON object"), ('{"model": [0]}', "puts 'model' on"), ("{", "not valid JSON")]:
         map_file.write_text(bad)
         result = CliRunner().invoke(main, ["plan", str(llama_dir), "--device-map", str(map_file)])

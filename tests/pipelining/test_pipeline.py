@@ -202,7 +202,7 @@ def test_tune_cli_on_cpu():
     result = CliRunner().invoke(main, ["tune", "resnet18", "--devices", "cpu", "--batch-size", "4", "--image-size",
                                        "64", "--chunks", "1,2", "--steps", "1", "--balance", "memory", "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["best_chunks"] in (1, 2) and [r["chunks"] for r in data["table"]] == [1, 2]
     result = CliRunner().invoke(main, ["tune", "llama-tiny", "--devices", "cpu"])
     assert result.exit_code == 2 and "measures torchvision ResNets" in result.output
