@@ -30,7 +30,7 @@ from ..planning.memory import DeviceKey, Size, device_label, dtype_name, parse_d
 from ..planning.models import resolve_source
 from ..planning.placement import _quiet
 from ..planning.planner import DeviceMapSpec, Plan, check_could_fit, owner_of, plan_model
-from ..planning.quantization import check_quantizable, parse_quantization, quantized_dtype, quantized_weights
+from ..planning.quantization import quantized_weights, resolve_quantization
 from .quantize import check_library, load_quantized
 from .transfer import CopyJob, copy_into
 
@@ -109,10 +109,7 @@ def load(
         cuda_init.join()
     if model_source.kind == "module":
         raise UsageError("load takes a preset or a local directory; for a model you built, use devmap.dispatch")
-    quantized = parse_quantization(quantization)
-    torch_dtype = quantized_dtype(quantized, parse_dtype(dtype)) or model_source.default_dtype
-    if quantized is not None:
-        check_quantizable(quantized, model_source.is_causal_lm, model_source.name, torch_dtype)
+    quantized, torch_dtype = resolve_quantization(quantization, parse_dtype(dtype), model_source)
     checkpoint = Path(weights).expanduser() if weights is not None else model_source.path
     entries = index_checkpoint(checkpoint, allow_pickle) if checkpoint is not None else None
     folder = str(offload_folder) if offload_folder is not None else None

@@ -51,37 +51,33 @@ def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.de
         by_block.setdefault(owner_of(name, plan.device_map) or "", []).append(name)
     generators: dict[torch.device, torch.Generator] = {}
     for names in by_block.values():
-        jobs, layers, parents = [], {}, {}
+        jobs = []
         for name in names:
             device, entry = later[name]
-            module_name, _, leaf = name.rpartition(".")
-            layer = model.get_submodule(module_name)
-            weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=plan.dtype, device=device), requires_grad=False)
-            layer.weight = weight
+            layer = model.get_submodule(name.rpartition(".")[0])
+            layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=plan.dtype, device=device),
+                                        requires_grad=False)
             if entry is not None:
-                jobs.append(CopyJob(entry, weight.data))
+                jobs.append(CopyJob(entry, layer.weight.data))
             else:
                 generator = generators.setdefault(device, torch.Generator(device=device).manual_seed(seed))
-                weight.data.normal_(0.0, std, generator=generator)
-            parent_name, _, attr = module_name.rpartition(".")
-            layers[module_name], parents[module_name] = layer, (model.get_submodule(parent_name), attr)
+                layer.weight.data.normal_(0.0, std, generator=generator)
         copy_into(jobs, workers=workers, progress=progress)
-        quantize_linears(layers, parents, plan.quantization)
+        quantize_linears(model, [name.rpartition(".")[0] for name in names], plan.quantization)
 
 
-def quantize_linears(layers: dict[str, nn.Linear], parent_of: dict[str, tuple[nn.Module, str]],
-                     quantization: Quantization) -> None:
-    """Swap each named Linear (full-precision weight on its device) for its quantized form, in place."""
+def quantize_linears(model: nn.Module, layer_names: list[str], quantization: Quantization) -> None:
+    """Swap each named Linear of `model` (full-precision weight on its device) for its quantized form, in place."""
     if quantization.library == "torchao":
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
         config = Int8WeightOnlyConfig() if quantization.scheme == "int8" else Int4WeightOnlyConfig(group_size=INT4_GROUP)
-        for layer in layers.values():
-            quantize_(layer, config)
+        for name in layer_names:
+            quantize_(model.get_submodule(name), config)
         return
-    for name, layer in layers.items():
-        parent, attr = parent_of[name]
-        setattr(parent, attr, _bitsandbytes_linear(layer, quantization))
+    for name in layer_names:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, _bitsandbytes_linear(model.get_submodule(name), quantization))
 
 
 def _bitsandbytes_linear(layer: nn.Linear, quantization: Quantization) -> nn.Module:

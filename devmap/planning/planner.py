@@ -23,8 +23,7 @@ from .memory import (
 from .device_maps import DeviceMapSpec, normalize_device_map
 from .models import ModelSource, default_no_split, resolve_source
 from .placement import DeviceMap, module_sizes, place, usage
-from .quantization import (Quantization, check_quantizable, parse_quantization, quantized_dtype, scale_bytes,
-                           special_dtypes)
+from .quantization import Quantization, resolve_quantization, scale_bytes, special_dtypes
 
 
 
@@ -142,15 +141,10 @@ def plan(
     torch_dtype = parse_dtype(dtype)
     model_source = resolve_source(source)
     budget = resolve_budget(max_memory, gpus=gpus, gpu_memory=gpu_memory, offload_folder=offload_folder)
-    quantized = parse_quantization(quantization)
-    torch_dtype = quantized_dtype(quantized, torch_dtype)
-    if quantized is not None:
-        check_quantizable(quantized, model_source.is_causal_lm, model_source.name,
-                          torch_dtype or model_source.default_dtype)
-    check_could_fit(model_source, budget, torch_dtype or model_source.default_dtype, quantized)
+    quantized, torch_dtype = resolve_quantization(quantization, torch_dtype, model_source)
+    check_could_fit(model_source, budget, torch_dtype, quantized)
     model = model_source.build("meta")
-    return plan_model(model, model_source, device_map, budget, torch_dtype or model_source.default_dtype,
-                      no_split_module_classes, quantized)
+    return plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized)
 
 
 def check_could_fit(model_source: ModelSource, budget: Budget, dtype: torch.dtype,

@@ -110,9 +110,15 @@ def special_dtypes(model: nn.Module, quantization: Quantization | None) -> dict[
     return {name: dtype for name in quantized_weights(model, quantization)}
 
 
-def quantized_dtype(quantization: Quantization | None, dtype: torch.dtype | None) -> torch.dtype | None:
-    """The dtype of a plan or load: bfloat16 when quantizing and none was asked for."""
-    return torch.bfloat16 if quantization is not None and dtype is None else dtype
+def resolve_quantization(spec: Any, dtype: torch.dtype | None, source: Any) -> tuple[Quantization | None, torch.dtype]:
+    """The quantization a plan or load asked for and its dtype (bfloat16 when quantizing and none was asked for,
+    else the source's default), refusing combinations that make no sense for `source` (a ModelSource)."""
+    quantization = parse_quantization(spec)
+    if quantization is None:
+        return None, dtype or source.default_dtype
+    dtype = dtype or torch.bfloat16
+    check_quantizable(quantization, source.is_causal_lm, source.name, dtype)
+    return quantization, dtype
 
 
 def weight_scale_bytes(quantization: Quantization, out_features: int, in_features: int) -> int:
