@@ -69,15 +69,41 @@ def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.de
 def quantize_linears(model: nn.Module, layer_names: list[str], quantization: Quantization) -> None:
     """Swap each named Linear of `model` (full-precision weight on its device) for its quantized form, in place."""
     if quantization.library == "torchao":
-        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import quantize_
 
-        config = Int8WeightOnlyConfig() if quantization.scheme == "int8" else Int4WeightOnlyConfig(group_size=INT4_GROUP)
+        config = torchao_config(quantization)
         for name in layer_names:
             quantize_(model.get_submodule(name), config)
         return
     for name in layer_names:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, _bitsandbytes_linear(model.get_submodule(name), quantization))
+
+
+def torchao_config(quantization: Quantization) -> Any:
+    """torchao's config for a scheme. int4 packs for tinygemm (torch's own `_weight_int4pack_mm` CUDA kernel):
+    torchao's default int4 layout needs the separate mslk kernel package, which pip does not pull in."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+
+    if quantization.scheme == "int8":
+        return Int8WeightOnlyConfig()
+    return Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d")
+
+
+def transformers_config(quantization: Quantization, dtype: torch.dtype) -> Any:
+    """The `quantization_config` with which transformers' `from_pretrained` quantizes the same way (same library,
+    same layout, same skipped modules): for comparing against it and for the config.json of a saved model."""
+    skip = list(quantization.skip_modules)
+    if quantization.library == "torchao":
+        from transformers import TorchAoConfig
+
+        return TorchAoConfig(torchao_config(quantization), modules_to_not_convert=skip)
+    from transformers import BitsAndBytesConfig
+
+    if quantization.scheme == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                              bnb_4bit_use_double_quant=False, llm_int8_skip_modules=skip)
 
 
 def _bitsandbytes_linear(layer: nn.Linear, quantization: Quantization) -> nn.Module:
@@ -101,19 +127,22 @@ def _bitsandbytes_linear(layer: nn.Linear, quantization: Quantization) -> nn.Mod
     return new.to(device)
 
 
+def stored_tensors(param: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a (possibly quantized) parameter is stored as: torchao's inner tensors, or bitsandbytes'
+    data with its scales (4-bit absmax, int8 row scales)."""
+    names = getattr(param, "tensor_data_names", None)  # torchao's tensor subclasses
+    if names:
+        return [getattr(param, n) for n in names]
+    out = [param.data]
+    state = getattr(param, "quant_state", None)
+    if state is not None:
+        out.append(state.absmax)
+    scb = getattr(param, "SCB", None)
+    if isinstance(scb, torch.Tensor):
+        out.append(scb)
+    return out
+
+
 def quantized_nbytes(module: nn.Module) -> int:
     """Bytes a module's parameters hold, quantized ones counted as the library stores them."""
-    total = 0
-    for param in module.parameters():
-        inner = [getattr(param, n) for n in getattr(param, "tensor_data_names", [])]  # torchao's tensor subclasses
-        state = getattr(param, "quant_state", None)  # bitsandbytes' 4-bit statistics
-        scb = getattr(param, "SCB", None)  # bitsandbytes' int8 row scales
-        if inner:
-            total += sum(t.numel() * t.element_size() for t in inner)
-        else:
-            total += param.numel() * param.element_size()
-        if state is not None:
-            total += state.absmax.numel() * state.absmax.element_size()
-        if isinstance(scb, torch.Tensor):
-            total += scb.numel() * scb.element_size()
-    return total
+    return sum(t.numel() * t.element_size() for p in module.parameters() for t in stored_tensors(p))

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import devmap
-from devmap.loading.quantize import quantized_nbytes
-from devmap.testing import require_gpus
+from devmap.loading.quantize import quantized_nbytes, stored_tensors
+from devmap.testing import assert_same_greedy_tokens, require_gpus
 
 pytestmark = require_gpus(2)
 LIBRARY = {"int8": "torchao", "int4": "torchao", "nf4": "bitsandbytes"}
@@ -42,3 +42,32 @@ def test_quantized_over_two_gpus(small, scheme):
     ours = devmap.generate(model, ids, max_new_tokens=6)
     theirs = model.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
     assert torch.equal(ours[:, :theirs.shape[1]].cpu(), theirs.cpu())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4"])
+def test_same_as_transformers_with_the_same_library(small, scheme):
+    """transformers' from_pretrained(quantization_config=...) on the same checkpoint and device map: the same
+    stored weights after quantization, the same greedy tokens."""
+    pytest.importorskip(LIBRARY[scheme])
+    from transformers import AutoModelForCausalLM
+
+    from devmap.loading.quantize import transformers_config
+
+    model = devmap.load(small, device_map="balanced", quantization=scheme)
+    config = transformers_config(model.devmap_plan.quantization, torch.bfloat16)
+    theirs = AutoModelForCausalLM.from_pretrained(small, quantization_config=config, dtype=torch.bfloat16,
+                                                  device_map=dict(model.hf_device_map))
+    ours_params = dict(model.named_parameters())
+    quantized = 0
+    for name, param in theirs.named_parameters():
+        mine = ours_params[name]
+        assert type(mine) is type(param), name
+        for a, b in zip(stored_tensors(mine), stored_tensors(param), strict=True):
+            assert a.device == b.device and torch.equal(a, b), name
+        quantized += name.endswith("proj.weight")
+    assert quantized == 4 * 7
+    ids = torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(1)).to("cuda:0")
+    want = theirs.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False), want.sequences)
+    assert_same_greedy_tokens(devmap.generate(model, ids, max_new_tokens=8), want, ids.shape[1])

@@ -14,6 +14,7 @@ from devmap.cli import main
 from devmap.errors import UsageError
 from devmap.loading.quantize import quantized_nbytes
 from devmap.planning.quantization import quantized_weights
+from devmap.testing import assert_same_greedy_tokens
 
 pytest.importorskip("torchao")  # a test dependency: installed in CI
 
@@ -88,3 +89,24 @@ def test_cli_load_and_generate_quantized(tiny):
     result = CliRunner().invoke(main, ["generate", str(tiny), "--device-map", "cpu", "--quantize", "int8",
                                        "--batch-size", "2", "--prompt-len", "8", "--max-new-tokens", "4", "--json"])
     assert result.exit_code == 0, result.output
+
+
+def test_same_weights_and_tokens_as_transformers_with_torchao(tiny, int8_model):
+    """transformers' from_pretrained(quantization_config=TorchAoConfig(Int8WeightOnlyConfig())) on the same
+    checkpoint: the same stored int8 weights and scales, the same greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from devmap.loading.quantize import stored_tensors, transformers_config
+
+    config = transformers_config(int8_model.devmap_plan.quantization, torch.bfloat16)
+    theirs = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=config, dtype=torch.bfloat16,
+                                                  device_map="cpu")
+    ours = dict(int8_model.named_parameters())
+    for name, param in theirs.named_parameters():
+        assert type(ours[name]) is type(param), name
+        assert all(torch.equal(a, b) for a, b in zip(stored_tensors(ours[name]), stored_tensors(param), strict=True))
+    ids = torch.randint(3, 500, (4, 10), generator=torch.Generator().manual_seed(2))
+    want = theirs.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True)
+    assert torch.equal(int8_model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False), want.sequences)
+    assert_same_greedy_tokens(devmap.generate(int8_model, ids, max_new_tokens=6), want, ids.shape[1])
