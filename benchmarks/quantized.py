@@ -8,7 +8,8 @@ with the same library and layout (`devmap.loading.quantize.transformers_config`)
   warm   in this process, `--repeat` rounds with the systems interleaved, each until both GPUs synchronize
   cold   a fresh process per load (imports, then the call; the devmap CLI is one of the systems)
   W4     greedy, batch 32, prompt 64, 32 new tokens (no early stop): transformers' generate with its dynamic
-         cache and with its static cache (auto-compiled decode), devmap.generate through its lanes
+         cache and with its static cache (auto-compiled decode), devmap.generate through its lanes, with CUDA
+         graphs of the eager layers and with torch.compile'd steps (compile=True)
 Steady state is the best call after the first; the first call is reported beside it.
 """
 
@@ -128,7 +129,8 @@ def cold_loads(path: Path, scheme: str, rounds: int) -> dict[str, list[dict[str,
     return runs
 
 
-def generation(path: Path, scheme: str, repeat: int, lanes: list[int], static: bool) -> dict[str, list[float]]:
+def generation(path: Path, scheme: str, repeat: int, lanes: list[int], static: bool,
+               compiled: bool) -> dict[str, list[float]]:
     """W4 calls (first included) per system."""
     import devmap
     from devmap.planning.models import llama_config  # noqa: F401 (devmap's import of transformers, shared)
@@ -157,10 +159,12 @@ def generation(path: Path, scheme: str, repeat: int, lanes: list[int], static: b
         free()
         torch._dynamo.reset()
         model = load_devmap(path, scheme)
-        for n in lanes:
-            measure(f"devmap (lanes {n})", lambda: devmap.generate(model, prompt, max_new_tokens=32,  # noqa: B023
-                                                                    lanes=n, eos_token_id=[]))
-        devmap.release_graphs(model)
+        for compile in (False, True) if compiled else (False,):
+            for n in lanes:
+                measure(f"devmap (lanes {n}{', compiled' if compile else ''})",
+                        lambda: devmap.generate(model, prompt, max_new_tokens=32, lanes=n,  # noqa: B023
+                                                eos_token_id=[], compile=compile))  # noqa: B023
+            devmap.release_graphs(model)
         model = None
         free()
     return calls
@@ -175,6 +179,7 @@ def main() -> None:
     parser.add_argument("--cold-rounds", type=int, default=1)
     parser.add_argument("--lanes", default="2")
     parser.add_argument("--no-static", action="store_true", help="skip transformers' static cache (compiles)")
+    parser.add_argument("--no-compile", action="store_true", help="skip devmap's compile=True steps")
     parser.add_argument("--skip-generate", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -195,7 +200,7 @@ def main() -> None:
         cold = cold_loads(path, scheme, args.cold_rounds) if args.cold_rounds else {}
         w4 = {} if args.skip_generate else generation(path, scheme, args.repeat, [int(x) for x in
                                                                                  args.lanes.split(",")],
-                                                      not args.no_static)
+                                                      not args.no_static, not args.no_compile)
         results[scheme] = {"warm": warm, "cold": cold, "w4": w4}
     report(args.model, results)
     if args.out:

@@ -42,6 +42,10 @@ class DevmapGroup(click.Group):
         extra.pop("standalone_mode", None)
         argv = list(sys.argv[1:] if args is None else args)
         debug = "--debug" in argv
+        if not debug:  # torchao, imported by transformers where installed, warns through torch's logger on import
+            import logging
+
+            logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
         try:
             return super().main(args=argv, prog_name=prog_name, standalone_mode=False, **extra)
         except click.exceptions.Exit as exc:

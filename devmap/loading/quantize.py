@@ -9,6 +9,8 @@ Linear8bitLt / Linear4bit do the work, as they do under transformers.
 
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Any, Callable
 
 import torch
@@ -18,7 +20,7 @@ from ..errors import UsageError
 from ..planning.planner import Plan, owner_of
 from ..planning.quantization import INT4_GROUP, NF4_BLOCK, Quantization
 from .checkpoint import TensorEntry
-from .transfer import CopyJob, copy_into
+from .transfer import CHUNK_BYTES, CopyJob, copy_into
 
 
 def check_library(quantization: Quantization, devices: set[Any]) -> None:
@@ -43,27 +45,58 @@ def check_library(quantization: Quantization, devices: set[Any]) -> None:
 def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.device, TensorEntry | None]],
                     std: float, seed: int, workers: int | None, progress: Callable[[int], None] | None) -> None:
     """Block by block: allocate its Linear weights at the plan's dtype on their device, fill them (checkpoint, or
-    N(0, std) where it has none), then let the library quantize them, so a device holds at most one block in full
-    precision beyond its plan."""
+    N(0, std) where it has none), then let the library quantize them. A helper thread reads block i + 1 while
+    this thread quantizes block i, so a device holds at most two blocks in full precision beyond its plan."""
     assert plan.quantization is not None
     by_block: dict[str, list[str]] = {}
     for name in later:
         by_block.setdefault(owner_of(name, plan.device_map) or "", []).append(name)
-    generators: dict[torch.device, torch.Generator] = {}
-    for names in by_block.values():
-        jobs = []
-        for name in names:
-            device, entry = later[name]
-            layer = model.get_submodule(name.rpartition(".")[0])
-            layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=plan.dtype, device=device),
-                                        requires_grad=False)
-            if entry is not None:
-                jobs.append(CopyJob(entry, layer.weight.data))
-            else:
-                generator = generators.setdefault(device, torch.Generator(device=device).manual_seed(seed))
-                layer.weight.data.normal_(0.0, std, generator=generator)
-        copy_into(jobs, workers=workers, progress=progress)
-        quantize_linears(model, [name.rpartition(".")[0] for name in names], plan.quantization)
+    ready: "queue.Queue[list[str] | BaseException | None]" = queue.Queue()
+    slots = threading.Semaphore(2)  # blocks in full precision: the one being read, the one being quantized
+    stop = threading.Event()
+
+    def read_blocks() -> None:
+        generators: dict[torch.device, torch.Generator] = {}
+        try:
+            for names in by_block.values():
+                slots.acquire()
+                if stop.is_set():
+                    return
+                jobs = []
+                for name in names:
+                    device, entry = later[name]
+                    layer = model.get_submodule(name.rpartition(".")[0])
+                    layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=plan.dtype, device=device),
+                                                requires_grad=False)
+                    if entry is not None:
+                        jobs.append(CopyJob(entry, layer.weight.data))
+                    else:
+                        generator = generators.setdefault(device, torch.Generator(device=device).manual_seed(seed))
+                        layer.weight.data.normal_(0.0, std, generator=generator)
+                # smaller chunks than a whole-model read, so every reader thread has a share of one block
+                size = sum(job.dst.numel() * job.dst.element_size() for job in jobs)
+                copy_into(jobs, workers=workers, progress=progress,
+                          chunk_bytes=max(4 * 2**20, min(CHUNK_BYTES, size // 16)))
+                for device in {later[name][0] for name in names if later[name][0].type == "cuda"}:
+                    torch.cuda.current_stream(device).synchronize()  # random fills, queued on this thread
+                ready.put(names)
+        except BaseException as error:  # handed to the quantizing thread, which re-raises it
+            ready.put(error)
+            return
+        ready.put(None)
+
+    reader = threading.Thread(target=read_blocks, name="devmap-quantized-reader", daemon=True)
+    reader.start()
+    try:
+        while (item := ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            quantize_linears(model, [name.rpartition(".")[0] for name in item], plan.quantization)
+            slots.release()
+    finally:
+        stop.set()
+        slots.release()  # a reader waiting for a slot wakes up and stops
+        reader.join()
 
 
 def quantize_linears(model: nn.Module, layer_names: list[str], quantization: Quantization) -> None:
@@ -111,8 +144,9 @@ def _bitsandbytes_linear(layer: nn.Linear, quantization: Quantization) -> nn.Mod
 
     device = layer.weight.device
     bias = layer.bias is not None
-    weight = layer.weight.data.to("cpu")  # the library quantizes as the weight moves onto its device
+    weight = layer.weight.data
     if quantization.scheme == "int8":
+        weight = weight.to("cpu")  # Int8Params quantizes only as its weight moves from the CPU onto a GPU
         new: nn.Module = bnb.nn.Linear8bitLt(layer.in_features, layer.out_features, bias=bias,
                                              has_fp16_weights=False, threshold=6.0, device="meta")
         new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
@@ -121,7 +155,7 @@ def _bitsandbytes_linear(layer: nn.Linear, quantization: Quantization) -> nn.Mod
         new = bnb.nn.Linear4bit(layer.in_features, layer.out_features, bias=bias, compute_dtype=weight.dtype,
                                 compress_statistics=False, quant_type="nf4", device="meta")
         new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK,
-                                       compress_statistics=False)
+                                       compress_statistics=False)  # quantized where it is, by .to(device) below
     if bias:
         new.bias = nn.Parameter(layer.bias.data, requires_grad=False)
     return new.to(device)

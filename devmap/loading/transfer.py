@@ -87,9 +87,10 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 class _Worker(threading.Thread):
     def __init__(self, work: "queue.Queue[_Chunk]", fds: dict[Path, int], chunk_bytes: int, pinned: bool,
-                 report: Callable[[int, torch.device], None], stop: threading.Event) -> None:
+                 report: Callable[[int, torch.device], None], stop: threading.Event,
+                 after: dict[torch.device, torch.cuda.Event]) -> None:
         super().__init__(daemon=True)
-        self.work, self.fds, self.chunk_bytes, self.pinned = work, fds, chunk_bytes, pinned
+        self.work, self.fds, self.chunk_bytes, self.pinned, self.after = work, fds, chunk_bytes, pinned, after
         self.report, self.stop = report, stop
         self.error: BaseException | None = None
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -127,7 +128,12 @@ class _Worker(threading.Thread):
                 src = buffer[p.start - chunk.start:p.end - chunk.start].view(p.job.entry.dtype)
                 dst = p.job.dst.view(-1)[p.first:p.last]
                 if dst.device.type == "cuda":
-                    stream = self.streams.setdefault(dst.device, torch.cuda.Stream(dst.device))
+                    stream = self.streams.get(dst.device)
+                    if stream is None:
+                        stream = self.streams[dst.device] = torch.cuda.Stream(dst.device)
+                        # the destination's memory may have been freed by kernels still queued on the caller's
+                        # stream (the caching allocator only orders reuse on that stream): copy after them
+                        stream.wait_event(self.after[dst.device])
                     with torch.cuda.stream(stream):
                         # same dtype: one DMA; otherwise copy, then convert on the GPU
                         dst.copy_(src if dst.dtype == src.dtype else src.to(dst.device, non_blocking=True),
@@ -175,8 +181,12 @@ def copy_into(
             if progress is not None:
                 progress(nbytes)
 
+    after = {}
+    for device in {j.dst.device for j in jobs if j.dst.device.type == "cuda"}:
+        after[device] = torch.cuda.Event()
+        after[device].record(torch.cuda.current_stream(device))
     fds = {f: os.open(f, os.O_RDONLY) for f in {j.entry.file for j in jobs}}
-    threads = [_Worker(work, fds, chunk_bytes, pinned, report, stop) for _ in range(count)]
+    threads = [_Worker(work, fds, chunk_bytes, pinned, report, stop, after) for _ in range(count)]
     try:
         for t in threads:
             t.start()

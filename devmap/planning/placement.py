@@ -87,14 +87,17 @@ def _gpu_only(
     no_split: list[str],
     dtype: torch.dtype,
     special: dict[str, Any] | None = None,
+    seen: float = 1.0,
 ) -> DeviceMap | None:
     """Place everything on GPUs with at most caps[g] bytes on GPU g, or return None if it doesn't fit.
 
     accelerate keeps room for the largest layer on its first GPU, for offloaded layers to visit; with
     nothing offloaded that room is wasted. Here its first GPU is a stand-in with no memory (real GPU g
     is passed as g + 1), so the reserve lands there and the real GPUs get exactly their caps.
+    accelerate sees `seen` of each byte in `sizes` (it does not count quantization scales), so its caps
+    shrink by that share; the result is checked against `sizes` itself.
     """
-    shifted = {0: 0, **{g + 1: c for g, c in caps.items()}}
+    shifted = {0: 0, **{g + 1: int(c * seen) for g, c in caps.items()}}
     device_map = _infer(model, shifted, no_split, dtype, special)
     if not all(isinstance(d, int) and d > 0 for d in device_map.values()):
         return None
@@ -111,6 +114,7 @@ def _min_max_split(
     no_split: list[str],
     dtype: torch.dtype,
     special: dict[str, Any] | None = None,
+    seen: float = 1.0,
 ) -> DeviceMap | None:
     """Binary-search the smallest per-GPU share C (GPU g capped at weights[g] * C) that holds the whole model."""
     gpus = list(weights)
@@ -118,7 +122,7 @@ def _min_max_split(
 
     def attempt(share: float) -> DeviceMap | None:
         caps = {g: min(int(weights[g] * share), limits[g]) for g in gpus}
-        return _gpu_only(model, caps, sizes, no_split, dtype, special)
+        return _gpu_only(model, caps, sizes, no_split, dtype, special, seen)
 
     hi = max(limits[g] / weights[g] for g in gpus)
     # Caps of (total + one largest unbreakable block per GPU) always hold a contiguous fill, so the search
@@ -163,15 +167,17 @@ def place(
     `special` are sized at their dtype (quantized weights), `sizes` (default: module_sizes) are what the GPUs'
     caps are checked against. Accelerate may put the overflow on "disk" even where `limits` has no disk: the
     caller checks that."""
-    sizes = sizes if sizes is not None else module_sizes(model, dtype, special)
+    accelerates = module_sizes(model, dtype, special)
+    sizes = sizes if sizes is not None else accelerates
+    seen = accelerates[""] / sizes[""] if sizes[""] else 1.0
     gpus = [k for k in limits if isinstance(k, int) and limits[k] > 0]
     if gpus:
         if strategy == "sequential":
-            found = _gpu_only(model, {g: limits[g] for g in gpus}, sizes, no_split, dtype, special)
+            found = _gpu_only(model, {g: limits[g] for g in gpus}, sizes, no_split, dtype, special, seen)
         else:
             low_0 = strategy == "balanced_low_0" and len(gpus) > 1
             weights = {g: (0.5 if low_0 and g == gpus[0] else 1.0) for g in gpus}
-            found = _min_max_split(model, limits, weights, sizes, no_split, dtype, special)
+            found = _min_max_split(model, limits, weights, sizes, no_split, dtype, special, seen)
         if found is not None:
             return found
     return _infer(model, {k: v for k, v in limits.items() if k in gpus or not isinstance(k, int)}, no_split, dtype,

@@ -35,8 +35,10 @@ def test_quantized_over_two_gpus(small, scheme):
     ids = torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(0)).to("cuda:0")
     with torch.no_grad():
         want, got = plain(ids).logits.float(), model(ids).logits.float()
-    limit = 0.02 if scheme == "int8" else 0.15  # 4-bit weights move logits more
-    assert (want - got).abs().max() <= limit * want.abs().max()
+    # stated tolerance, as relative RMS error of the logits: 3% for int8, 30% for 4-bit (this model's weights are
+    # random N(0, 0.02), the worst case for 4-bit grids; trained weights lose far less)
+    error = float((want - got).norm() / want.norm())
+    assert error <= (0.03 if scheme == "int8" else 0.30), f"{scheme}: relative RMS error {error:.3f}"
     buffers = plain.devmap_plan.total_bytes - sum(p.numel() * p.element_size() for p in plain.parameters())
     assert model.devmap_plan.total_bytes == quantized_nbytes(model) + buffers
     ours = devmap.generate(model, ids, max_new_tokens=6)
