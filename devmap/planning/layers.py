@@ -11,7 +11,7 @@ from torch import nn
 from ..errors import UsageError
 from .memory import device_label
 from .planner import Plan, owner_of
-from .quantization import quantized_weights, weight_scale_bytes
+from .quantization import quantized_weights, weight_extra_bytes
 
 
 @dataclass
@@ -68,7 +68,7 @@ def layer_table(plan: Plan, input_shape: tuple[int, ...] | None = None) -> list[
     for name, module in leaves:
         tensors = list(module.named_parameters(prefix=name, recurse=False))
         params = sum(p.numel() for _, p in tensors)
-        nbytes = sum(p.numel() * plan.quantization.bits // 8 + weight_scale_bytes(plan.quantization, *p.shape)
+        nbytes = sum(p.numel() * plan.quantization.bits // 8 + weight_extra_bytes(plan.quantization, *p.shape)
                      if n in quantized else p.numel() * (element if p.is_floating_point() else p.element_size())
                      for n, p in tensors)
         owner = owner_of(name, plan.device_map)

@@ -23,7 +23,7 @@ from .memory import (
 from .device_maps import DeviceMapSpec, normalize_device_map
 from .models import ModelSource, default_no_split, resolve_source
 from .placement import DeviceMap, module_sizes, place, usage
-from .quantization import Quantization, resolve_quantization, scale_bytes, special_dtypes
+from .quantization import Quantization, resolve_quantization, extra_bytes, special_dtypes
 
 
 
@@ -178,7 +178,7 @@ def plan_model(
     strategy = device_map if isinstance(device_map, str) else "explicit"
     no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model)
     special = special_dtypes(model, quantization)
-    sizes = module_sizes(model, dtype, special, scale_bytes(model, quantization))
+    sizes = module_sizes(model, dtype, special, extra_bytes(model, quantization))
     if isinstance(device_map, str):
         if not budget.limits or not any(budget.limits.values()):
             raise UsageError("no device has any memory budget: give --max-memory or --gpus N --gpu-memory SIZE")

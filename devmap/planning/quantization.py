@@ -6,7 +6,7 @@ transformers' `BitsAndBytesConfig(load_in_8bit=True)`), `int4` is 4-bit weight-o
 As in transformers, only the Linear layers inside the model's blocks are quantized: embeddings, norms and the
 output head (`lm_head`, and any module a BitsAndBytesConfig names in `llm_int8_skip_modules`) keep the model's
 dtype. Sizes are the libraries' layouts: 1 byte (int8) or half a byte (int4, nf4) per weight through accelerate's
-accounting, plus the scales each library keeps beside them (`scale_bytes`).
+accounting, plus the scales (and int4's padding) each library keeps beside them (`extra_bytes`).
 """
 
 from __future__ import annotations
@@ -88,6 +88,9 @@ def check_quantizable(quantization: Quantization, is_causal_lm: bool, name: str,
         raise UsageError(f"--quantize {quantization.scheme} with --dtype {str(dtype).removeprefix('torch.')}: "
                          "quantized layers compute in 16-bit and keep unquantized ones at the model's dtype; use "
                          "--dtype bfloat16 or float16")
+    if quantization.scheme == "int4" and dtype != torch.bfloat16:
+        raise UsageError("--quantize int4 with --dtype float16: torchao's int4 kernel (tinygemm) computes in "
+                         "bfloat16 only; use --dtype bfloat16, or --quantize nf4 for float16")
 
 
 def quantized_weights(model: nn.Module, quantization: Quantization) -> list[str]:
@@ -121,20 +124,23 @@ def resolve_quantization(spec: Any, dtype: torch.dtype | None, source: Any) -> t
     return quantization, dtype
 
 
-def weight_scale_bytes(quantization: Quantization, out_features: int, in_features: int) -> int:
-    """Bytes a library keeps beside one quantized weight of shape (out, in): int8 (torchao and bitsandbytes) a
-    float32 scale per output row; int4 (torchao, groups of 128) a bfloat16 scale and zero point per group;
-    nf4 (bitsandbytes, blocks of 64) a float32 absmax per block."""
+def weight_extra_bytes(quantization: Quantization, out_features: int, in_features: int) -> int:
+    """Bytes a library keeps for one quantized weight of shape (out, in) beyond 1 (int8) or ½ (4-bit) byte per
+    weight: int8 (torchao and bitsandbytes) a float32 scale per output row; int4 (torchao's tinygemm layout)
+    rows padded to a multiple of 1024 columns and columns to a multiple of 8 rows, plus a bfloat16 scale and
+    zero point per group of 128 of the padded weight; nf4 (bitsandbytes, blocks of 64) a float32 absmax per block."""
     if quantization.scheme == "int8":
         return 4 * out_features
     if quantization.scheme == "int4":
-        return 2 * 2 * out_features * -(-in_features // INT4_GROUP)
+        rows, columns = -(-out_features // 8) * 8, -(-in_features // 1024) * 1024
+        padding = (rows * columns - out_features * in_features) // 2
+        return padding + 2 * 2 * rows * (columns // INT4_GROUP)
     return 4 * -(-out_features * in_features // NF4_BLOCK)
 
 
-def scale_bytes(model: nn.Module, quantization: Quantization | None) -> dict[str, int]:
-    """{weight name: bytes of its scales} for the planner (empty without quantization)."""
+def extra_bytes(model: nn.Module, quantization: Quantization | None) -> dict[str, int]:
+    """{weight name: bytes the library keeps beyond accelerate's count (scales, padding)} for the planner."""
     if quantization is None:
         return {}
-    return {name: weight_scale_bytes(quantization, *model.get_parameter(name).shape)
+    return {name: weight_extra_bytes(quantization, *model.get_parameter(name).shape)
             for name in quantized_weights(model, quantization)}

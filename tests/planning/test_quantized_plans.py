@@ -9,7 +9,7 @@ import devmap
 from devmap.cli import main
 from devmap.errors import DoesNotFitError, UsageError
 from devmap.planning.layers import layer_table
-from devmap.planning.quantization import parse_quantization, quantized_weights, weight_scale_bytes
+from devmap.planning.quantization import parse_quantization, quantized_weights, weight_extra_bytes
 
 
 def test_70b_in_int4_fits_one_gpu_where_bfloat16_does_not():
@@ -28,13 +28,13 @@ def test_block_linears_shrink_and_the_rest_stays_at_dtype(scheme, per_weight):
     names = quantized_weights(model, plan.quantization)
     assert names and all(".layers." in n for n in names)  # lm_head, embeddings and norms are not quantized
     shrunk = sum(model.get_parameter(n).numel() for n in names)
-    scales = sum(weight_scale_bytes(plan.quantization, *model.get_parameter(n).shape) for n in names)
+    scales = sum(weight_extra_bytes(plan.quantization, *model.get_parameter(n).shape) for n in names)
     assert plan.total_bytes == plain.total_bytes - int(shrunk * (2 - per_weight)) + scales
     assert plan.unquantized_bytes == plain.total_bytes
     rows = {r.name: r for r in layer_table(plan)}
     q_proj = model.get_submodule("model.layers.0.self_attn.q_proj").weight
     assert rows["model.layers.0.self_attn.q_proj"].bytes == \
-        int(q_proj.numel() * per_weight) + weight_scale_bytes(plan.quantization, *q_proj.shape)
+        int(q_proj.numel() * per_weight) + weight_extra_bytes(plan.quantization, *q_proj.shape)
     assert rows["lm_head"].bytes == model.lm_head.weight.numel() * 2
     assert rows["model.norm"].bytes == model.model.norm.weight.numel() * 2
     assert json.loads(json.dumps(plan.to_dict()))["quantization"]["scheme"] == scheme
@@ -56,6 +56,7 @@ def test_bitsandbytes_configs_are_accepted():
 @pytest.mark.parametrize("argv, message", [
     (["plan", "resnet50", "--quantize", "int8"], "applies to LLaMA-style models"),
     (["plan", "llama-tiny", "--quantize", "int8", "--dtype", "float32"], "use --dtype bfloat16 or float16"),
+    (["plan", "llama-tiny", "--quantize", "int4", "--dtype", "float16"], "bfloat16 only"),
     (["plan", "llama-tiny", "--quantize", "int3"], "'int3' is not one of"),
 ])
 def test_bad_combinations_are_refused(argv, message):
