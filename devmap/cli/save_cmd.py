@@ -18,10 +18,15 @@ from .output import echo_json
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--weights", default=None, type=click.Path(dir_okay=False),
               help="A .safetensors file whose tensors to write instead of random ones.")
+@click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4"]),
+              help="Write pre-quantized weights (int8, int4: torchao; nf4: bitsandbytes) in the layout transformers' "
+                   "from_pretrained reads back; quantized on the devices of --device-map (4-bit needs GPUs).")
+@click.option("--device-map", default="auto", show_default=True,
+              help="Where the weights are quantized with --quantize (a strategy or one device, as for load).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists and is not empty.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a summary.")
 def save(source: str, out_dir: str, dtype: str | None, max_shard_size: str, seed: int, weights: str | None,
-         overwrite: bool, as_json: bool) -> None:
+         quantize: str | None, device_map: str, overwrite: bool, as_json: bool) -> None:
     """Write a checkpoint of SOURCE into OUT_DIR.
 
     SOURCE is a preset (resnet18..resnet152, llama-tiny, tinyllama-1.1b, llama-2-7b/13b/70b,
@@ -45,7 +50,8 @@ def save(source: str, out_dir: str, dtype: str | None, max_shard_size: str, seed
 
     try:
         result = save_checkpoint(source, out_dir, dtype=dtype, max_shard_size=max_shard_size, seed=seed,
-                                 weights=weights, overwrite=overwrite, progress=progress)
+                                 weights=weights, overwrite=overwrite, progress=progress, quantization=quantize,
+                                 device_map=device_map)
     finally:
         for bar in bars:
             bar.close()
@@ -56,5 +62,6 @@ def save(source: str, out_dir: str, dtype: str | None, max_shard_size: str, seed
     shown = files if len(files) <= 6 else files[:4] + [f"... ({len(files) - 5} more)", files[-1]]
     click.echo(f"Saved {result.source} to {result.out_dir}")
     click.echo(f"  {result.num_tensors} tensors · {format_bytes(result.total_bytes)} · {result.dtype}"
+               + (f" with {result.quantization} weights" if result.quantization else "")
                + (f" · {sum(f.endswith('.safetensors') for f in files)} shards" if result.sharded else ""))
     click.echo(f"  files: {', '.join(shown)}")

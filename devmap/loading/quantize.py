@@ -62,7 +62,7 @@ def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.de
                 slots.acquire()
                 if stop.is_set():
                     return
-                jobs = []
+                jobs, filled = [], set()
                 for name in names:
                     device, entry = later[name]
                     layer = model.get_submodule(name.rpartition(".")[0])
@@ -73,11 +73,14 @@ def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.de
                     else:
                         generator = generators.setdefault(device, torch.Generator(device=device).manual_seed(seed))
                         layer.weight.data.normal_(0.0, std, generator=generator)
+                        filled.add(device)
                 # smaller chunks than a whole-model read, so every reader thread has a share of one block
                 size = sum(job.dst.numel() * job.dst.element_size() for job in jobs)
-                copy_into(jobs, workers=workers, progress=progress,
+                # the readers' streams are synchronized when copy_into returns; a device-wide synchronize
+                # would also wait for the quantization kernels this overlaps with
+                copy_into(jobs, workers=workers, progress=progress, synchronize=False,
                           chunk_bytes=max(4 * 2**20, min(CHUNK_BYTES, size // 16)))
-                for device in {later[name][0] for name in names if later[name][0].type == "cuda"}:
+                for device in filled - {torch.device("cpu")}:
                     torch.cuda.current_stream(device).synchronize()  # random fills, queued on this thread
                 ready.put(names)
         except BaseException as error:  # handed to the quantizing thread, which re-raises it

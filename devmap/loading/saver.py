@@ -41,6 +41,7 @@ class SaveResult:
     num_tensors: int
     dtype: str
     sharded: bool
+    quantization: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -64,12 +65,23 @@ class _Entry:
 
 def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch.dtype | None = None,
          max_shard_size: Size = "5GB", seed: int = 0, weights: Union[str, Path, None] = None,
-         overwrite: bool = False, progress: Progress | None = None) -> SaveResult:
+         overwrite: bool = False, progress: Progress | None = None, quantization: Any = None,
+         device_map: Any = "auto") -> SaveResult:
     """Write a checkpoint of preset `source` into `out_dir`: config.json plus safetensors, sharded above
     `max_shard_size`. Tensors are random (seeded, never the whole model in memory at once) or read from
     the `weights` safetensors file; the directory appears only once everything is written.
+    With `quantization` ("int8", "int4", "nf4" or a BitsAndBytesConfig) the weights are quantized on the devices
+    of `device_map` by the same library as `load(..., quantization=...)` and written pre-quantized, in the layout
+    transformers' `from_pretrained` reads back (its `quantization_config` in config.json).
     """
     src = _preset(source)
+    if quantization is not None:
+        from ..planning.quantization import resolve_quantization
+
+        quantized, target = resolve_quantization(quantization, parse_dtype(dtype), src)
+        if quantized is not None:
+            return _save_quantized(src, Path(out_dir).expanduser().absolute(), target, max_shard_size, seed,
+                                   weights, overwrite, progress, quantized, device_map)
     target = parse_dtype(dtype) or src.default_dtype
     limit = parse_size(max_shard_size, what="max shard size")
     if limit <= 0:
@@ -106,6 +118,51 @@ def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch
             raise
     return SaveResult(source=src.name, out_dir=out, files=files, total_bytes=total, num_tensors=len(entries),
                       dtype=dtype_name(target), sharded=len(shards) > 1)
+
+
+def _save_quantized(src: ModelSource, out: Path, target: torch.dtype, max_shard_size: Size, seed: int,
+                    weights: Union[str, Path, None], overwrite: bool, progress: Progress | None, quantization: Any,
+                    device_map: Any) -> SaveResult:
+    """Write the full-precision checkpoint next to `out`, load it quantized, write that, and install it at `out`."""
+    import gc
+
+    from .loader import load
+    from .quantized_saver import write_quantized
+
+    limit = parse_size(max_shard_size, what="max shard size")
+    if limit <= 0:
+        raise UsageError(f"invalid max shard size {max_shard_size!r}: it must be above 0, e.g. 5GB or 500MB")
+    _check_destination(out, overwrite)
+    plain = _make_temp(out, 0)
+    tmp = None
+    model = None
+    try:
+        save(src.name, plain, dtype=target, max_shard_size=max_shard_size, seed=seed, weights=weights,
+             overwrite=True, progress=progress)
+        model = load(plain, device_map, dtype=target, quantization=quantization)
+        tmp = _make_temp(out, model.devmap_plan.total_bytes)
+        names, num_tensors, total = write_quantized(model, tmp, limit)
+        for extra in plain.iterdir():  # the tokenizer files
+            if extra.is_file() and not (tmp / extra.name).exists() and not extra.name.startswith("model"):
+                shutil.copy2(extra, tmp / extra.name)
+        files = sorted(p.name for p in tmp.iterdir())
+        _install(tmp, out)
+    except OSError as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write the checkpoint to {out}: {exc.strerror or exc}") from exc
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(plain, ignore_errors=True)
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return SaveResult(source=src.name, out_dir=out, files=files, total_bytes=total, num_tensors=num_tensors,
+                      dtype=dtype_name(target), sharded=len(names) > 1, quantization=quantization.scheme)
 
 
 def _preset(source: Union[str, Path]) -> ModelSource:

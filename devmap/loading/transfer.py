@@ -156,8 +156,11 @@ def copy_into(
     workers: int | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     progress: Callable[[int], None] | None = None,
+    synchronize: bool = True,
 ) -> dict[str, float]:
-    """Fill every job's tensor; return seconds until each device's last byte landed ("cuda:0": 1.2, ...)."""
+    """Fill every job's tensor; return seconds until each device's last byte landed ("cuda:0": 1.2, ...).
+    The copies have landed when this returns either way; `synchronize=False` skips the final device-wide
+    synchronize (which also waits for other threads' kernels), and the times are then host times."""
     start = time.perf_counter()
     finished: dict[str, float] = {}
     lock = threading.Lock()
@@ -201,7 +204,7 @@ def copy_into(
     errors = [t.error for t in threads if t.error is not None]
     if errors:
         raise errors[0]
-    for device in {j.dst.device for j in jobs if j.dst.device.type == "cuda"}:
+    for device in {j.dst.device for j in jobs if j.dst.device.type == "cuda"} if synchronize else ():
         torch.cuda.synchronize(device)
         finished[str(device)] = time.perf_counter() - start
     return finished

@@ -216,6 +216,14 @@ def resolve_source(source: Union[str, Path, nn.Module]) -> ModelSource:
                 f"{path}/config.json describes a {config.model_type!r} model, which is not a causal language model "
                 "transformers knows; devmap loads causal LMs (LLaMA first) and torchvision ResNets"
             )
+        quantized = getattr(config, "quantization_config", None)
+        if quantized is not None:
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+            raise SourceError(
+                f"{path} holds pre-quantized weights ({method}); devmap quantizes while it loads a full-precision "
+                "checkpoint: pass the original checkpoint with --quantize, or load this one with transformers' "
+                "from_pretrained"
+            )
         return ModelSource(name=name, kind="hf-dir", config=config, path=path, default_dtype=_config_dtype(config))
     if path.exists():
         raise SourceError(f"{path} is a file: a model source is a preset name or a directory with config.json")

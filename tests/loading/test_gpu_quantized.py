@@ -73,3 +73,23 @@ def test_same_as_transformers_with_the_same_library(small, scheme):
                            return_dict_in_generate=True)
     assert torch.equal(model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False), want.sequences)
     assert_same_greedy_tokens(devmap.generate(model, ids, max_new_tokens=8), want, ids.shape[1])
+
+
+@pytest.mark.parametrize("scheme", ["int4", "nf4"])
+def test_saved_4bit_checkpoint_is_read_back_by_transformers(small, scheme, tmp_path):
+    """What `devmap save --quantize` writes (write_quantized; the CLI path is tested on the CPU with int8):
+    transformers' from_pretrained reads the same stored 4-bit weights and computes the same logits."""
+    pytest.importorskip(LIBRARY[scheme])
+    from transformers import AutoModelForCausalLM
+
+    from devmap.loading.quantized_saver import write_quantized
+
+    model = devmap.load(small, device_map="balanced", quantization=scheme)
+    write_quantized(model, tmp_path, 2**30)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=dict(model.hf_device_map))
+    ours = dict(model.named_parameters())
+    for name, param in theirs.named_parameters():
+        assert all(torch.equal(a, b) for a, b in zip(stored_tensors(ours[name]), stored_tensors(param), strict=True))
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(3)).to("cuda:0")
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, model(ids).logits)

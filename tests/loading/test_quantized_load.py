@@ -110,3 +110,28 @@ def test_same_weights_and_tokens_as_transformers_with_torchao(tiny, int8_model):
                            return_dict_in_generate=True)
     assert torch.equal(int8_model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False), want.sequences)
     assert_same_greedy_tokens(devmap.generate(int8_model, ids, max_new_tokens=6), want, ids.shape[1])
+
+
+def test_saved_quantized_checkpoint_is_read_back_by_transformers(tiny, int8_model, tmp_path):
+    """`devmap save --quantize int8` writes torchao's layout with a quantization_config: transformers'
+    from_pretrained reads the same stored weights and computes the same logits; devmap refuses to load it
+    (it quantizes full-precision checkpoints itself) with a reason."""
+    from transformers import AutoModelForCausalLM
+
+    from devmap.loading.quantize import stored_tensors
+
+    out = tmp_path / "int8"
+    result = CliRunner().invoke(main, ["save", "llama-tiny", str(out), "--weights", str(tiny / "model.safetensors"),
+                                       "--quantize", "int8", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["quantization"] == "int8"
+    assert [p.name for p in tmp_path.iterdir()] == ["int8"]  # no temporary folder left beside it
+    theirs = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
+    ours = dict(int8_model.named_parameters())
+    for name, param in theirs.named_parameters():
+        assert all(torch.equal(a, b) for a, b in zip(stored_tensors(ours[name]), stored_tensors(param), strict=True))
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, int8_model(ids).logits)
+    refused = CliRunner().invoke(main, ["load", str(out)])
+    assert refused.exit_code == 2 and "pre-quantized" in refused.output
