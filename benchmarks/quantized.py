@@ -5,7 +5,8 @@ Run on nvidia-h200-x2 (torchao and bitsandbytes travel as wheels):
 For each scheme (int8 and int4: torchao; nf4: bitsandbytes) both systems load the same bf16 checkpoint (random
 weights, written once by devmap's saver, in the page cache) with `device_map="balanced"` over 2 GPUs, the peer
 with the same library and layout (`devmap.loading.quantize.transformers_config`):
-  warm   in this process, `--repeat` rounds with the systems interleaved, each until both GPUs synchronize
+  warm   in this process, `--repeat` rounds after an untimed first one (whichever system goes first there pays
+         the libraries' one-time CUDA set-up), systems interleaved, each until both GPUs synchronize
   cold   a fresh process per load (imports, then the call; the devmap CLI is one of the systems)
   W4     greedy, batch 32, prompt 64, 32 new tokens (no early stop): transformers' generate with its dynamic
          cache and with its static cache (auto-compiled decode), devmap.generate through its lanes, with CUDA
@@ -93,7 +94,7 @@ LOADERS = {"devmap": load_devmap, "transformers": load_transformers}
 
 def warm_loads(path: Path, scheme: str, rounds: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in LOADERS}
-    for _ in range(rounds):
+    for _ in range(rounds + 1):
         for name, loader in LOADERS.items():
             model, seconds = timed(lambda: loader(path, scheme))  # noqa: B023
             times[name].append(seconds)
@@ -216,11 +217,8 @@ def report(model: str, results: dict[str, Any]) -> None:
     print("| scheme | load | devmap s | transformers s | transformers ÷ devmap |\n|---|---|---|---|---|")
     for scheme, r in results.items():
         warm = {k: min(v[1:] or v) for k, v in r["warm"].items()}
-        first = {k: v[0] for k, v in r["warm"].items()}
         print(f"| {scheme} | warm (best after the first) | {warm['devmap']:.2f} | {warm['transformers']:.2f} | "
               f"**{warm['transformers'] / warm['devmap']:.2f}×** |")
-        print(f"| {scheme} | first in process | {first['devmap']:.2f} | {first['transformers']:.2f} | "
-              f"{first['transformers'] / first['devmap']:.2f}× |")
         if r["cold"]:
             best = {k: {m: min(x[m] for x in v) for m in v[0]} for k, v in r["cold"].items()}
             d, t, c = best["devmap"], best["transformers"], best["devmap-cli"]
