@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
     parser.add_argument("--devmap-args", default="--device-map balanced",
                         help="extra flags of devmap serve (e.g. add --compile: each new batch shape compiles)")
+    parser.add_argument("--rejoin-ms", type=float, default=100.0,
+                        help="--rejoin-after-ms of the system devmap+rejoin (add it to --systems)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
@@ -165,10 +167,11 @@ def main() -> None:
                        check=True, stdout=subprocess.DEVNULL)
         for system in args.systems.split(","):
             port = free_port()
-            if system == "devmap":
+            if system.startswith("devmap"):
+                rejoin = ["--rejoin-after-ms", str(args.rejoin_ms)] if system == "devmap+rejoin" else []
                 command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype",
                            "bfloat16", "--log-level", "debug", "--max-queue", "4096",
-                           *args.devmap_args.split()]
+                           *args.devmap_args.split(), *rejoin]
                 model = path.name
             else:
                 command, model = transformers_command(path, port), str(path)
@@ -177,9 +180,9 @@ def main() -> None:
                     row = asyncio.run(load_test(url, model, clients, args.seconds, args.new, seed=clients,
                                               lengths=[int(w) for w in args.prompt_words.split(",")]))
                     rows.setdefault(system, []).append(row)
-                    if args.out and system == "devmap":  # batch sizes and first-token times as the server saw them
+                    if args.out and system.startswith("devmap"):  # batch sizes and first-token times as the server saw them
                         Path(args.out).mkdir(parents=True, exist_ok=True)
-                        (Path(args.out) / f"metrics_{args.model}_{clients}.txt").write_text(
+                        (Path(args.out) / f"metrics_{system}_{args.model}_{clients}.txt").write_text(
                             httpx.get(url + "/metrics", timeout=10).text)
                     print(f"  {system} {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
                           f"ttft p50 {row['ttft_p50']} p99 {row['ttft_p99']}", flush=True)

@@ -61,6 +61,10 @@ class EngineLimits:
     max_batch_wait: float = 0.05  # but starts at the latest this long after its oldest request or the last batch
     length_bucket: int = 32  # prompts are left-padded to a multiple of this, new tokens rounded up to one
     graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
+    rejoin_after: float | None = None  # when a request that could join the running batch has waited this long
+    # (seconds) and the batch has run as long, the batch stops between two steps and its unfinished requests
+    # continue in the next one together with the waiting ones (their prompt + tokens so far prefilled again:
+    # recompute, as vLLM's preemption does). None: a batch runs to its end. Seeded sampling never rejoins.
 
 
 @dataclass
@@ -91,6 +95,7 @@ class Job:
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
     stopped: bool = False  # a stop string ended it
+    resumed: bool = False  # a batch stopped before it ended, and it waits to continue (counted out of the queue)
 
     def emit(self, *event: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -211,6 +216,8 @@ class Engine:
         # waits for them (at most max_batch_wait after the later of its oldest request and that finish); then
         # it takes requests until none has come for batch_wait.
         latest = max(self._waiting[0].arrived, self._last_done) + self.limits.max_batch_wait
+        if any(j.resumed for j in self._waiting):  # a batch stopped for the waiting ones: go on at once
+            latest = 0.0
         while len(self._waiting) < self.limits.max_batch:
             left = latest - time.perf_counter()
             back = sum(j.arrived > self._last_start for j in self._waiting)
@@ -224,10 +231,35 @@ class Engine:
         batch = [j for j in self._waiting if (j.model_id, j.params.batch_key()) == key][: self.limits.max_batch]
         chosen = {id(j) for j in batch}
         self._waiting = [j for j in self._waiting if id(j) not in chosen]
+        fresh = sum(not j.resumed for j in batch)
         with self._count:
-            self._pending -= len(batch)
-        self.metrics.queue_depth.dec(len(batch))
+            self._pending -= fresh
+        self.metrics.queue_depth.dec(fresh)
+        for job in batch:
+            job.resumed = False
         return [j for j in batch if not j.cancelled.is_set()]
+
+    def _rejoin_check(self, jobs: list[Job]) -> Any:
+        """For a batch of `jobs`: a function of the batch's start time that says whether to stop it now, so that
+        a request of the same model and sampling which waited `rejoin_after` joins (None: this batch never stops)."""
+        wait = self.limits.rejoin_after
+        key = (jobs[0].model_id, jobs[0].params.batch_key())
+        if wait is None or (jobs[0].params.temperature != 0 and jobs[0].params.seed is not None):
+            return None
+
+        def check(started: float) -> bool:
+            now = time.perf_counter()
+            if now - started < wait:
+                return False
+            while True:  # this is the worker thread: it may move queued requests to the waiting list
+                try:
+                    self._waiting.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            return any(now - j.arrived >= wait and (j.model_id, j.params.batch_key()) == key
+                       and not j.cancelled.is_set() for j in self._waiting)
+
+        return check
 
     def _serve(self, jobs: list[Job]) -> None:
         try:
@@ -243,8 +275,15 @@ class Engine:
             with resident.busy:
                 resident.last_used = time.monotonic()
                 keep_shapes(resident.model, self.limits.graph_shapes)
-                _generate(resident, jobs, self.limits, self.metrics)
+                stopped = _generate(resident, jobs, self.limits, self.metrics, self._rejoin_check(jobs))
                 resident.last_used = time.monotonic()
+            if stopped:  # its unfinished requests go first in the next batch, with those that waited
+                going_on = [j for j in jobs if not j.finished and not j.cancelled.is_set()]
+                for job in going_on:
+                    job.resumed = True
+                self._waiting = going_on + self._waiting
+                self.metrics.rejoins.inc()
+                log.debug("batch stopped for waiting requests: %d continue", len(going_on))
         except Exception as exc:  # the batch failed: every request in it gets the reason, the service goes on
             failure = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
             for job in jobs:
@@ -256,8 +295,11 @@ class Engine:
             self._last_done = time.perf_counter()
 
 
-def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, metrics: ServiceMetrics) -> None:
-    """One devmap.generate call for the batch; tokens go to each job as the lanes produce them."""
+def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, metrics: ServiceMetrics,
+              stop_for_waiting: Any = None) -> bool:
+    """One devmap.generate call for the batch; tokens go to each job as the lanes produce them. A job that
+    continues a stopped batch starts from its prompt and the tokens it has. True when `stop_for_waiting(start)`
+    stopped the batch before its end (its unfinished jobs are left unfinished)."""
     from ..generation.api import generate
 
     tokenizer = resident.tokenizer
@@ -266,7 +308,9 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
     # batch shapes in buckets (rows: powers of two; lengths: multiples of length_bucket), so that a service
     # sees few shapes and replays their captured steps instead of capturing (or compiling) each new one
     rows = min(1 << (len(jobs) - 1).bit_length(), max(limits.max_batch, len(jobs)))
-    longest, most = max(len(j.prompt_ids) for j in jobs), max(j.params.max_tokens for j in jobs)
+    prompts = [j.prompt_ids + j.generated for j in jobs]
+    longest = max(len(p) for p in prompts)
+    most = max(j.params.max_tokens - len(j.generated) for j in jobs)
     length, new = _round_up(longest, limits.length_bucket), _round_up(most, limits.length_bucket)
     if resident.context:  # the bucket never costs a request its tokens (check() made longest + most fit)
         if length + most > resident.context:
@@ -275,16 +319,18 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
     ids = torch.full((rows, length), pad, dtype=torch.long)
     mask = torch.zeros((rows, length), dtype=torch.long)
     for row in range(rows):  # left padding: every row continues from its last column; extra rows repeat the first
-        prompt = jobs[row].prompt_ids if row < len(jobs) else jobs[0].prompt_ids
+        prompt = prompts[row] if row < len(jobs) else prompts[0]
         ids[row, length - len(prompt):] = torch.tensor(prompt)
         mask[row, length - len(prompt):] = 1
     params = jobs[0].params
 
-    started, first = time.perf_counter(), []
+    started, first, stopped = time.perf_counter(), [], []
 
     def on_tokens(lane_rows: slice, step: int, tokens: torch.Tensor) -> bool:
         if not first:
             first.append(time.perf_counter())
+        if not stopped and stop_for_waiting is not None and stop_for_waiting(started):
+            stopped.append(step)  # this step's tokens still count; the next ones are not asked for
         for offset, row in enumerate(range(lane_rows.start, min(lane_rows.stop, len(jobs)))):
             job = jobs[row]
             if job.finished or job.cancelled.is_set():
@@ -300,13 +346,13 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
                 _finish(job, "stop", resident, metrics)
             elif len(job.generated) >= job.params.max_tokens:
                 _finish(job, "length", resident, metrics)
-        return any(not j.finished and not j.cancelled.is_set() for j in jobs)
+        return not stopped and any(not j.finished and not j.cancelled.is_set() for j in jobs)
 
     generate(resident.model, ids, mask, max_new_tokens=new, lanes=limits.lanes,
              do_sample=params.temperature != 0, temperature=params.temperature or 1.0, top_k=params.top_k,
              top_p=params.top_p, seed=params.seed or 0, eos_token_id=eos, pad_token_id=pad,
              compile=limits.compile, on_tokens=on_tokens)
-    for job in jobs:  # ran into the context's end
+    for job in jobs if not stopped else ():  # ran into the context's end
         if not job.finished:
             _finish(job, "length", resident, metrics)
     if log.isEnabledFor(logging.DEBUG):
@@ -314,6 +360,7 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
         log.debug("batch of %d (rows %d, prompt %d, new %d): oldest waited %.0f ms, first tokens %.0f ms, "
                   "done %.0f ms", len(jobs), rows, length, new, 1000 * (started - min(j.arrived for j in jobs)),
                   1000 * ((first[0] if first else done) - started), 1000 * (done - started))
+    return bool(stopped)
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -154,3 +154,43 @@ def test_incremental_decoding_gives_the_whole_decode(registry):
     _decode_new(job, tokenizer, final=True)
     assert job.text == tokenizer.decode(ids, skip_special_tokens=True)
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+
+
+def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generate(registry):
+    """With rejoin_after, a long batch stops between steps for requests that came while it ran; its unfinished
+    request continues from its tokens so far (prefilled again) beside them, and every answer is still the one
+    devmap.generate gives alone."""
+    import torch
+
+    import devmap
+    from devmap.serving.engine import _eos_ids
+
+    resident = registry.get("tiny")
+    eos = _eos_ids(resident)
+    prompts = [[5 + (7 * i + k) % 300 for k in range(3 + i)] for i in range(10)]
+    lengths = [40] + [6 + i for i in range(1, 10)]
+
+    def alone(ids: list[int], new: int) -> str:
+        out = devmap.generate(resident.model, torch.tensor([ids]), max_new_tokens=new, eos_token_id=eos,
+                              pad_token_id=eos[0])[0, len(ids):].tolist()
+        return resident.tokenizer.decode([t for t in out[:next((k for k, t in enumerate(out) if t in eos), len(out))]],
+                                         skip_special_tokens=True)
+
+    engine = Engine(registry, EngineLimits(rejoin_after=1e-3))
+    engine.start()
+
+    async def staggered() -> list:
+        long = engine.submit("tiny", prompts[0], GenerationParams(max_tokens=lengths[0], temperature=0))
+        stream = engine.stream(long)
+        text = await stream.__anext__()  # the long batch runs now: the others arrive while it does
+        others = [asyncio.ensure_future(engine.complete("tiny", p, GenerationParams(max_tokens=n, temperature=0)))
+                  for p, n in zip(prompts[1:], lengths[1:])]
+        text += "".join([piece async for piece in stream])
+        return [text, *[c.text for c in await asyncio.gather(*others)]]
+
+    try:
+        answers = asyncio.run(staggered())
+    finally:
+        engine.close(timeout=60)
+    assert answers == [alone(p, n) for p, n in zip(prompts, lengths)]
+    assert engine.metrics.rejoins._value.get() >= 1
