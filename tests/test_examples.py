@@ -14,6 +14,7 @@ SMALL = {
     "llama_save_load_generate.py": ["--out", "{tmp}"],
     "tutorial_comparison.py": ["--out", "{tmp}", "--small"],
     "serve_openai_client.py": ["--out", "{tmp}"],
+    "quantized_load_save.py": ["--out", "{tmp}"],
 }
 
 
