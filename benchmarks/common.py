@@ -83,3 +83,23 @@ def phases(model: nn.Module, devices: list[torch.device], cfg: HarnessConfig, ca
             torch.cuda.synchronize(d)
         mark("sync", t)
     return {k: 1000 * v / (calls * cfg.num_batches) for k, v in spent.items()}
+
+
+def cold_process(command: list[str], label: str) -> dict[str, float]:
+    """Run `command` as one fresh process: its wall time (`process_s`) and what it reports on its last stdout line
+    (a cold-load script's JSON; for `devmap load --json`, its load seconds as `call_s`)."""
+    import json
+    import subprocess
+
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"cold {label} failed: {result.stderr.strip()[-2000:]}")
+    row = {"process_s": wall}
+    try:
+        reported = json.loads(result.stdout)  # the CLI's one JSON object
+    except json.JSONDecodeError:
+        reported = json.loads(result.stdout.strip().splitlines()[-1])
+    row.update({"call_s": reported["load"]["seconds"]} if "load" in reported else reported)
+    return row

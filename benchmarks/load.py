@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import cold_process
 
 
 def raw_read(files: list[Path], block: int = 64 * 2**20) -> float:
@@ -90,7 +91,6 @@ print(json.dumps({{"imports_s": imported - start, "call_s": done - imported, "st
 
 def run_cold(path: Path, strategy: str, systems: list[str], rounds: int) -> dict[str, list[dict[str, float]]]:
     """Each system `rounds` times as a fresh process, rounds interleaved; the devmap CLI is one of the systems."""
-    import subprocess
     import sys
 
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
@@ -102,16 +102,7 @@ def run_cold(path: Path, strategy: str, systems: list[str], rounds: int) -> dict
                            "bf16", "--json"]
             else:
                 command = [sys.executable, "-c", script, name, str(path), strategy]
-            start = time.perf_counter()
-            result = subprocess.run(command, capture_output=True, text=True)
-            wall = time.perf_counter() - start
-            if result.returncode != 0:
-                raise RuntimeError(f"{name} failed: {result.stderr.strip().splitlines()[-1:]}")
-            row = {"process_s": wall}
-            if name == "devmap-cli":
-                row["call_s"] = json.loads(result.stdout)["load"]["seconds"]
-            else:
-                row.update(json.loads(result.stdout.strip().splitlines()[-1]))
+            row = cold_process(command, name)
             runs[name].append(row)
             print(f"cold {name}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     return runs

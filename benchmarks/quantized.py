@@ -20,13 +20,13 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from common import cold_process
 
 SCHEMES = ("int8", "int4", "nf4")
 COLD_SCRIPT = """
@@ -115,16 +115,7 @@ def cold_loads(path: Path, scheme: str, rounds: int) -> dict[str, list[dict[str,
                            "--quantize", scheme, "--json"]
             else:
                 command = [sys.executable, "-c", COLD_SCRIPT, name, str(path), scheme]
-            start = time.perf_counter()
-            result = subprocess.run(command, capture_output=True, text=True)
-            wall = time.perf_counter() - start
-            if result.returncode != 0:
-                raise RuntimeError(f"cold {name} {scheme} failed: {result.stderr.strip()[-2000:]}")
-            row = {"process_s": wall}
-            if name == "devmap-cli":
-                row["call_s"] = json.loads(result.stdout)["load"]["seconds"]
-            else:
-                row.update(json.loads(result.stdout.strip().splitlines()[-1]))
+            row = cold_process(command, f"{name} {scheme}")
             runs[name].append(row)
             print(f"  cold {scheme} {name}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     return runs
