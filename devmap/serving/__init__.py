@@ -8,7 +8,8 @@ CLI imports this package.
 
 from __future__ import annotations
 
-from .engine import Engine, EngineLimits, GenerationParams
+from .engine import Engine, EngineLimits
+from .jobs import GenerationParams
 from .registry import ModelRegistry, ResidentModel
 
 __all__ = ["Engine", "EngineLimits", "GenerationParams", "ModelRegistry", "ResidentModel"]

@@ -16,7 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .engine import Engine, Job
+from .engine import Engine
+from .jobs import Job
 from .errors import ServiceError
 from .protocol import (ChatRequest, CompletionRequest, LoadRequest, chat_body, chat_chunk, completion_body,
                        error_body, new_id, usage)

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import torch
@@ -20,27 +20,11 @@ import torch
 from ..generation.step_cache import keep_shapes
 from .errors import GenerationFailed, QueueFull, RequestTimeout, ServiceError, ShuttingDown
 from .metrics import ServiceMetrics
+from .jobs import Completion, GenerationParams, Job
+from .text_stream import eos_ids, finish_job, send_text
 from .registry import ModelRegistry, ResidentModel
 
 log = logging.getLogger("devmap.serving")
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """What a request asks for: temperature 0 is greedy decoding (transformers' tokens)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    def batch_key(self) -> tuple:
-        """Requests batch together when they decode the same way (one sampling setting per generate call)."""
-        if self.temperature == 0:
-            return ("greedy",)
-        return ("sample", self.temperature, self.top_p, self.top_k, self.seed)
 
 
 @dataclass(frozen=True)
@@ -65,40 +49,6 @@ class EngineLimits:
     # (seconds) and the batch has run as long, the batch stops between two steps and its unfinished requests
     # continue in the next one together with the waiting ones (their prompt + tokens so far prefilled again:
     # recompute, as vLLM's preemption does). None: a batch runs to its end. Seeded sampling never rejoins.
-
-
-@dataclass
-class Completion:
-    """A finished request: its text, why it ended ("stop" or "length") and the token counts."""
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass
-class Job:
-    """One request on its way through the engine; events go to `events` on the request's event loop."""
-
-    model_id: str
-    prompt_ids: list[int]
-    params: GenerationParams
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrived: float = field(default_factory=time.perf_counter)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    generated: list[int] = field(default_factory=list)
-    text: str = ""  # decoded so far (up to the last complete character)
-    sent: str = ""  # emitted so far (a prefix of text)
-    decoded: tuple[int, int] = (0, 0)  # token offsets: start of the decode window, end of what text covers
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
-    stopped: bool = False  # a stop string ended it
-    resumed: bool = False  # a batch stopped before it ended, and it waits to continue (counted out of the queue)
-
-    def emit(self, *event: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 class Engine:
@@ -303,7 +253,7 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
     from ..generation.api import generate
 
     tokenizer = resident.tokenizer
-    eos = _eos_ids(resident)
+    eos = eos_ids(resident)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     # batch shapes in buckets (rows: powers of two; lengths: multiples of length_bucket), so that a service
     # sees few shapes and replays their captured steps instead of capturing (or compiling) each new one
@@ -337,15 +287,15 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
                 continue
             token = int(tokens[offset])
             if token in eos:
-                _finish(job, "stop", resident, metrics)
+                finish_job(job, "stop", resident, metrics)
                 continue
             job.generated.append(token)
             if len(job.generated) == 1:
                 metrics.first_token.observe(time.perf_counter() - job.arrived)
-            if _send_text(job, tokenizer):
-                _finish(job, "stop", resident, metrics)
+            if send_text(job, tokenizer):
+                finish_job(job, "stop", resident, metrics)
             elif len(job.generated) >= job.params.max_tokens:
-                _finish(job, "length", resident, metrics)
+                finish_job(job, "length", resident, metrics)
         return not stopped and any(not j.finished and not j.cancelled.is_set() for j in jobs)
 
     generate(resident.model, ids, mask, max_new_tokens=new, lanes=limits.lanes,
@@ -354,7 +304,7 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
              compile=limits.compile, on_tokens=on_tokens)
     for job in jobs if not stopped else ():  # ran into the context's end
         if not job.finished:
-            _finish(job, "length", resident, metrics)
+            finish_job(job, "length", resident, metrics)
     if log.isEnabledFor(logging.DEBUG):
         done = time.perf_counter()
         log.debug("batch of %d (rows %d, prompt %d, new %d): oldest waited %.0f ms, first tokens %.0f ms, "
@@ -365,57 +315,3 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple if multiple > 1 else value
-
-
-def _decode_new(job: Job, tokenizer: Any, final: bool = False) -> None:
-    """Extend `job.text` by what the new tokens add, decoding a short window of tokens instead of the whole
-    output each step (the host thread that runs this also issues the GPUs' work). The window starts one update
-    back, so a token's leading space is decoded the way a whole-sequence decode does; an incomplete multi-byte
-    character waits for its next token (unless `final`)."""
-    start, end = job.decoded
-    before = tokenizer.decode(job.generated[start:end], skip_special_tokens=True)
-    after = tokenizer.decode(job.generated[start:], skip_special_tokens=True)
-    if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-        job.text += after[len(before):]
-        job.decoded = (end, len(job.generated))
-
-
-def _send_text(job: Job, tokenizer: Any) -> bool:
-    """Emit the text the job's tokens add (held back while it may be the start of a stop string); True when a
-    stop string appeared (the text before it is sent, the rest never)."""
-    _decode_new(job, tokenizer)
-    text = job.text
-    for stop in job.params.stop:
-        at = text.find(stop, max(len(job.sent) - len(stop), 0)) if stop else -1
-        if at >= 0:
-            if at > len(job.sent):
-                job.emit("text", text[len(job.sent):at])
-            job.sent = text[:at]
-            job.stopped = True
-            return True
-    ready = len(text) - max((len(s) - 1 for s in job.params.stop), default=0)
-    if ready > len(job.sent):
-        job.emit("text", text[len(job.sent):ready])
-        job.sent = text[:ready]
-    return False
-
-
-def _finish(job: Job, reason: str, resident: ResidentModel, metrics: ServiceMetrics) -> None:
-    """Send the text held back (unless a stop string ended it) and end the job's stream."""
-    if not job.stopped:
-        _decode_new(job, resident.tokenizer, final=True)
-        if len(job.text) > len(job.sent):
-            job.emit("text", job.text[len(job.sent):])
-            job.sent = job.text
-    job.finished = True
-    metrics.completion_tokens.labels(model=job.model_id).inc(len(job.generated))
-    job.emit("done", reason)
-
-
-def _eos_ids(resident: ResidentModel) -> list[int]:
-    config = getattr(resident.model, "generation_config", None) or resident.model.config
-    eos = getattr(config, "eos_token_id", None)
-    ids = [eos] if isinstance(eos, int) else list(eos or [])
-    if resident.tokenizer.eos_token_id is not None and resident.tokenizer.eos_token_id not in ids:
-        ids.append(resident.tokenizer.eos_token_id)
-    return ids

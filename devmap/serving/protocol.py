@@ -8,7 +8,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .engine import GenerationParams
+from .jobs import GenerationParams
 
 
 class _Request(BaseModel):

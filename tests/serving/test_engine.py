@@ -140,7 +140,8 @@ def test_shape_buckets_never_cost_a_request_its_tokens(registry):
 def test_incremental_decoding_gives_the_whole_decode(registry):
     import asyncio as _asyncio
 
-    from devmap.serving.engine import Job, _decode_new
+    from devmap.serving.engine import Job
+    from devmap.serving.text_stream import decode_new
 
     tokenizer = registry.get("tiny").tokenizer
     ids = tokenizer("héllo wörld ✓ the quick brown fox, (100) — ok", add_special_tokens=False)["input_ids"]
@@ -148,10 +149,10 @@ def test_incremental_decoding_gives_the_whole_decode(registry):
     seen = []
     for token in ids:
         job.generated.append(token)
-        _decode_new(job, tokenizer)
+        decode_new(job, tokenizer)
         seen.append(job.text)
         assert "\ufffd" not in job.text  # a half character waits for its next byte
-    _decode_new(job, tokenizer, final=True)
+    decode_new(job, tokenizer, final=True)
     assert job.text == tokenizer.decode(ids, skip_special_tokens=True)
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
 
@@ -163,10 +164,10 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
     import torch
 
     import devmap
-    from devmap.serving.engine import _eos_ids
+    from devmap.serving.text_stream import eos_ids
 
     resident = registry.get("tiny")
-    eos = _eos_ids(resident)
+    eos = eos_ids(resident)
     prompts = [[5 + (7 * i + k) % 300 for k in range(3 + i)] for i in range(10)]
     lengths = [40] + [6 + i for i in range(1, 10)]
 

@@ -1,0 +1,61 @@
+"""What a request is on its way through the engine: its generation parameters, its state, its finished form."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What a request asks for: temperature 0 is greedy decoding (transformers' tokens)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def batch_key(self) -> tuple:
+        """Requests batch together when they decode the same way (one sampling setting per generate call)."""
+        if self.temperature == 0:
+            return ("greedy",)
+        return ("sample", self.temperature, self.top_p, self.top_k, self.seed)
+
+
+@dataclass
+class Completion:
+    """A finished request: its text, why it ended ("stop" or "length") and the token counts."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Job:
+    """One request on its way through the engine; events go to `events` on the request's event loop."""
+
+    model_id: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    generated: list[int] = field(default_factory=list)
+    text: str = ""  # decoded so far (up to the last complete character)
+    sent: str = ""  # emitted so far (a prefix of text)
+    decoded: tuple[int, int] = (0, 0)  # token offsets: start of the decode window, end of what text covers
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+    stopped: bool = False  # a stop string ended it
+    resumed: bool = False  # a batch stopped before it ended, and it waits to continue (counted out of the queue)
+
+    def emit(self, *event: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
