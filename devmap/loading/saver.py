@@ -75,19 +75,19 @@ def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch
     transformers' `from_pretrained` reads back (its `quantization_config` in config.json).
     """
     src = _preset(source)
-    if quantization is not None:
-        from ..planning.quantization import resolve_quantization
-
-        quantized, target = resolve_quantization(quantization, parse_dtype(dtype), src)
-        if quantized is not None:
-            return _save_quantized(src, Path(out_dir).expanduser().absolute(), target, max_shard_size, seed,
-                                   weights, overwrite, progress, quantized, device_map)
-    target = parse_dtype(dtype) or src.default_dtype
     limit = parse_size(max_shard_size, what="max shard size")
     if limit <= 0:
         raise UsageError(f"invalid max shard size {max_shard_size!r}: it must be above 0, e.g. 5GB or 500MB")
     out = Path(out_dir).expanduser().absolute()
     _check_destination(out, overwrite)
+    if quantization is not None:
+        from ..planning.quantization import resolve_quantization
+
+        quantized, target = resolve_quantization(quantization, parse_dtype(dtype), src)
+        if quantized is not None:
+            return _save_quantized(src, out, target, max_shard_size, limit, seed, weights, progress, quantized,
+                                   device_map)
+    target = parse_dtype(dtype) or src.default_dtype
 
     model = src.build("meta")
     entries, aliases = _plan_tensors(model, target)
@@ -120,8 +120,8 @@ def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch
                       dtype=dtype_name(target), sharded=len(shards) > 1)
 
 
-def _save_quantized(src: ModelSource, out: Path, target: torch.dtype, max_shard_size: Size, seed: int,
-                    weights: Union[str, Path, None], overwrite: bool, progress: Progress | None, quantization: Any,
+def _save_quantized(src: ModelSource, out: Path, target: torch.dtype, max_shard_size: Size, limit: int, seed: int,
+                    weights: Union[str, Path, None], progress: Progress | None, quantization: Any,
                     device_map: Any) -> SaveResult:
     """Write the full-precision checkpoint next to `out`, load it quantized, write that, and install it at `out`."""
     import gc
@@ -129,10 +129,6 @@ def _save_quantized(src: ModelSource, out: Path, target: torch.dtype, max_shard_
     from .loader import load
     from .quantized_saver import write_quantized
 
-    limit = parse_size(max_shard_size, what="max shard size")
-    if limit <= 0:
-        raise UsageError(f"invalid max shard size {max_shard_size!r}: it must be above 0, e.g. 5GB or 500MB")
-    _check_destination(out, overwrite)
     plain = _make_temp(out, 0)
     tmp = None
     model = None

@@ -167,9 +167,10 @@ def place(
     `special` are sized at their dtype (quantized weights), `sizes` (default: module_sizes) are what the GPUs'
     caps are checked against. Accelerate may put the overflow on "disk" even where `limits` has no disk: the
     caller checks that."""
-    accelerates = module_sizes(model, dtype, special)
-    sizes = sizes if sizes is not None else accelerates
-    seen = accelerates[""] / sizes[""] if sizes[""] else 1.0
+    if sizes is None:
+        sizes, seen = module_sizes(model, dtype, special), 1.0
+    else:  # the caller's sizes may count bytes accelerate does not see (quantization scales): only with `special`
+        seen = module_sizes(model, dtype, special)[""] / sizes[""] if special and sizes[""] else 1.0
     gpus = [k for k in limits if isinstance(k, int) and limits[k] > 0]
     if gpus:
         if strategy == "sequential":
