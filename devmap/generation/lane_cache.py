@@ -58,28 +58,54 @@ class LaneCache:
         return keys, values
 
 
+class RowWriter:
+    """The cache a joining request's prompt is prefilled with (continuous batching): each layer's keys and values
+    of its one row go straight into row `row` of the lane's `LaneCache`, at the columns that end where the lane's
+    next token will be written, and attention runs over the prompt alone with its usual causal mask."""
+
+    def __init__(self, cache: LaneCache, row: int, end: int) -> None:
+        self.cache, self.row, self.end = cache, row, end
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.end - key.shape[2]
+        self.cache.keys[layer_idx][self.row:self.row + 1, :, start:self.end].copy_(key)
+        self.cache.values[layer_idx][self.row:self.row + 1, :, start:self.end].copy_(value)
+        return key, value
+
+
 class DecodeInputs:
     """What a decode step needs besides the hidden state, derived on the device from the lane's slot.
 
     `prompt_mask` (rows × prompt length, 1 for attended tokens) fixes each row's left padding; a token written
-    at slot s sits at position (attended prompt tokens) + (s - prompt length), as transformers counts them.
+    at slot s sits at position (attended prompt tokens) + (s - prompt length), as transformers counts them:
+    each row keeps that offset, so the captured step does not depend on the prompt's length.
     """
 
     def __init__(self, cache: LaneCache, prompt_mask: torch.Tensor, float_mask_dtype: torch.dtype | None) -> None:
-        device, length = cache.device, prompt_mask.shape[1]
-        self.cache, self.prompt_len = cache, length
+        device = cache.device
+        self.cache = cache
         self.attended = torch.ones(prompt_mask.shape[0], cache.max_len, dtype=torch.bool, device=device)
-        self.first_position = torch.zeros(prompt_mask.shape[0], 1, dtype=torch.long, device=device)
+        self.offset = torch.zeros(prompt_mask.shape[0], 1, dtype=torch.long, device=device)
         self.columns = torch.arange(cache.max_len, device=device)
         self.float_mask_dtype = float_mask_dtype  # eager attention adds its mask; sdpa takes booleans
         self.reset(prompt_mask)
 
     def reset(self, prompt_mask: torch.Tensor) -> None:
-        """A new prompt of the same shape: its padding, and the cache back to prefilling."""
+        """A new prompt (any length up to the cache's): its padding, and the cache back to prefilling."""
         mask = prompt_mask.to(self.cache.device)
-        self.attended[:, :self.prompt_len].copy_(mask.bool())
-        self.first_position.copy_(mask.long().sum(-1, keepdim=True))
+        length = mask.shape[1]
+        self.attended[:, :length].copy_(mask.bool())
+        self.attended[:, length:].fill_(True)
+        self.offset.copy_(mask.long().sum(-1, keepdim=True) - length)
         self.cache.prefilling = True
+
+    def join(self, row: int, prompt_len: int, slot: int) -> None:
+        """Row `row` now holds a prompt of `prompt_len` tokens written just before `slot` (continuous batching):
+        it attends to those columns and the ones it writes from `slot` on, its next token at position `prompt_len`."""
+        self.attended[row].fill_(False)
+        self.attended[row, slot - prompt_len:].fill_(True)
+        self.offset[row].fill_(prompt_len - slot)
 
     def mask(self) -> torch.Tensor:
         keep = (self.attended & (self.columns <= self.cache.slot))[:, None, None, :]
@@ -89,4 +115,4 @@ class DecodeInputs:
         return torch.where(keep, zero, torch.finfo(self.float_mask_dtype).min)
 
     def position_ids(self) -> torch.Tensor:
-        return self.first_position + (self.cache.slot - self.prompt_len)
+        return self.offset + self.cache.slot

@@ -34,6 +34,7 @@ class Lane:
     padded: bool
     caches: list[LaneCache] = field(default_factory=list)  # per stage
     steps: list[GraphedStep] = field(default_factory=list)  # decode step per stage
+    inputs: list[DecodeInputs] = field(default_factory=list)  # decode-step inputs per stage
     tokens: list[torch.Tensor] = field(default_factory=list)
     unfinished: list[torch.Tensor] = field(default_factory=list)  # after each token: rows still generating
     ended: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # (event, host flag "all rows ended")
@@ -104,7 +105,7 @@ class LaneRunner:
                     position_ids = torch.arange(length, device=device).expand(rows, length)
                     self._plain[(rows, length)] = self.s.prompt_context(None, position_ids, like)
                 context = self._plain[(rows, length)]
-            lane.prompt = {"context": context, "ready": _record(first)}
+            lane.prompt = {"context": context, "ready": record_event(first)}
         return lane.prompt
 
     def through(self, lane: Lane, caches: bool) -> torch.Tensor:
@@ -123,7 +124,7 @@ class LaneRunner:
                     hidden = hidden.to(stage.device)
                     context = {k: _move(v, None, stage.device, j, self.streams, None) for k, v in context.items()}
                 hidden = self.s.run(j, hidden, context, lane.caches[j] if caches else None)
-                event = _record(compute)
+                event = record_event(compute)
         return hidden
 
     def forward(self, cache: StepCache | None, out: torch.Tensor) -> None:
@@ -142,7 +143,7 @@ class LaneRunner:
             cut = hidden.shape[0] // 2 if front is not None else 0
             with self.on(last) as compute:
                 self.s.head_into(hidden[cut:], out[lane.rows][cut:])
-                event = _record(compute)
+                event = record_event(compute)
             if cut:  # the first stage, which has no head, projects the other half of the lane's rows
                 self.front_rows(front, hidden[:cut], event, out[lane.rows][:cut])
 
@@ -170,7 +171,7 @@ class LaneRunner:
             logits = torch.empty(out.shape, dtype=out.dtype, device=device)
             front.into(hidden, logits)
             gather = self.streams.get("gather", pseudo, out.device) if out.is_cuda else None
-            copy_into(out, logits, _record(stream), pseudo, self.streams, gather)
+            copy_into(out, logits, record_event(stream), pseudo, self.streams, gather)
 
     def through_graphed(self, k: int, lane: Lane, entries: dict, cache: StepCache, caches: bool = False
                         ) -> torch.Tensor:
@@ -194,7 +195,7 @@ class LaneRunner:
                 if static_mask is not None:
                     copy_into(static_mask, mask, ready, j, self.streams, compute)
                 out = step()
-                event = _record(compute)
+                event = record_event(compute)
         return out
 
     def prefill_step(self, j: int, rows: int, length: int, mask: torch.Tensor | None, cache: StepCache,
@@ -227,8 +228,8 @@ class LaneRunner:
         """The lane's static caches and decode steps on every stage (kept from an earlier call of the same
         shapes when `entries` has them)."""
         if entries is not None and k in entries:
-            lane.caches, lane.steps, inputs = entries[k]
-            for item in inputs:
+            lane.caches, lane.steps, lane.inputs = entries[k]
+            for item in lane.inputs:
                 item.reset(lane.mask)
             return
         float_mask = self.s.float_mask_dtype()
@@ -252,6 +253,7 @@ class LaneRunner:
             lane.caches.append(lane_cache)
             body = self._compiled(lambda x, j=j, item=inputs[-1]: self.s.decode(j, x, item))
             lane.steps.append(GraphedStep(body, static_in, graphed, pool, capture))
+        lane.inputs = inputs
         if entries is not None:
             entries[k] = (lane.caches, lane.steps, inputs)
 
@@ -276,15 +278,15 @@ class LaneRunner:
                 unfinished = unfinished & ~torch.isin(token, eos_ids)
                 flag = torch.empty((), dtype=torch.bool, pin_memory=token.is_cuda)
                 flag.copy_(~unfinished.any(), non_blocking=True)
-                lane.ended.append((_record(compute), flag))
+                lane.ended.append((record_event(compute), flag))
             lane.tokens.append(token)
             lane.unfinished.append(unfinished)
             if on_tokens is not None:  # the host reads them EOS_CHECK_LAG steps later, when they surely are there
                 host = torch.empty(token.shape, dtype=token.dtype, pin_memory=token.is_cuda)
                 host.copy_(token, non_blocking=True)
-                lane.undelivered.append((step, _record(compute), host))
+                lane.undelivered.append((step, record_event(compute), host))
             if step + 1 < max_new_tokens:  # stage 0 waits for it only right before the lane's next step
-                lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, _record(compute), 0,
+                lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, record_event(compute), 0,
                                               self.streams)
 
         for k, lane in enumerate(self.lanes):  # prefill, lane after lane: the stages overlap on different lanes
@@ -312,7 +314,7 @@ class LaneRunner:
                         elif lane.token_ready is not None:
                             compute.wait_event(lane.token_ready)
                         out = lane.steps[j]()
-                        event = _record(compute)
+                        event = record_event(compute)
                 with self.on(last) as compute:
                     finish(lane, out, compute, step)
         if on_tokens is not None:
@@ -354,7 +356,7 @@ def _ended(lane: Lane, step: int) -> bool:
     return bool(flag)
 
 
-def _record(stream: Any) -> Any:
+def record_event(stream: Any) -> Any:
     if stream is None:
         return None
     event = torch.cuda.Event()

@@ -23,6 +23,7 @@ class StepCache:
 
     def __init__(self, capacity: int = 1) -> None:
         self.capacity = capacity
+        self.fixed = False  # its capacity was chosen by its kind of call, not by keep_shapes
         self.signature: Any = None
         self.pointers: tuple[int, ...] = ()
         self.entries: dict[Any, Any] = {}
@@ -58,9 +59,13 @@ class StepCache:
         return self.pools[device]
 
 
-def step_cache(model: nn.Module, kind: str) -> StepCache:
+def step_cache(model: nn.Module, kind: str, capacity: int | None = None) -> StepCache:
+    """The model's cache of this kind of call; `capacity` (else `keep_shapes`'s count, else 1) for a new one."""
     caches = model.__dict__.setdefault(_ATTRIBUTE, {})
-    return caches.setdefault(kind, StepCache(model.__dict__.get("_devmap_keep_shapes", 1)))
+    if kind not in caches:
+        caches[kind] = StepCache(capacity or model.__dict__.get("_devmap_keep_shapes", 1))
+        caches[kind].fixed = capacity is not None
+    return caches[kind]
 
 
 def keep_shapes(model: nn.Module, count: int) -> None:
@@ -70,7 +75,8 @@ def keep_shapes(model: nn.Module, count: int) -> None:
         raise ValueError(f"keep_shapes needs a count of at least 1, got {count}")
     model.__dict__["_devmap_keep_shapes"] = count
     for cache in model.__dict__.get(_ATTRIBUTE, {}).values():
-        cache.capacity = count
+        if not cache.fixed:
+            cache.capacity = count
 
 
 def weight_pointers(model: nn.Module) -> tuple[int, ...]:

@@ -1,0 +1,222 @@
+"""Continuous batching over devmap's lanes: a fixed set of rows decodes step after step, and a new request takes a
+free row between two steps instead of waiting for the whole batch to end.
+
+A joining request's prompt is prefilled alone (one row, no padding: no host reads) through every stage, its keys
+and values written into its row's columns right before the lanes' shared cache slot; its row's mask and position
+offset are reset on every stage, and its first token replaces the row's input of the next step. All of it is
+issued in stream order between the lanes' steps, so the decode steps stay the same replayed graphs (one capture
+per rows × cache length) and the host never waits for a GPU beyond the token hand-back's lag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .api import check_length
+from .causal_lm import CausalLMStages
+from ..errors import UsageError
+from .lane_cache import RowWriter
+from .lane_runner import EOS_CHECK_LAG, Lane, LaneRunner, record_event, split_lanes
+from .sampling import Sampling, choose
+from .step_cache import StepCache, step_cache, weight_pointers
+from ..pipelining.streams import copy_into, copy_later
+
+KEPT_SHAPES = 2  # (rows, cache length) shapes whose captured steps and KV caches stay on the model
+
+
+@dataclass
+class SlotRequest:
+    """A request for a row: its prompt (token ids), how many tokens it may generate, and whom they go to."""
+
+    prompt: list[int]
+    max_new: int
+    owner: Any
+
+
+Admit = Callable[[int, int, int], "list[SlotRequest] | None"]
+"""(free rows, the longest prompt that fits now, the most new tokens that fit now) -> the requests that start now
+(at most the free rows, each fitting), or None to end the run here (its unfinished owners are returned)."""
+Emit = Callable[[Any, int], bool]
+"""(owner, token) -> True when the owner needs no more tokens (it ended, or went away): its row becomes free."""
+
+
+@torch.no_grad()
+def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit, emit: Emit, *, rows: int,
+                        prompt_len: int, cache_len: int, lanes: int | None = None, sampling: Sampling | None = None,
+                        pad_token_id: int = 0, split_layers: list[int] | None = None, graphs: bool = True,
+                        compile: bool = False, keep_graphs: bool = True) -> list[Any]:
+    """Generate for `first` (left-padded to `prompt_len`) in `rows` rows, and for every request `admit` hands in
+    while the batch runs, each in a row that an earlier one freed; every token goes to `emit` in order (a couple of
+    steps behind the GPUs). Each row's cache holds `cache_len` tokens; a request joining when the lanes write
+    slot s needs prompt ≤ s and max_new ≤ cache_len - s + 1. Ends when every row is free and `admit` brings none,
+    or when `admit` returns None; returns the owners that had not finished then (to continue elsewhere, from their
+    prompt plus the tokens they got). Greedy tokens equal `devmap.generate` of each request alone."""
+    sampling = sampling or Sampling()
+    sampling.check()
+    if not first or len(first) > rows:
+        raise UsageError(f"a continuous batch starts with 1 to rows={rows} requests, got {len(first)}")
+    for request in first:
+        if not request.prompt or request.max_new < 1:
+            raise UsageError("every request needs a non-empty prompt and max_new >= 1")
+    longest, most = max(len(r.prompt) for r in first), max(r.max_new for r in first)
+    if prompt_len < longest or most > cache_len - prompt_len + 1:
+        raise UsageError(f"prompt_len={prompt_len} and cache_len={cache_len} do not hold prompts of {longest} "
+                         f"tokens and {most} new ones")
+    stages = CausalLMStages(model, split_layers)
+    check_length(model.config, cache_len)
+    stages.check_window(cache_len)
+    stages.float_mask_dtype()
+    ids = torch.full((rows, prompt_len), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((rows, prompt_len), dtype=torch.long)
+    for row in range(rows):  # rows nobody holds yet repeat the first prompt (their tokens go nowhere)
+        prompt = first[row].prompt if row < len(first) else first[0].prompt
+        ids[row, prompt_len - len(prompt):] = torch.tensor(prompt)
+        mask[row, prompt_len - len(prompt):] = 1
+    lane_list = split_lanes(stages, ids, mask, lanes, default=len(stages.stages))
+    run = LaneRunner(stages, lane_list, graphs, compile)
+    cache = step_cache(model, "continuous", KEPT_SHAPES) if run.graphs and keep_graphs else StepCache()
+    entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),
+                        weight_pointers(model))
+    owners = [r.owner for r in first] + [None] * (rows - len(first))
+    batch = ContinuousBatch(run, prompt_len, cache_len, sampling, emit)
+    with stages.hooks_bypassed():
+        for k, lane in enumerate(lane_list):
+            run.prepare_decode(k, lane, cache_len, entries, cache)
+        unfinished = batch.generate([owners[lane.rows] for lane in lane_list], admit)
+        run.streams.join([])
+    return unfinished
+
+
+class ContinuousBatch:
+    """The rows of one continuous run: who holds each row as work is issued, and as tokens come back."""
+
+    def __init__(self, run: LaneRunner, prompt_len: int, cache_len: int, sampling: Sampling, emit: Emit) -> None:
+        self.run, self.s = run, run.s
+        self.prompt_len, self.cache_len = prompt_len, cache_len
+        self.sampling, self.emit = sampling, emit
+        head = self.s.head_device
+        self.generator = torch.Generator(device=head).manual_seed(sampling.seed) if sampling.do_sample else None
+        self.lag = EOS_CHECK_LAG if head.type == "cuda" else 0
+        self.issued: list[list[Any]] = []  # per lane and row: whom the row's next tokens are for (None: free)
+        self.heard: list[list[Any]] = []  # the same, as the tokens come back to the host
+        # per lane, in issue order: (step, event, host tokens, None) for a step's tokens of every row, and
+        # (step, event, host token, (row, owner)) for a joining request's first token
+        self.pending: list[list[tuple[int, Any, torch.Tensor, Any]]] = []
+
+    def generate(self, owners: list[list[Any]], admit: Admit) -> list[Any]:
+        run, lanes, last = self.run, self.run.lanes, len(self.s.stages) - 1
+        self.issued, self.heard = owners, [list(held) for held in owners]
+        self.pending = [[] for _ in lanes]
+        run.start()
+        run.prompts()
+        for k, lane in enumerate(lanes):
+            hidden = run.through(lane, caches=True)
+            for j, lane_cache in enumerate(lane.caches):
+                with run.on(j):
+                    lane_cache.start_decoding(self.prompt_len)
+            with run.on(last):
+                self.finish(k, self.s.head(hidden[:, -1:, :])[:, -1].float(), 0)
+        for step in range(1, self.cache_len - self.prompt_len + 1):
+            self.deliver(step - 1 - self.lag)
+            slot = self.prompt_len + step - 1  # where this step writes its input token
+            free = [(k, row) for k, held in enumerate(self.issued) for row, owner in enumerate(held) if owner is None]
+            joining = admit(len(free), slot, self.cache_len - slot + 1)
+            if joining is None:
+                break
+            if len(joining) > len(free):
+                raise ValueError(f"admit returned {len(joining)} requests for {len(free)} free rows")
+            for request, (k, row) in zip(joining, free):
+                self.join(request, k, row, step, slot)
+            if all(owner is None for held in self.issued for owner in held):
+                break
+            for k, lane in enumerate(lanes):
+                self.finish(k, self.decode(lane), step)
+        self.deliver(None)
+        return [owner for held in self.heard for owner in held if owner is not None]
+
+    def decode(self, lane: Lane) -> torch.Tensor:
+        """One decode step of the lane through every stage; the last stage's float logits."""
+        run = self.run
+        out = event = None
+        for j in range(len(self.s.stages)):
+            with run.on(j) as compute:
+                if j > 0:
+                    copy_into(lane.steps[j].static_in, out, event, j, run.streams, compute)
+                elif lane.token_ready is not None:
+                    compute.wait_event(lane.token_ready)
+                out = lane.steps[j]()
+                event = record_event(compute)
+        return out
+
+    def finish(self, k: int, logits: torch.Tensor, step: int) -> None:
+        """The lane's next tokens (on the last stage's stream): to the host, and to stage 0 for the next step."""
+        lane = self.run.lanes[k]
+        with self.run.on(len(self.s.stages) - 1) as compute:
+            token = choose(logits, self.sampling, self.generator)
+            host = _to_host(token)
+            event = record_event(compute)
+        self.pending[k].append((step, event, host, None))
+        lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, event, 0, self.run.streams)
+
+    def join(self, request: SlotRequest, k: int, row: int, step: int, slot: int) -> None:
+        """Start `request` in row `row` of lane k before the lane's step `step`, which writes cache slot `slot`."""
+        length = len(request.prompt)
+        if not request.prompt or length > slot or not 1 <= request.max_new <= self.cache_len - slot + 1:
+            raise ValueError(f"a request of {length} prompt tokens and {request.max_new} new ones does not fit at "
+                             f"slot {slot} of a {self.cache_len}-token cache")
+        run, lane, last = self.run, self.run.lanes[k], len(self.s.stages) - 1
+        with run.on(0):  # on stage 0's stream, which embeds it next
+            ids = torch.tensor([request.prompt], dtype=torch.long)
+            if self.s.embed_device.type == "cuda":
+                ids = ids.pin_memory().to(self.s.embed_device, non_blocking=True)
+            joiner = Lane(slice(0, 1), ids, torch.ones_like(ids), padded=False)
+        joiner.caches = [RowWriter(lane_cache, row, slot) for lane_cache in lane.caches]  # type: ignore[misc]
+        hidden = run.through(joiner, caches=True)
+        for j, inputs in enumerate(lane.inputs):
+            with run.on(j):
+                inputs.join(row, length, slot)
+        with run.on(last) as compute:
+            token = choose(self.s.head(hidden[:, -1:, :])[:, -1].float(), self.sampling, self.generator)
+            host = _to_host(token)
+            event = record_event(compute)
+        self.pending[k].append((step, event, host, (row, request.owner)))
+        with run.on(0) as first:  # after the lane's last tokens reached stage 0, this row's is replaced
+            if first is not None and lane.token_ready is not None:
+                first.wait_event(lane.token_ready)
+            copy_into(lane.steps[0].static_in.view(-1)[row:row + 1], token, event, 0, run.streams, first)
+        self.issued[k][row] = request.owner
+
+    def deliver(self, limit: int | None) -> None:
+        """Hand every token of the steps up to `limit` (None: all issued) to its row's owner, in order."""
+        for k, queue in enumerate(self.pending):
+            while queue and (limit is None or queue[0][0] <= limit):
+                _, event, host, joined = queue.pop(0)
+                if event is not None:
+                    event.synchronize()
+                tokens = host.tolist()
+                if joined is not None:
+                    row, owner = joined
+                    self.heard[k][row] = owner
+                    self._give(k, row, tokens[0])
+                    continue
+                for row, token in enumerate(tokens):
+                    if self.heard[k][row] is not None:
+                        self._give(k, row, token)
+
+    def _give(self, k: int, row: int, token: int) -> None:
+        owner = self.heard[k][row]
+        if self.emit(owner, token):
+            self.heard[k][row] = None
+            if self.issued[k][row] is owner:
+                self.issued[k][row] = None
+
+
+def _to_host(token: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, queued on the current stream (pinned, so it does not wait)."""
+    host = torch.empty(token.shape, dtype=token.dtype, pin_memory=token.is_cuda)
+    host.copy_(token, non_blocking=True)
+    return host

@@ -1,0 +1,92 @@
+"""Continuous batching on CPU, two stages: requests that join free rows mid-batch get the tokens of generating alone."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from devmap import generate
+from devmap.errors import UsageError
+from devmap.generation.continuous import SlotRequest, generate_continuous
+from devmap.generation.sampling import Sampling
+
+CONFIG = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval()
+
+
+def alone(model, prompt, new):
+    out = generate(model, torch.tensor([prompt]), max_new_tokens=new, split_layers=[2], eos_token_id=[])
+    return out[0, len(prompt):].tolist()
+
+
+def requests(count, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 12, (count,), generator=g).tolist()
+    news = torch.randint(1, 9, (count,), generator=g).tolist()
+    return [SlotRequest(torch.randint(3, 512, (n,), generator=g).tolist(), m, f"r{i}")
+            for i, (n, m) in enumerate(zip(lengths, news))]
+
+
+def run(model, first, later, rows, prompt_len=12, cache_len=40, lanes=2, stop_after=None):
+    """Start `first`, hand `later` in one by one as rows free up; the tokens each owner got, and how many joined."""
+    got = {r.owner: [] for r in first + later}
+    budget = {r.owner: r.max_new for r in first + later}
+    queue, calls = list(later), []
+
+    def admit(free, longest, most):
+        calls.append(free)
+        if stop_after is not None and len(calls) > stop_after:
+            return None
+        if queue and free and len(queue[0].prompt) <= longest and queue[0].max_new <= most:
+            return [queue.pop(0)]
+        return []
+
+    def emit(owner, token):
+        got[owner].append(token)
+        return len(got[owner]) >= budget[owner]
+
+    left = generate_continuous(model, first, admit, emit, rows=rows, prompt_len=prompt_len, cache_len=cache_len,
+                               lanes=lanes, split_layers=[2])
+    return got, left, queue
+
+
+def test_joined_requests_get_the_tokens_of_generating_alone(model):
+    reqs = requests(9)
+    got, left, queue = run(model, reqs[:3], reqs[3:], rows=4)
+    assert not left and not queue
+    for r in reqs:
+        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+
+
+def test_a_request_joins_while_others_still_decode(model):
+    long = SlotRequest(list(range(3, 10)), 20, "long")
+    short = SlotRequest(list(range(20, 24)), 2, "short")
+    late = SlotRequest(list(range(40, 51)), 6, "late")  # longer prompt than `short`: its columns reach back
+    got, left, _ = run(model, [long, short], [late], rows=2, lanes=1)
+    assert not left
+    for r in (long, short, late):
+        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+
+
+def test_stopping_returns_the_unfinished_owners(model):
+    reqs = [SlotRequest(list(range(5, 12)), 20, "a"), SlotRequest(list(range(7, 10)), 3, "b")]
+    got, left, _ = run(model, reqs, [], rows=2, stop_after=6)
+    assert left == ["a"] and len(got["b"]) == 3
+    assert got["a"] == alone(model, reqs[0].prompt, 20)[:len(got["a"])] and 0 < len(got["a"]) < 20
+
+
+def test_sampling_and_bad_arguments(model):
+    reqs = requests(2)
+    got = []
+    generate_continuous(model, reqs, lambda *a: [], lambda o, t: got.append(t) or False, rows=2, prompt_len=12,
+                        cache_len=20, sampling=Sampling(do_sample=True, temperature=0.8, seed=3))
+    assert len(got) == 2 * (20 - 12 + 1)
+    with pytest.raises(UsageError, match="1 to rows=1"):
+        generate_continuous(model, reqs, lambda *a: [], lambda o, t: True, rows=1, prompt_len=12, cache_len=20)
+    with pytest.raises(UsageError, match="do not hold"):
+        generate_continuous(model, reqs, lambda *a: [], lambda o, t: True, rows=2, prompt_len=4, cache_len=20)
