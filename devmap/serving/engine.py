@@ -21,8 +21,9 @@ from ..generation.step_cache import keep_shapes
 from .errors import GenerationFailed, QueueFull, RequestTimeout, ServiceError, ShuttingDown
 from .metrics import ServiceMetrics
 from .jobs import Completion, GenerationParams, Job
-from .text_stream import eos_ids, finish_job, send_text
+from .text_stream import eos_ids, finish_job, take_token
 from .registry import ModelRegistry, ResidentModel
+from .slots import continuous_possible, round_up, serve_continuous
 
 log = logging.getLogger("devmap.serving")
 
@@ -45,7 +46,11 @@ class EngineLimits:
     max_batch_wait: float = 0.05  # but starts at the latest this long after its oldest request or the last batch
     length_bucket: int = 32  # prompts are left-padded to a multiple of this, new tokens rounded up to one
     graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
-    rejoin_after: float | None = None  # when a request that could join the running batch has waited this long
+    continuous: bool = True  # a running batch's free rows take waiting requests of the same model and sampling
+    # between two decode steps (greedy and unseeded sampling); False: batches run whole, as dynamic batches
+    preempt_after: float = 0.25  # continuous: a request that cannot join (another model or sampling, no free row)
+    # stops the running batch once it has waited this long (seconds); its unfinished requests continue later
+    rejoin_after: float | None = None  # dynamic batches (continuous=False): when a request that could join the running batch has waited this long
     # (seconds) and the batch has run as long, the batch stops between two steps and its unfinished requests
     # continue in the next one together with the waiting ones (their prompt + tokens so far prefilled again:
     # recompute, as vLLM's preemption does). None: a batch runs to its end. Seeded sampling never rejoins.
@@ -179,6 +184,24 @@ class Engine:
         first = self._waiting[0]
         key = (first.model_id, first.params.batch_key())
         batch = [j for j in self._waiting if (j.model_id, j.params.batch_key()) == key][: self.limits.max_batch]
+        self.take(batch)
+        return [j for j in batch if not j.cancelled.is_set()]
+
+    def drain_queue(self) -> None:
+        """Move every queued request to the waiting list (worker thread only)."""
+        while True:
+            try:
+                self._waiting.append(self._queue.get_nowait())
+            except queue.Empty:
+                return
+
+    @property
+    def waiting(self) -> list[Job]:
+        """Requests taken off the queue and not yet in a batch, oldest first (worker thread only)."""
+        return self._waiting
+
+    def take(self, batch: list[Job]) -> None:
+        """These waiting requests go into a batch now (worker thread only)."""
         chosen = {id(j) for j in batch}
         self._waiting = [j for j in self._waiting if id(j) not in chosen]
         fresh = sum(not j.resumed for j in batch)
@@ -187,7 +210,6 @@ class Engine:
         self.metrics.queue_depth.dec(fresh)
         for job in batch:
             job.resumed = False
-        return [j for j in batch if not j.cancelled.is_set()]
 
     def _rejoin_check(self, jobs: list[Job]) -> Any:
         """For a batch of `jobs`: a function of the batch's start time that says whether to stop it now, so that
@@ -201,11 +223,7 @@ class Engine:
             now = time.perf_counter()
             if now - started < wait:
                 return False
-            while True:  # this is the worker thread: it may move queued requests to the waiting list
-                try:
-                    self._waiting.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            self.drain_queue()
             return any(now - j.arrived >= wait and (j.model_id, j.params.batch_key()) == key
                        and not j.cancelled.is_set() for j in self._waiting)
 
@@ -225,13 +243,20 @@ class Engine:
             with resident.busy:
                 resident.last_used = time.monotonic()
                 keep_shapes(resident.model, self.limits.graph_shapes)
-                stopped = _generate(resident, jobs, self.limits, self.metrics, self._rejoin_check(jobs))
+                if self.limits.continuous and continuous_possible(jobs[0].params):
+                    going_on = serve_continuous(self, resident, jobs)  # joiners are appended to `jobs`
+                    stopped = bool(going_on)
+                else:
+                    stopped = _generate(resident, jobs, self.limits, self.metrics, self._rejoin_check(jobs))
+                    going_on = [j for j in jobs if not j.finished and not j.cancelled.is_set()] if stopped else []
                 resident.last_used = time.monotonic()
-            if stopped:  # its unfinished requests go first in the next batch, with those that waited
-                going_on = [j for j in jobs if not j.finished and not j.cancelled.is_set()]
+            if stopped:  # its unfinished requests continue in a later batch, prefilled again
+                now = time.perf_counter()
                 for job in going_on:
-                    job.resumed = True
-                self._waiting = going_on + self._waiting
+                    job.resumed, job.waiting_since = True, now
+                # a dynamic batch stopped for requests that join them: first; a continuous one stopped for
+                # requests that could not join (another model, no row): after those
+                self._waiting = self._waiting + going_on if self.limits.continuous else going_on + self._waiting
                 self.metrics.rejoins.inc()
                 log.debug("batch stopped for waiting requests: %d continue", len(going_on))
         except Exception as exc:  # the batch failed: every request in it gets the reason, the service goes on
@@ -261,7 +286,7 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
     prompts = [j.prompt_ids + j.generated for j in jobs]
     longest = max(len(p) for p in prompts)
     most = max(j.params.max_tokens - len(j.generated) for j in jobs)
-    length, new = _round_up(longest, limits.length_bucket), _round_up(most, limits.length_bucket)
+    length, new = round_up(longest, limits.length_bucket), round_up(most, limits.length_bucket)
     if resident.context:  # the bucket never costs a request its tokens (check() made longest + most fit)
         if length + most > resident.context:
             length = longest
@@ -283,19 +308,8 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
             stopped.append(step)  # this step's tokens still count; the next ones are not asked for
         for offset, row in enumerate(range(lane_rows.start, min(lane_rows.stop, len(jobs)))):
             job = jobs[row]
-            if job.finished or job.cancelled.is_set():
-                continue
-            token = int(tokens[offset])
-            if token in eos:
-                finish_job(job, "stop", resident, metrics)
-                continue
-            job.generated.append(token)
-            if len(job.generated) == 1:
-                metrics.first_token.observe(time.perf_counter() - job.arrived)
-            if send_text(job, tokenizer):
-                finish_job(job, "stop", resident, metrics)
-            elif len(job.generated) >= job.params.max_tokens:
-                finish_job(job, "length", resident, metrics)
+            if not job.finished and not job.cancelled.is_set():
+                take_token(job, int(tokens[offset]), resident, eos, metrics)
         return not stopped and any(not j.finished and not j.cancelled.is_set() for j in jobs)
 
     generate(resident.model, ids, mask, max_new_tokens=new, lanes=limits.lanes,
@@ -311,7 +325,3 @@ def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, me
                   "done %.0f ms", len(jobs), rows, length, new, 1000 * (started - min(j.arrived for j in jobs)),
                   1000 * ((first[0] if first else done) - started), 1000 * (done - started))
     return bool(stopped)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple if multiple > 1 else value

@@ -47,6 +47,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
+    waiting_since: float = field(default_factory=time.perf_counter)  # arrival, or when its batch stopped under it
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)
     text: str = ""  # decoded so far (up to the last complete character)

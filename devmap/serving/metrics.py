@@ -26,8 +26,10 @@ class ServiceMetrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("devmap_batch_size", "Requests per generate batch",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
-        self.rejoins = Counter("devmap_batch_rejoins", "Batches stopped between steps so that waiting requests "
-                               "join their unfinished ones (--rejoin-after-ms)", registry=r)
+        self.rejoins = Counter("devmap_batch_rejoins", "Batches stopped between steps for waiting requests, their "
+                               "unfinished ones continuing in a later batch", registry=r)
+        self.joined = Counter("devmap_joined_requests", "Requests that took a free row of a running batch "
+                              "(continuous batching)", registry=r)
         self.models = Gauge("devmap_resident_models", "Models loaded", registry=r)
         self.device_memory = Gauge("devmap_device_memory_bytes", "Memory allocated by torch on each GPU",
                                    ["device"], registry=r)

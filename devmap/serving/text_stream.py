@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .jobs import Job
@@ -61,3 +62,17 @@ def eos_ids(resident: ResidentModel) -> list[int]:
     if resident.tokenizer.eos_token_id is not None and resident.tokenizer.eos_token_id not in ids:
         ids.append(resident.tokenizer.eos_token_id)
     return ids
+
+
+def take_token(job: Job, token: int, resident: ResidentModel, eos: list[int], metrics: ServiceMetrics) -> None:
+    """One more generated token for the job: its text goes out; EOS, a stop string or max_tokens ends it."""
+    if token in eos:
+        finish_job(job, "stop", resident, metrics)
+        return
+    job.generated.append(token)
+    if len(job.generated) == 1:
+        metrics.first_token.observe(time.perf_counter() - job.arrived)
+    if send_text(job, resident.tokenizer):
+        finish_job(job, "stop", resident, metrics)
+    elif len(job.generated) >= job.params.max_tokens:
+        finish_job(job, "length", resident, metrics)

@@ -147,3 +147,41 @@ def test_compiled_steps_match_one_gpu_and_are_captured(dtype, monkeypatch, lane_
     assert counters["stats"]["unique_graphs"] == compiled
     steps = [step for lane in lane_runs[-1].lanes for step in lane.steps]
     assert steps and all(step.graph is not None and step.capture_error is None for step in steps)
+
+
+def test_continuous_batching_over_two_gpus_gives_each_request_its_own_tokens(monkeypatch):
+    """Requests joining free rows between replayed decode steps (streams, events, the token hand-back's lag) get
+    transformers' greedy tokens for their prompt alone, on the first run (capture) and on the next (replay)."""
+    from devmap.generation.continuous import SlotRequest, generate_continuous
+    from devmap.generation.step_cache import step_cache
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.manual_seed(3)
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
+    placed = two_gpu_copy(reference)
+    g = torch.Generator().manual_seed(4)
+    reqs = [SlotRequest(torch.randint(3, 1000, (int(n),), generator=g).tolist(), int(m), i)
+            for i, (n, m) in enumerate(zip(torch.randint(3, 20, (14,), generator=g),
+                                           torch.randint(1, 16, (14,), generator=g)))]
+    expected = {r.owner: reference.generate(torch.tensor([r.prompt], device="cuda:0"), max_new_tokens=r.max_new,
+                                            do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
+                .tolist() for r in reqs}
+    for _ in range(2):
+        got = {r.owner: [] for r in reqs}
+        queue = list(reqs[4:])
+
+        def admit(free, longest, most):
+            fits = [r for r in queue if len(r.prompt) <= longest and r.max_new <= most][:free]
+            for r in fits:
+                queue.remove(r)
+            return fits
+
+        def emit(owner, token):
+            got[owner].append(token)
+            return len(got[owner]) >= reqs[owner].max_new
+
+        left = generate_continuous(placed, reqs[:4], admit, emit, rows=4, prompt_len=20, cache_len=256, lanes=2)
+        assert not left and not queue
+        assert got == expected
+    steps = [step for lanes in step_cache(placed, "continuous").entries.values() for step in lanes[1]]
+    assert len(steps) == 4 and all(step.graph is not None for step in steps)

@@ -157,10 +157,12 @@ def test_incremental_decoding_gives_the_whole_decode(registry):
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
 
 
-def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generate(registry):
-    """With rejoin_after, a long batch stops between steps for requests that came while it ran; its unfinished
-    request continues from its tokens so far (prefilled again) beside them, and every answer is still the one
-    devmap.generate gives alone."""
+@pytest.mark.parametrize("continuous", [True, False])
+def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generate(registry, continuous):
+    """Continuous batching: requests that come while a long batch runs take its free rows between two steps.
+    Dynamic batches with rejoin_after: the batch stops between steps for them; its unfinished request continues
+    from its tokens so far (prefilled again) beside them. Either way every answer is the one devmap.generate gives
+    alone."""
     import torch
 
     import devmap
@@ -177,7 +179,7 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
         return resident.tokenizer.decode([t for t in out[:next((k for k, t in enumerate(out) if t in eos), len(out))]],
                                          skip_special_tokens=True)
 
-    engine = Engine(registry, EngineLimits(rejoin_after=1e-3))
+    engine = Engine(registry, EngineLimits(continuous=continuous, rejoin_after=1e-3, max_batch=4))
     engine.start()
 
     async def staggered() -> list:
@@ -194,4 +196,42 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
     finally:
         engine.close(timeout=60)
     assert answers == [alone(p, n) for p, n in zip(prompts, lengths)]
+    if continuous:
+        assert engine.metrics.joined._value.get() >= 1
+    else:
+        assert engine.metrics.rejoins._value.get() >= 1
+
+
+def test_a_request_that_cannot_join_stops_a_continuous_batch(registry):
+    """A seeded sampled request cannot join a greedy continuous batch: after preempt_after the batch stops, the
+    sampled request runs, and the greedy one continues later with the answer it would have had alone."""
+    import torch
+
+    import devmap
+    from devmap.serving.text_stream import eos_ids
+
+    resident = registry.get("tiny")
+    eos = eos_ids(resident)
+    prompt = [5 + k for k in range(6)]
+    out = devmap.generate(resident.model, torch.tensor([prompt]), max_new_tokens=120, eos_token_id=eos,
+                          pad_token_id=eos[0])[0, len(prompt):].tolist()
+    out = out[:next((k for k, t in enumerate(out) if t in eos), len(out))]
+    engine = Engine(registry, EngineLimits(preempt_after=1e-3))
+    engine.start()
+
+    async def interleaved() -> tuple:
+        long = engine.submit("tiny", prompt, GenerationParams(max_tokens=120, temperature=0))
+        stream = engine.stream(long)
+        text = await stream.__anext__()
+        sampled = await engine.complete("tiny", [7, 8, 9], GenerationParams(max_tokens=4, temperature=0.7, seed=1))
+        text += "".join([piece async for piece in stream])
+        return text, sampled, long
+
+    try:
+        text, sampled, long = asyncio.run(interleaved())
+    finally:
+        engine.close(timeout=60)
+    assert text == resident.tokenizer.decode(out, skip_special_tokens=True)
+    assert sampled.finish_reason in ("stop", "length")
+    assert len(out) > 40  # long enough to be running when the sampled request came: it was stopped for it
     assert engine.metrics.rejoins._value.get() >= 1

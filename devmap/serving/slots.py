@@ -1,0 +1,107 @@
+"""The engine's continuous batches: between two decode steps, a running batch's free rows take waiting requests of
+the same model and sampling (devmap.generation.continuous), so a request starts within a step or two instead of
+waiting for the batch to end. A request that cannot join (another model or sampling, no free row) stops the batch
+once it has waited `preempt_after`; one whose tokens no longer fit the batch's cache stops it at once. The stopped
+batch's unfinished requests continue in a later one, their prompt and tokens so far prefilled again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..generation.continuous import SlotRequest, generate_continuous
+from ..generation.sampling import Sampling
+from .jobs import GenerationParams, Job
+from .text_stream import eos_ids, take_token
+from .registry import ResidentModel
+
+log = logging.getLogger("devmap.serving")
+
+MIN_ROWS = 8  # rows of the smallest continuous batch: room for a few joiners at about one row's step time
+CACHE_BUCKET = 256  # cache lengths come in multiples of this, so a service sees few captured step shapes
+
+
+def continuous_possible(params: GenerationParams) -> bool:
+    """Seeded sampling runs as whole batches: a request's tokens then depend only on its batch, not on joiners."""
+    return params.temperature == 0 or params.seed is None
+
+
+def batch_shape(jobs: list[Job], max_batch: int, length_bucket: int, context: int | None) -> tuple[int, int, int]:
+    """(rows, prompt length, cache length) of a continuous batch starting with `jobs`: rows a power of two, prompts
+    left-padded to a multiple of `length_bucket`, a cache for twice the longest max_tokens past the prompts (room
+    for requests that join), in multiples of CACHE_BUCKET, within the model's context."""
+    count = len(jobs)
+    rows = max(count, min(max_batch, max(MIN_ROWS, 1 << (count - 1).bit_length())))
+    longest = max(len(j.prompt_ids) + len(j.generated) for j in jobs)
+    most = max(j.params.max_tokens - len(j.generated) for j in jobs)
+    span = max(j.params.max_tokens for j in jobs)
+    length = round_up(longest, length_bucket)
+    cache = round_up(length + 2 * span, CACHE_BUCKET)
+    if context:
+        cache = min(cache, context)
+        if most > cache - length + 1:  # the bucket never costs a request its tokens (the engine's check fits it)
+            length = longest
+    return rows, length, max(cache, length + most - 1)
+
+
+def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> list[Job]:
+    """Run `jobs` as a continuous batch of the `Engine`, taking in its waiting requests as rows free up (each is
+    appended to `jobs`); returns the unfinished requests when the batch was stopped for others."""
+    limits, metrics = engine.limits, engine.metrics
+    key = (jobs[0].model_id, jobs[0].params.batch_key())
+    eos = eos_ids(resident)
+    tokenizer = resident.tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    rows, length, cache_len = batch_shape(jobs, limits.max_batch, limits.length_bucket, resident.context)
+    params = jobs[0].params
+    sampling = Sampling(params.temperature != 0, params.temperature or 1.0, params.top_k, params.top_p,
+                        params.seed or 0)
+    started, joined = time.perf_counter(), [0]
+
+    def admit(free: int, longest: int, most: int) -> list[SlotRequest] | None:
+        engine.drain_queue()
+        now = time.perf_counter()
+        chosen: list[Job] = []
+        for job in engine.waiting:
+            if job.cancelled.is_set():
+                continue
+            same = (job.model_id, job.params.batch_key()) == key
+            if same and job.params.max_tokens - len(job.generated) > most:
+                return None  # it never fits this batch's cache: a new batch, now
+            if same and len(chosen) < free and len(job.prompt_ids) + len(job.generated) <= longest:
+                chosen.append(job)
+            elif now - job.waiting_since >= limits.preempt_after:
+                return None
+        if chosen:
+            engine.take(chosen)
+            jobs.extend(chosen)
+            joined[0] += len(chosen)
+            metrics.joined.inc(len(chosen))
+        metrics.running.set(rows - free + len(chosen))
+        return [_request(job) for job in chosen]
+
+    def emit(job: Job, token: int) -> bool:
+        if not job.finished and not job.cancelled.is_set():
+            take_token(job, token, resident, eos, metrics)
+        return job.finished or job.cancelled.is_set()
+
+    left = generate_continuous(resident.model, [_request(job) for job in jobs], admit, emit, rows=rows,
+                               prompt_len=length, cache_len=cache_len, lanes=limits.lanes, sampling=sampling,
+                               pad_token_id=pad, compile=limits.compile)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("continuous batch (rows %d, prompt %d, cache %d): %d requests, %d joined, %s after %.0f ms",
+                  rows, length, cache_len, len(jobs), joined[0], "stopped" if left else "drained",
+                  1000 * (time.perf_counter() - started))
+    return [job for job in left if not job.finished and not job.cancelled.is_set()]
+
+
+def _request(job: Job) -> SlotRequest:
+    """The job as a row's request: its prompt and the tokens it already has (a stopped batch's), what it may add."""
+    return SlotRequest(job.prompt_ids + job.generated, job.params.max_tokens - len(job.generated), job)
+
+
+def round_up(value: int, multiple: int) -> int:
+    """`value` rounded up to a multiple of `multiple` (unchanged for 0 or 1)."""
+    return -(-value // multiple) * multiple if multiple > 1 else value
