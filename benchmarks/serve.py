@@ -96,25 +96,30 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int
 
 
 async def load_test(url: str, model: str, clients: int, seconds: float, new: int, seed: int,
-                    lengths: list[int]) -> dict[str, Any]:
+                    lengths: list[int], warmup: float = 0.0) -> dict[str, Any]:
+    """One request alone (the first call: compilation, graphs), then `clients` clients for `warmup` seconds
+    (untimed: the servers' first batches of this load capture or compile their shapes), then for `seconds`."""
     rng = random.Random(seed)
     results: list[dict[str, Any]] = []
-    stop_at = 0.0  # set once the warm-up request is done
+    stop_at = 0.0
 
-    async def client(http: httpx.AsyncClient) -> None:
+    async def client(http: httpx.AsyncClient, into: list[dict[str, Any]]) -> None:
         while time.perf_counter() < stop_at:
             words = rng.choice(lengths)  # mixed prompt lengths
             prompt = " ".join(rng.choice(WORDS) for _ in range(words))
-            results.append(await one_request(http, model, prompt, new))
+            into.append(await one_request(http, model, prompt, new))
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         start = time.perf_counter()
         await one_request(http, model, "warm up " * 8, new)  # first call: compilation, graphs
         first_call = time.perf_counter() - start
+        if warmup > 0:
+            stop_at = time.perf_counter() + warmup
+            await asyncio.gather(*(client(http, []) for _ in range(clients)))
         start = time.perf_counter()
         stop_at = start + seconds
-        await asyncio.gather(*(client(http) for _ in range(clients)))
+        await asyncio.gather(*(client(http, results) for _ in range(clients)))
         elapsed = time.perf_counter() - start
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     tpots = sorted(r["tpot"] for r in results if r["tpot"] is not None)
@@ -150,13 +155,16 @@ def main() -> None:
     parser.add_argument("--model", default="tinyllama-1.1b")
     parser.add_argument("--clients", default="1,8,32,64")
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--warmup", type=float, default=3.0,
+                        help="seconds of the same load before each timed window (steady state after first batches)")
     parser.add_argument("--new", type=int, default=64, help="max_tokens of each request")
     parser.add_argument("--systems", default="devmap,transformers")
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
     parser.add_argument("--devmap-args", default="--device-map balanced",
                         help="extra flags of devmap serve (e.g. add --compile: each new batch shape compiles)")
     parser.add_argument("--rejoin-ms", type=float, default=100.0,
-                        help="--rejoin-after-ms of the system devmap+rejoin (add it to --systems)")
+                        help="--rejoin-after-ms of the system devmap+rejoin (dynamic batches that stop for waiting "
+                             "requests; add it to --systems; devmap-dynamic: dynamic batches that run whole)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
@@ -168,7 +176,8 @@ def main() -> None:
         for system in args.systems.split(","):
             port = free_port()
             if system.startswith("devmap"):
-                rejoin = ["--rejoin-after-ms", str(args.rejoin_ms)] if system == "devmap+rejoin" else []
+                rejoin = {"devmap+rejoin": ["--no-continuous", "--rejoin-after-ms", str(args.rejoin_ms)],
+                          "devmap-dynamic": ["--no-continuous"]}.get(system, [])
                 command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype",
                            "bfloat16", "--log-level", "debug", "--max-queue", "4096",
                            *args.devmap_args.split(), *rejoin]
@@ -178,7 +187,8 @@ def main() -> None:
             with server(command, port, system) as url:
                 for clients in counts:
                     row = asyncio.run(load_test(url, model, clients, args.seconds, args.new, seed=clients,
-                                              lengths=[int(w) for w in args.prompt_words.split(",")]))
+                                              lengths=[int(w) for w in args.prompt_words.split(",")],
+                                              warmup=args.warmup))
                     rows.setdefault(system, []).append(row)
                     if args.out and system.startswith("devmap"):  # batch sizes and first-token times as the server saw them
                         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ per rows × cache length) and the host never waits for a GPU beyond the token ha
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,15 +47,20 @@ Emit = Callable[[Any, int], bool]
 
 @torch.no_grad()
 def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit, emit: Emit, *, rows: int,
-                        prompt_len: int, cache_len: int, lanes: int | None = None, sampling: Sampling | None = None,
+                        prompt_len: int, cache_len: int, first_slot: int | None = None, lanes: int | None = None,
+                        sampling: Sampling | None = None,
                         pad_token_id: int = 0, split_layers: list[int] | None = None, graphs: bool = True,
-                        compile: bool = False, keep_graphs: bool = True) -> list[Any]:
+                        compile: bool = False, keep_graphs: bool = True,
+                        stats: dict[str, float] | None = None) -> list[Any]:
     """Generate for `first` (left-padded to `prompt_len`) in `rows` rows, and for every request `admit` hands in
     while the batch runs, each in a row that an earlier one freed; every token goes to `emit` in order (a couple of
-    steps behind the GPUs). Each row's cache holds `cache_len` tokens; a request joining when the lanes write
-    slot s needs prompt ≤ s and max_new ≤ cache_len - s + 1. Ends when every row is free and `admit` brings none,
+    steps behind the GPUs). Each row's cache holds `cache_len` tokens; the first prompts end at column `first_slot`
+    (default `prompt_len`; a larger one leaves room for longer prompts to join, at no prefill cost), and a request
+    joining when the lanes write slot s needs prompt ≤ s and max_new ≤ cache_len - s + 1. Ends when every row is
+    free and `admit` brings none,
     or when `admit` returns None; returns the owners that had not finished then (to continue elsewhere, from their
-    prompt plus the tokens they got). Greedy tokens equal `devmap.generate` of each request alone."""
+    prompt plus the tokens they got). Greedy tokens equal `devmap.generate` of each request alone. `stats`, when
+    given, gets the run's steps, joined requests and the host seconds spent issuing their prefills."""
     sampling = sampling or Sampling()
     sampling.check()
     if not first or len(first) > rows:
@@ -63,9 +69,10 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
         if not request.prompt or request.max_new < 1:
             raise UsageError("every request needs a non-empty prompt and max_new >= 1")
     longest, most = max(len(r.prompt) for r in first), max(r.max_new for r in first)
-    if prompt_len < longest or most > cache_len - prompt_len + 1:
-        raise UsageError(f"prompt_len={prompt_len} and cache_len={cache_len} do not hold prompts of {longest} "
-                         f"tokens and {most} new ones")
+    first_slot = prompt_len if first_slot is None else first_slot
+    if prompt_len < longest or first_slot < prompt_len or most > cache_len - first_slot + 1:
+        raise UsageError(f"prompt_len={prompt_len}, first_slot={first_slot} and cache_len={cache_len} do not hold "
+                         f"prompts of {longest} tokens and {most} new ones")
     stages = CausalLMStages(model, split_layers)
     check_length(model.config, cache_len)
     stages.check_window(cache_len)
@@ -82,21 +89,25 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
     entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),
                         weight_pointers(model))
     owners = [r.owner for r in first] + [None] * (rows - len(first))
-    batch = ContinuousBatch(run, prompt_len, cache_len, sampling, emit)
+    batch = ContinuousBatch(run, first_slot, cache_len, sampling, emit)
     with stages.hooks_bypassed():
         for k, lane in enumerate(lane_list):
             run.prepare_decode(k, lane, cache_len, entries, cache)
+            for inputs in lane.inputs:
+                inputs.reset(lane.mask, first_slot - prompt_len)
         unfinished = batch.generate([owners[lane.rows] for lane in lane_list], admit)
         run.streams.join([])
+    if stats is not None:
+        stats.update(batch.stats)
     return unfinished
 
 
 class ContinuousBatch:
     """The rows of one continuous run: who holds each row as work is issued, and as tokens come back."""
 
-    def __init__(self, run: LaneRunner, prompt_len: int, cache_len: int, sampling: Sampling, emit: Emit) -> None:
+    def __init__(self, run: LaneRunner, first_slot: int, cache_len: int, sampling: Sampling, emit: Emit) -> None:
         self.run, self.s = run, run.s
-        self.prompt_len, self.cache_len = prompt_len, cache_len
+        self.first_slot, self.cache_len = first_slot, cache_len
         self.sampling, self.emit = sampling, emit
         head = self.s.head_device
         self.generator = torch.Generator(device=head).manual_seed(sampling.seed) if sampling.do_sample else None
@@ -106,6 +117,7 @@ class ContinuousBatch:
         # per lane, in issue order: (step, event, host tokens, None) for a step's tokens of every row, and
         # (step, event, host token, (row, owner)) for a joining request's first token
         self.pending: list[list[tuple[int, Any, torch.Tensor, Any]]] = []
+        self.stats = {"steps": 0, "joined": 0, "join_seconds": 0.0}
 
     def generate(self, owners: list[list[Any]], admit: Admit) -> list[Any]:
         run, lanes, last = self.run, self.run.lanes, len(self.s.stages) - 1
@@ -117,20 +129,24 @@ class ContinuousBatch:
             hidden = run.through(lane, caches=True)
             for j, lane_cache in enumerate(lane.caches):
                 with run.on(j):
-                    lane_cache.start_decoding(self.prompt_len)
+                    lane_cache.start_decoding(self.first_slot)
             with run.on(last):
                 self.finish(k, self.s.head(hidden[:, -1:, :])[:, -1].float(), 0)
-        for step in range(1, self.cache_len - self.prompt_len + 1):
+        for step in range(1, self.cache_len - self.first_slot + 1):
             self.deliver(step - 1 - self.lag)
-            slot = self.prompt_len + step - 1  # where this step writes its input token
+            slot = self.first_slot + step - 1  # where this step writes its input token
+            self.stats["steps"] = step
             free = [(k, row) for k, held in enumerate(self.issued) for row, owner in enumerate(held) if owner is None]
             joining = admit(len(free), slot, self.cache_len - slot + 1)
             if joining is None:
                 break
             if len(joining) > len(free):
                 raise ValueError(f"admit returned {len(joining)} requests for {len(free)} free rows")
+            began = time.perf_counter()
             for request, (k, row) in zip(joining, free):
                 self.join(request, k, row, step, slot)
+            self.stats["joined"] += len(joining)
+            self.stats["join_seconds"] += time.perf_counter() - began
             if all(owner is None for held in self.issued for owner in held):
                 break
             for k, lane in enumerate(lanes):

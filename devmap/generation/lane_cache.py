@@ -25,6 +25,7 @@ class LaneCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.prefilling = True
+        self.start = 0  # the column a prompt's first token is written to while prefilling
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
 
     def allocate(self, layer_indices: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
@@ -48,9 +49,9 @@ class LaneCache:
                 shape = (key.shape[0], key.shape[1], self.max_len, key.shape[3])
                 self.keys[layer_idx] = key.new_zeros(shape)
                 self.values[layer_idx] = value.new_zeros(shape)
-            length = key.shape[2]
-            self.keys[layer_idx][:, :, :length].copy_(key)
-            self.values[layer_idx][:, :, :length].copy_(value)
+            start, end = self.start, self.start + key.shape[2]
+            self.keys[layer_idx][:, :, start:end].copy_(key)
+            self.values[layer_idx][:, :, start:end].copy_(value)
             return key, value
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys.index_copy_(2, self.slot, key)
@@ -91,14 +92,17 @@ class DecodeInputs:
         self.float_mask_dtype = float_mask_dtype  # eager attention adds its mask; sdpa takes booleans
         self.reset(prompt_mask)
 
-    def reset(self, prompt_mask: torch.Tensor) -> None:
-        """A new prompt (any length up to the cache's): its padding, and the cache back to prefilling."""
+    def reset(self, prompt_mask: torch.Tensor, start: int = 0) -> None:
+        """A new prompt (any length up to the cache's), written from column `start` on: its padding, and the cache
+        back to prefilling."""
         mask = prompt_mask.to(self.cache.device)
-        length = mask.shape[1]
-        self.attended[:, :length].copy_(mask.bool())
-        self.attended[:, length:].fill_(True)
-        self.offset.copy_(mask.long().sum(-1, keepdim=True) - length)
+        end = start + mask.shape[1]
+        self.attended[:, :start].fill_(False)
+        self.attended[:, start:end].copy_(mask.bool())
+        self.attended[:, end:].fill_(True)
+        self.offset.copy_(mask.long().sum(-1, keepdim=True) - end)
         self.cache.prefilling = True
+        self.cache.start = start
 
     def join(self, row: int, prompt_len: int, slot: int) -> None:
         """Row `row` now holds a prompt of `prompt_len` tokens written just before `slot` (continuous batching):

@@ -176,7 +176,9 @@ class Engine:
         while len(self._waiting) < self.limits.max_batch:
             left = latest - time.perf_counter()
             back = sum(j.arrived > self._last_start for j in self._waiting)
-            wait = min(self.limits.batch_wait, left) if back >= self._last_size else left
+            # continuous batches take late requests as they come: they never wait for the whole last batch
+            enough = back >= self._last_size or self.limits.continuous
+            wait = min(self.limits.batch_wait, left) if enough else left
             try:
                 self._waiting.append(self._queue.get(timeout=max(wait, 0.0)))
             except queue.Empty:

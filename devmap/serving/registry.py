@@ -36,6 +36,9 @@ class ResidentModel:
     report: dict[str, Any]
     last_used: float = field(default_factory=time.monotonic)
     busy: threading.Lock = field(default_factory=threading.Lock)
+    batch_rows: int = 0  # the largest continuous batch so far (rows, first slot, cache length): later ones reuse
+    batch_slot: int = 0  # its shape
+    batch_cache: int = 0
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "devmap",

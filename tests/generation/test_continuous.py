@@ -32,7 +32,7 @@ def requests(count, seed=0):
             for i, (n, m) in enumerate(zip(lengths, news))]
 
 
-def run(model, first, later, rows, prompt_len=12, cache_len=40, lanes=2, stop_after=None):
+def run(model, first, later, rows, prompt_len=12, cache_len=40, lanes=2, stop_after=None, first_slot=None):
     """Start `first`, hand `later` in one by one as rows free up; the tokens each owner got, and how many joined."""
     got = {r.owner: [] for r in first + later}
     budget = {r.owner: r.max_new for r in first + later}
@@ -51,7 +51,7 @@ def run(model, first, later, rows, prompt_len=12, cache_len=40, lanes=2, stop_af
         return len(got[owner]) >= budget[owner]
 
     left = generate_continuous(model, first, admit, emit, rows=rows, prompt_len=prompt_len, cache_len=cache_len,
-                               lanes=lanes, split_layers=[2])
+                               first_slot=first_slot, lanes=lanes, split_layers=[2])
     return got, left, queue
 
 
@@ -70,6 +70,16 @@ def test_a_request_joins_while_others_still_decode(model):
     got, left, _ = run(model, [long, short], [late], rows=2, lanes=1)
     assert not left
     for r in (long, short, late):
+        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+
+
+def test_a_later_first_slot_lets_longer_prompts_join_at_once(model):
+    """The first prompts (padded to 6) end at column 20: a joiner of 18 prompt tokens fits at the first step."""
+    short = [SlotRequest([5, 6, 7], 1, "a"), SlotRequest([8, 9, 10, 11, 12, 13], 9, "b")]
+    long = SlotRequest(list(range(100, 118)), 7, "long")
+    got, left, queue = run(model, short, [long], rows=2, prompt_len=6, first_slot=20, cache_len=40)
+    assert not left and not queue
+    for r in (*short, long):
         assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
 
 
