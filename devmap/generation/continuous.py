@@ -20,11 +20,11 @@ from torch import nn
 from .api import check_length
 from .causal_lm import CausalLMStages
 from ..errors import UsageError
-from .lane_cache import RowWriter
+from .joins import GroupWriter, group_context, on_device, padded_prompts
 from .lane_runner import EOS_CHECK_LAG, Lane, LaneRunner, record_event, split_lanes
 from .sampling import Sampling, choose
 from .step_cache import StepCache, step_cache, weight_pointers
-from ..pipelining.streams import copy_into, copy_later
+from ..pipelining.streams import copy_into, copy_later, hand_off
 
 KEPT_SHAPES = 2  # (rows, cache length) shapes whose captured steps and KV caches stay on the model
 
@@ -115,7 +115,7 @@ class ContinuousBatch:
         self.issued: list[list[Any]] = []  # per lane and row: whom the row's next tokens are for (None: free)
         self.heard: list[list[Any]] = []  # the same, as the tokens come back to the host
         # per lane, in issue order: (step, event, host tokens, None) for a step's tokens of every row, and
-        # (step, event, host token, (row, owner)) for a joining request's first token
+        # (step, event, host tokens, [(row, owner, index in the tokens)]) for joining requests' first tokens
         self.pending: list[list[tuple[int, Any, torch.Tensor, Any]]] = []
         self.stats = {"steps": 0, "joined": 0, "join_seconds": 0.0}
 
@@ -143,8 +143,8 @@ class ContinuousBatch:
             if len(joining) > len(free):
                 raise ValueError(f"admit returned {len(joining)} requests for {len(free)} free rows")
             began = time.perf_counter()
-            for request, (k, row) in zip(joining, free):
-                self.join(request, k, row, step, slot)
+            if joining:
+                self.join([(request, k, row) for request, (k, row) in zip(joining, free)], step, slot)
             self.stats["joined"] += len(joining)
             self.stats["join_seconds"] += time.perf_counter() - began
             if all(owner is None for held in self.issued for owner in held):
@@ -178,33 +178,56 @@ class ContinuousBatch:
         self.pending[k].append((step, event, host, None))
         lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, event, 0, self.run.streams)
 
-    def join(self, request: SlotRequest, k: int, row: int, step: int, slot: int) -> None:
-        """Start `request` in row `row` of lane k before the lane's step `step`, which writes cache slot `slot`."""
-        length = len(request.prompt)
-        if not request.prompt or length > slot or not 1 <= request.max_new <= self.cache_len - slot + 1:
-            raise ValueError(f"a request of {length} prompt tokens and {request.max_new} new ones does not fit at "
-                             f"slot {slot} of a {self.cache_len}-token cache")
-        run, lane, last = self.run, self.run.lanes[k], len(self.s.stages) - 1
-        with run.on(0):  # on stage 0's stream, which embeds it next
-            ids = torch.tensor([request.prompt], dtype=torch.long)
-            if self.s.embed_device.type == "cuda":
-                ids = ids.pin_memory().to(self.s.embed_device, non_blocking=True)
-            joiner = Lane(slice(0, 1), ids, torch.ones_like(ids), padded=False)
-        joiner.caches = [RowWriter(lane_cache, row, slot) for lane_cache in lane.caches]  # type: ignore[misc]
-        hidden = run.through(joiner, caches=True)
-        for j, inputs in enumerate(lane.inputs):
+    def join(self, joining: list[tuple[SlotRequest, int, int]], step: int, slot: int) -> None:
+        """Start each (request, lane, row) before the lanes' step `step`, which writes cache slot `slot`: one prefill
+        of them all, their keys and values written into their rows, their first tokens into their rows' inputs."""
+        for request, _, _ in joining:
+            length = len(request.prompt)
+            if not request.prompt or length > slot or not 1 <= request.max_new <= self.cache_len - slot + 1:
+                raise ValueError(f"a request of {length} prompt tokens and {request.max_new} new ones does not fit at "
+                                 f"slot {slot} of a {self.cache_len}-token cache")
+        run, lanes, last = self.run, self.run.lanes, len(self.s.stages) - 1
+        ids, mask = padded_prompts([r.prompt for r, _, _ in joining], pad=0)
+        width = ids.shape[1]
+        per_lane = {k: [(index, row, len(r.prompt)) for index, (r, lane, row) in enumerate(joining) if lane == k]
+                    for k in {lane for _, lane, _ in joining}}
+        joiner = Lane(slice(0, len(joining)), ids, mask, padded=True)
+        with run.on(0) as first:  # on stage 0's stream, which embeds them next
+            device = self.s.stages[0].device
+            joiner.ids = ids.pin_memory().to(self.s.embed_device, non_blocking=True) if device.type == "cuda" else ids
+            context = group_context(mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask,
+                                    self.s.float_mask_dtype())
+            joiner.prompt = {"context": {**context, **self.s.cache_position(width, device)},
+                             "ready": record_event(first)}
+        targets = []  # per stage: (group rows, lane rows, prompt lengths) of each lane, on the stage's device
+        for j, stage in enumerate(self.s.stages):
             with run.on(j):
-                inputs.join(row, length, slot)
+                targets.append({k: tuple(on_device([item[n] for item in items], stage.device) for n in range(3))
+                                for k, items in per_lane.items()})
+            joiner.caches.append(GroupWriter([lane.caches[j] for lane in lanes],  # type: ignore[arg-type]
+                                             [targets[j][k][:2] if k in per_lane else None for k in range(len(lanes))],
+                                             slot - width, slot))
+        hidden = run.through(joiner, caches=True)
+        for j in range(len(self.s.stages)):
+            with run.on(j):
+                for k, (_, rows, lengths) in targets[j].items():
+                    lanes[k].inputs[j].join(rows, lengths, slot)
         with run.on(last) as compute:
-            token = choose(self.s.head(hidden[:, -1:, :])[:, -1].float(), self.sampling, self.generator)
-            host = _to_host(token)
+            tokens = choose(self.s.head(hidden[:, -1:, :])[:, -1].float(), self.sampling, self.generator)
+            host = _to_host(tokens)
             event = record_event(compute)
-        self.pending[k].append((step, event, host, (row, request.owner)))
-        with run.on(0) as first:  # after the lane's last tokens reached stage 0, this row's is replaced
-            if first is not None and lane.token_ready is not None:
-                first.wait_event(lane.token_ready)
-            copy_into(lane.steps[0].static_in.view(-1)[row:row + 1], token, event, 0, run.streams, first)
-        self.issued[k][row] = request.owner
+        for k, items in per_lane.items():
+            self.pending[k].append((step, event, host, [(row, joining[index][0].owner, index)
+                                                        for index, row, _ in items]))
+        with run.on(0) as first:  # after each lane's last tokens reached stage 0, its joined rows' are replaced
+            device = self.s.stages[0].device
+            moved = hand_off(tokens, event, device, 0, run.streams, first) if first is not None else tokens.to(device)
+            for k, (group, rows, _) in targets[0].items():
+                if first is not None and lanes[k].token_ready is not None:
+                    first.wait_event(lanes[k].token_ready)
+                lanes[k].steps[0].static_in.view(-1).index_copy_(0, rows, moved.index_select(0, group))
+        for request, k, row in joining:
+            self.issued[k][row] = request.owner
 
     def deliver(self, limit: int | None) -> None:
         """Hand every token of the steps up to `limit` (None: all issued) to its row's owner, in order."""
@@ -215,9 +238,9 @@ class ContinuousBatch:
                     event.synchronize()
                 tokens = host.tolist()
                 if joined is not None:
-                    row, owner = joined
-                    self.heard[k][row] = owner
-                    self._give(k, row, tokens[0])
+                    for row, owner, index in joined:
+                        self.heard[k][row] = owner
+                        self._give(k, row, tokens[index])
                     continue
                 for row, token in enumerate(tokens):
                     if self.heard[k][row] is not None:

@@ -59,22 +59,6 @@ class LaneCache:
         return keys, values
 
 
-class RowWriter:
-    """The cache a joining request's prompt is prefilled with (continuous batching): each layer's keys and values
-    of its one row go straight into row `row` of the lane's `LaneCache`, at the columns that end where the lane's
-    next token will be written, and attention runs over the prompt alone with its usual causal mask."""
-
-    def __init__(self, cache: LaneCache, row: int, end: int) -> None:
-        self.cache, self.row, self.end = cache, row, end
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        start = self.end - key.shape[2]
-        self.cache.keys[layer_idx][self.row:self.row + 1, :, start:self.end].copy_(key)
-        self.cache.values[layer_idx][self.row:self.row + 1, :, start:self.end].copy_(value)
-        return key, value
-
-
 class DecodeInputs:
     """What a decode step needs besides the hidden state, derived on the device from the lane's slot.
 
@@ -104,12 +88,12 @@ class DecodeInputs:
         self.cache.prefilling = True
         self.cache.start = start
 
-    def join(self, row: int, prompt_len: int, slot: int) -> None:
-        """Row `row` now holds a prompt of `prompt_len` tokens written just before `slot` (continuous batching):
-        it attends to those columns and the ones it writes from `slot` on, its next token at position `prompt_len`."""
-        self.attended[row].fill_(False)
-        self.attended[row, slot - prompt_len:].fill_(True)
-        self.offset[row].fill_(prompt_len - slot)
+    def join(self, rows: torch.Tensor, lengths: torch.Tensor, slot: int) -> None:
+        """Rows `rows` now hold prompts of `lengths` tokens written just before `slot` (continuous batching): each
+        attends to its prompt's columns and the ones it writes from `slot` on, its next token at position `length`.
+        `rows` and `lengths` are on the cache's device."""
+        self.attended.index_copy_(0, rows, self.columns[None, :] >= (slot - lengths)[:, None])
+        self.offset.index_copy_(0, rows, (lengths - slot)[:, None])
 
     def mask(self) -> torch.Tensor:
         keep = (self.attended & (self.columns <= self.cache.slot))[:, None, None, :]

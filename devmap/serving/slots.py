@@ -82,6 +82,8 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
                 chosen.append(job)
             elif now - job.waiting_since >= limits.preempt_after:
                 return None
+        if chosen and len(chosen) < free < rows and now - min(j.waiting_since for j in chosen) < limits.join_wait:
+            chosen = []  # a little longer for more of them: one prefill for all (its cost hardly depends on rows)
         if chosen:
             engine.take(chosen)
             jobs.extend(chosen)

@@ -32,8 +32,10 @@ def requests(count, seed=0):
             for i, (n, m) in enumerate(zip(lengths, news))]
 
 
-def run(model, first, later, rows, prompt_len=12, cache_len=40, lanes=2, stop_after=None, first_slot=None):
-    """Start `first`, hand `later` in one by one as rows free up; the tokens each owner got, and how many joined."""
+def run(model, first, later, rows, prompt_len=12, cache_len=40, lanes=2, stop_after=None, first_slot=None,
+        together=True):
+    """Start `first`, hand `later` in as rows free up (as many as fit at once, or one per step); the tokens each
+    owner got, the owners left unfinished and the requests never started."""
     got = {r.owner: [] for r in first + later}
     budget = {r.owner: r.max_new for r in first + later}
     queue, calls = list(later), []
@@ -42,9 +44,10 @@ def run(model, first, later, rows, prompt_len=12, cache_len=40, lanes=2, stop_af
         calls.append(free)
         if stop_after is not None and len(calls) > stop_after:
             return None
-        if queue and free and len(queue[0].prompt) <= longest and queue[0].max_new <= most:
-            return [queue.pop(0)]
-        return []
+        fits = [r for r in queue if len(r.prompt) <= longest and r.max_new <= most][:free if together else 1]
+        for r in fits:
+            queue.remove(r)
+        return fits
 
     def emit(owner, token):
         got[owner].append(token)
@@ -55,9 +58,11 @@ def run(model, first, later, rows, prompt_len=12, cache_len=40, lanes=2, stop_af
     return got, left, queue
 
 
-def test_joined_requests_get_the_tokens_of_generating_alone(model):
-    reqs = requests(9)
-    got, left, queue = run(model, reqs[:3], reqs[3:], rows=4)
+@pytest.mark.parametrize("together", [True, False])
+def test_joined_requests_get_the_tokens_of_generating_alone(model, together):
+    """Joiners of different prompt lengths, several in one step over both lanes (one padded prefill), or one by one."""
+    reqs = requests(14)
+    got, left, queue = run(model, reqs[:3], reqs[3:], rows=6, together=together)
     assert not left and not queue
     for r in reqs:
         assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
