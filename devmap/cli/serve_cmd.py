@@ -30,7 +30,7 @@ from .options import load_options
               help="Continuous batching: between two decode steps, a running batch's free rows take waiting "
                    "requests of the same model and sampling (not seeded sampling). Off: dynamic batches that "
                    "run to their end.")
-@click.option("--join-wait-ms", default=20.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--join-wait-ms", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="Continuous: requests that could join the running batch wait up to this long for others to join "
                    "with them (one prefill for all), unless they fill its free rows.")
 @click.option("--preempt-after-ms", default=250.0, show_default=True, type=click.FloatRange(min=0),

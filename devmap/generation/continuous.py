@@ -20,7 +20,8 @@ from torch import nn
 from .api import check_length
 from .causal_lm import CausalLMStages
 from ..errors import UsageError
-from .joins import GroupWriter, group_context, on_device, padded_prompts
+from .joins import group_context, group_rows, group_width, on_device, padded_prompts
+from .lane_cache import LaneCache
 from .lane_runner import EOS_CHECK_LAG, Lane, LaneRunner, record_event, split_lanes
 from .sampling import Sampling, choose
 from .step_cache import StepCache, step_cache, weight_pointers
@@ -89,7 +90,7 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
     entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),
                         weight_pointers(model))
     owners = [r.owner for r in first] + [None] * (rows - len(first))
-    batch = ContinuousBatch(run, first_slot, cache_len, sampling, emit)
+    batch = ContinuousBatch(run, first_slot, cache_len, sampling, emit, cache, entries)
     with stages.hooks_bypassed():
         for k, lane in enumerate(lane_list):
             run.prepare_decode(k, lane, cache_len, entries, cache)
@@ -105,8 +106,10 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
 class ContinuousBatch:
     """The rows of one continuous run: who holds each row as work is issued, and as tokens come back."""
 
-    def __init__(self, run: LaneRunner, first_slot: int, cache_len: int, sampling: Sampling, emit: Emit) -> None:
+    def __init__(self, run: LaneRunner, first_slot: int, cache_len: int, sampling: Sampling, emit: Emit,
+                 cache: StepCache, entries: dict[Any, Any]) -> None:
         self.run, self.s = run, run.s
+        self.cache, self.entries = cache, entries  # captured steps kept for this batch shape (joining groups')
         self.first_slot, self.cache_len = first_slot, cache_len
         self.sampling, self.emit = sampling, emit
         head = self.s.head_device
@@ -180,40 +183,48 @@ class ContinuousBatch:
 
     def join(self, joining: list[tuple[SlotRequest, int, int]], step: int, slot: int) -> None:
         """Start each (request, lane, row) before the lanes' step `step`, which writes cache slot `slot`: one prefill
-        of them all, their keys and values written into their rows, their first tokens into their rows' inputs."""
+        of them all (a captured step per bucketed group shape, padded with copies of the first), their keys and
+        values copied into their rows, their first tokens into their rows' inputs."""
         for request, _, _ in joining:
             length = len(request.prompt)
             if not request.prompt or length > slot or not 1 <= request.max_new <= self.cache_len - slot + 1:
                 raise ValueError(f"a request of {length} prompt tokens and {request.max_new} new ones does not fit at "
                                  f"slot {slot} of a {self.cache_len}-token cache")
         run, lanes, last = self.run, self.run.lanes, len(self.s.stages) - 1
-        ids, mask = padded_prompts([r.prompt for r, _, _ in joining], pad=0)
-        width = ids.shape[1]
+        count = len(joining)
+        group = group_rows(count, sum(lane.ids.shape[0] for lane in lanes))
+        width = group_width(max(len(r.prompt) for r, _, _ in joining), self.first_slot)
+        prompts = [r.prompt for r, _, _ in joining]
+        ids, mask = padded_prompts(prompts + prompts[:1] * (group - count), pad=0, width=width)
         per_lane = {k: [(index, row, len(r.prompt)) for index, (r, lane, row) in enumerate(joining) if lane == k]
                     for k in {lane for _, lane, _ in joining}}
-        joiner = Lane(slice(0, len(joining)), ids, mask, padded=True)
-        with run.on(0) as first:  # on stage 0's stream, which embeds them next
+        with run.on(0) as first:  # the group's inputs, on stage 0's stream
             device = self.s.stages[0].device
-            joiner.ids = ids.pin_memory().to(self.s.embed_device, non_blocking=True) if device.type == "cuda" else ids
-            context = group_context(mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask,
-                                    self.s.float_mask_dtype())
-            joiner.prompt = {"context": {**context, **self.s.cache_position(width, device)},
-                             "ready": record_event(first)}
-        targets = []  # per stage: (group rows, lane rows, prompt lengths) of each lane, on the stage's device
+            ids = ids.pin_memory().to(self.s.embed_device, non_blocking=True) if device.type == "cuda" else ids
+            mask = mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask
+            context = group_context(mask, self.s.float_mask_dtype())
+            ready = record_event(first)
+        key = ("join", group, width)
+        if key not in self.entries:  # per stage: the captured prefill and the scratch cache it fills
+            self.entries[key] = [self._join_step(j, group, width, context["attention_mask"])
+                                 for j in range(len(self.s.stages))]
+        out = event = None
         for j, stage in enumerate(self.s.stages):
-            with run.on(j):
-                targets.append({k: tuple(on_device([item[n] for item in items], stage.device) for n in range(3))
-                                for k, items in per_lane.items()})
-            joiner.caches.append(GroupWriter([lane.caches[j] for lane in lanes],  # type: ignore[arg-type]
-                                             [targets[j][k][:2] if k in per_lane else None for k in range(len(lanes))],
-                                             slot - width, slot))
-        hidden = run.through(joiner, caches=True)
-        for j in range(len(self.s.stages)):
-            with run.on(j):
-                for k, (_, rows, lengths) in targets[j].items():
-                    lanes[k].inputs[j].join(rows, lengths, slot)
+            (prefill, positions, static_mask), scratch = self.entries[key][j]
+            with run.on(j) as compute:
+                copy_into(prefill.static_in, ids if j == 0 else out, None if j == 0 else event, j, run.streams,
+                          compute)
+                copy_into(positions, context["position_ids"], ready, j, run.streams, compute)
+                copy_into(static_mask, context["attention_mask"], ready, j, run.streams, compute)
+                out = prefill()
+                for k, items in per_lane.items():  # the joiners' keys and values into their rows, before the slot
+                    index = on_device([i for i, _, _ in items], stage.device)
+                    rows = on_device([row for _, row, _ in items], stage.device)
+                    lanes[k].caches[j].take_rows(scratch, index, rows, slot - width, slot)
+                    lanes[k].inputs[j].join(rows, on_device([n for _, _, n in items], stage.device), slot)
+                event = record_event(compute)
         with run.on(last) as compute:
-            tokens = choose(self.s.head(hidden[:, -1:, :])[:, -1].float(), self.sampling, self.generator)
+            tokens = choose(self.s.head(out[:count, -1:, :])[:, -1].float(), self.sampling, self.generator)
             host = _to_host(tokens)
             event = record_event(compute)
         for k, items in per_lane.items():
@@ -222,12 +233,23 @@ class ContinuousBatch:
         with run.on(0) as first:  # after each lane's last tokens reached stage 0, its joined rows' are replaced
             device = self.s.stages[0].device
             moved = hand_off(tokens, event, device, 0, run.streams, first) if first is not None else tokens.to(device)
-            for k, (group, rows, _) in targets[0].items():
+            for k, items in per_lane.items():
                 if first is not None and lanes[k].token_ready is not None:
                     first.wait_event(lanes[k].token_ready)
-                lanes[k].steps[0].static_in.view(-1).index_copy_(0, rows, moved.index_select(0, group))
+                index = on_device([i for i, _, _ in items], device)
+                rows = on_device([row for _, row, _ in items], device)
+                lanes[k].steps[0].static_in.view(-1).index_copy_(0, rows, moved.index_select(0, index))
         for request, k, row in joining:
             self.issued[k][row] = request.owner
+
+    def _join_step(self, j: int, group: int, width: int, mask: torch.Tensor) -> tuple[Any, LaneCache]:
+        """Stage j's prefill of a joining group of this shape, into a scratch cache of its own (both kept)."""
+        stage = self.s.stages[j]
+        scratch = LaneCache(group, width, stage.device)
+        layout = self.s.kv_layout(j)
+        if layout is not None:
+            scratch.allocate(*layout, self.s.dtype)
+        return self.run.prefill_step(j, group, width, mask, self.cache, scratch), scratch
 
     def deliver(self, limit: int | None) -> None:
         """Hand every token of the steps up to `limit` (None: all issued) to its row's owner, in order."""

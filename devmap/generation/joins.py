@@ -1,42 +1,32 @@
-"""Requests joining a continuous batch together: one prefill of all of a step's joiners (left-padded, their causal
-mask built on the device, so no host reads), each one's keys and values copied into its row of its lane's cache.
+"""Requests joining a continuous batch together: one prefill of all of a step's joiners, left-padded to a bucketed
+group shape, their causal mask built on the device (no host reads).
 
-An eager prefill of a LLaMA stage costs the same few hundred small kernels for one row as for thirty (tens of
-milliseconds at 1B, most of it launch and kernel overhead), so joiners go in as one group per step.
+An eager prefill of a LLaMA stage costs the same few hundred small kernels for one row as for thirty: tens of
+milliseconds of host time at 1B (transformers' Python), during which the host issues nothing else. So joiners go
+in as one group per step, and each group shape's prefill is a captured graph, replayed from its second use on.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .causal_lm import positions
-from .lane_cache import LaneCache
 
 
-class GroupWriter:
-    """The cache a joining group is prefilled with on one stage: each layer's keys and values of the group's rows go
-    to their rows in their lanes' caches, at the columns that end where the lanes write next; attention runs over
-    the group's own prompts with their mask."""
-
-    def __init__(self, caches: list[LaneCache], targets: list[tuple[torch.Tensor, torch.Tensor] | None],
-                 start: int, end: int) -> None:
-        self.caches, self.targets, self.start, self.end = caches, targets, start, end
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        for cache, target in zip(self.caches, self.targets):
-            if target is not None:
-                group, rows = target
-                cache.keys[layer_idx][:, :, self.start:self.end].index_copy_(0, rows, key.index_select(0, group))
-                cache.values[layer_idx][:, :, self.start:self.end].index_copy_(0, rows, value.index_select(0, group))
-        return key, value
+def group_rows(count: int, most: int) -> int:
+    """Rows of a joining group's prefill: few shapes (4, 16, or every row of the batch), each captured once."""
+    return next((size for size in (4, 16) if count <= size < most), most)
 
 
-def padded_prompts(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask) of the prompts left-padded to the longest, on the host."""
-    length = max(len(p) for p in prompts)
+def group_width(longest: int, first_slot: int) -> int:
+    """Columns of a joining group's prefill: 64, 256, or the batch's first slot (which every prompt that may join
+    fits, and no wider: the group's columns end at the lanes' slot)."""
+    return next((width for width in (64, 256) if longest <= width <= first_slot), first_slot)
+
+
+def padded_prompts(prompts: list[list[int]], pad: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of the prompts left-padded to `width` (default: the longest), on the host."""
+    length = width or max(len(p) for p in prompts)
     ids = torch.full((len(prompts), length), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), length), dtype=torch.long)
     for row, prompt in enumerate(prompts):

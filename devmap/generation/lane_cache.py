@@ -42,6 +42,12 @@ class LaneCache:
         self.prefilling = False
         self.slot.fill_(prompt_len)
 
+    def take_rows(self, other: LaneCache, index: torch.Tensor, rows: torch.Tensor, start: int, end: int) -> None:
+        """Rows `index` of `other`'s keys and values (all its columns) into rows `rows`, columns start..end-1."""
+        for layer, keys in other.keys.items():
+            self.keys[layer][:, :, start:end].index_copy_(0, rows, keys.index_select(0, index))
+            self.values[layer][:, :, start:end].index_copy_(0, rows, other.values[layer].index_select(0, index))
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.prefilling:

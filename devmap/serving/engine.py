@@ -48,7 +48,7 @@ class EngineLimits:
     graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
     continuous: bool = True  # a running batch's free rows take waiting requests of the same model and sampling
     # between two decode steps (greedy and unseeded sampling); False: batches run whole, as dynamic batches
-    join_wait: float = 0.02  # continuous: requests that could join wait up to this long (seconds) for more to join
+    join_wait: float = 0.01  # continuous: requests that could join wait up to this long (seconds) for more to join
     # with them, unless they fill every free row
     preempt_after: float = 0.25  # continuous: a request that cannot join (another model or sampling, no free row)
     # stops the running batch once it has waited this long (seconds); its unfinished requests continue later
