@@ -186,6 +186,6 @@ def test_continuous_batching_over_two_gpus_gives_each_request_its_own_tokens(mon
     entries = step_cache(placed, "continuous").entries
     steps = [step for key, lane in entries.items() if isinstance(key, int) for step in lane[1]]
     assert len(steps) == 4 and all(step.graph is not None for step in steps)
-    prefills = [step for key, stages in entries.items() if key[0] == "join" for (step, _, _), _ in stages]
+    prefills = [step for key, stages in entries.items() if isinstance(key, tuple) and key[0] == "join" for (step, _, _), _ in stages]
     assert prefills and all(step.graph is not None for step in prefills if step.calls > 1)
     assert any(step.calls > 2 for step in prefills)  # replayed
