@@ -1,17 +1,19 @@
 """Continuous batching over devmap's lanes: a fixed set of rows decodes step after step, and a new request takes a
 free row between two steps instead of waiting for the whole batch to end.
 
-A joining request's prompt is prefilled alone (one row, no padding: no host reads) through every stage, its keys
-and values written into its row's columns right before the lanes' shared cache slot; its row's mask and position
-offset are reset on every stage, and its first token replaces the row's input of the next step. All of it is
-issued in stream order between the lanes' steps, so the decode steps stay the same replayed graphs (one capture
-per rows × cache length) and the host never waits for a GPU beyond the token hand-back's lag.
+A batch starts with empty rows. Before a step, the requests that join (the first ones too) are prefilled together
+through every stage as one group (a captured step per bucketed group shape), each one's keys and values copied
+into its row's columns right before the lanes' shared cache slot; its row's mask and position offset are reset on
+every stage, and its first token replaces the row's input of the next step. All of it is issued in stream order
+between the lanes' steps, so decode steps stay the same replayed graphs (one capture per rows × cache length) and
+the host never waits for a GPU beyond the token hand-back's lag.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import Any, Callable
 
 import torch
@@ -48,20 +50,18 @@ Emit = Callable[[Any, int], bool]
 
 @torch.no_grad()
 def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit, emit: Emit, *, rows: int,
-                        prompt_len: int, cache_len: int, first_slot: int | None = None, lanes: int | None = None,
-                        sampling: Sampling | None = None,
-                        pad_token_id: int = 0, split_layers: list[int] | None = None, graphs: bool = True,
-                        compile: bool = False, keep_graphs: bool = True,
-                        stats: dict[str, float] | None = None) -> list[Any]:
-    """Generate for `first` (left-padded to `prompt_len`) in `rows` rows, and for every request `admit` hands in
-    while the batch runs, each in a row that an earlier one freed; every token goes to `emit` in order (a couple of
-    steps behind the GPUs). Each row's cache holds `cache_len` tokens; the first prompts end at column `first_slot`
-    (default `prompt_len`; a larger one leaves room for longer prompts to join, at no prefill cost), and a request
-    joining when the lanes write slot s needs prompt ≤ s and max_new ≤ cache_len - s + 1. Ends when every row is
-    free and `admit` brings none,
-    or when `admit` returns None; returns the owners that had not finished then (to continue elsewhere, from their
-    prompt plus the tokens they got). Greedy tokens equal `devmap.generate` of each request alone. `stats`, when
-    given, gets the run's steps, joined requests and the host seconds spent issuing their prefills."""
+                        first_slot: int, cache_len: int, lanes: int | None = None, sampling: Sampling | None = None,
+                        split_layers: list[int] | None = None, graphs: bool = True, compile: bool = False,
+                        keep_graphs: bool = True, stats: dict[str, float] | None = None) -> list[Any]:
+    """Generate for `first`, and for every request `admit` hands in while the batch runs, each in one of `rows` rows
+    (a row an earlier request freed); every token goes to `emit` in order (a couple of steps behind the GPUs).
+
+    Each row's cache holds `cache_len` tokens. The lanes decode from slot `first_slot`, which the first prompts must
+    fit; a request joining when the lanes write slot s needs prompt ≤ s and max_new ≤ cache_len - s + 1 (a larger
+    `first_slot` lets longer prompts join, at no cost beyond cache columns). Ends when every row is free and `admit`
+    brings none, or when `admit` returns None; returns the owners that had not finished then (to continue
+    elsewhere, from their prompt plus the tokens they got). Greedy tokens equal `devmap.generate` of each request
+    alone. `stats`, when given, gets the run's steps, joined requests and the host seconds spent issuing them."""
     sampling = sampling or Sampling()
     sampling.check()
     if not first or len(first) > rows:
@@ -70,33 +70,29 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
         if not request.prompt or request.max_new < 1:
             raise UsageError("every request needs a non-empty prompt and max_new >= 1")
     longest, most = max(len(r.prompt) for r in first), max(r.max_new for r in first)
-    first_slot = prompt_len if first_slot is None else first_slot
-    if prompt_len < longest or first_slot < prompt_len or most > cache_len - first_slot + 1:
-        raise UsageError(f"prompt_len={prompt_len}, first_slot={first_slot} and cache_len={cache_len} do not hold "
-                         f"prompts of {longest} tokens and {most} new ones")
+    if first_slot < longest or most > cache_len - first_slot + 1:
+        raise UsageError(f"first_slot={first_slot} and cache_len={cache_len} do not hold prompts of {longest} "
+                         f"tokens and {most} new ones")
     stages = CausalLMStages(model, split_layers)
     check_length(model.config, cache_len)
     stages.check_window(cache_len)
     stages.float_mask_dtype()
-    ids = torch.full((rows, prompt_len), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((rows, prompt_len), dtype=torch.long)
-    for row in range(rows):  # rows nobody holds yet repeat the first prompt (their tokens go nowhere)
-        prompt = first[row].prompt if row < len(first) else first[0].prompt
-        ids[row, prompt_len - len(prompt):] = torch.tensor(prompt)
-        mask[row, prompt_len - len(prompt):] = 1
-    lane_list = split_lanes(stages, ids, mask, lanes, default=len(stages.stages))
+    # the lanes start empty: each row attends to one (zero) column before the first slot, so that rows nobody
+    # holds decode finite garbage; every request, the first ones too, comes in through a joining group's prefill
+    ids = torch.zeros((rows, 1), dtype=torch.long)
+    lane_list = split_lanes(stages, ids, torch.ones_like(ids), lanes, default=len(stages.stages))
     run = LaneRunner(stages, lane_list, graphs, compile)
     cache = step_cache(model, "continuous", KEPT_SHAPES) if run.graphs and keep_graphs else StepCache()
     entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),
                         weight_pointers(model))
-    owners = [r.owner for r in first] + [None] * (rows - len(first))
     batch = ContinuousBatch(run, first_slot, cache_len, sampling, emit, cache, entries)
     with stages.hooks_bypassed():
         for k, lane in enumerate(lane_list):
             run.prepare_decode(k, lane, cache_len, entries, cache)
-            for inputs in lane.inputs:
-                inputs.reset(lane.mask, first_slot - prompt_len)
-        unfinished = batch.generate([owners[lane.rows] for lane in lane_list], admit)
+            for j, inputs in enumerate(lane.inputs):
+                inputs.reset(lane.mask, first_slot - 1)
+                lane.caches[j].start_decoding(first_slot)
+        unfinished = batch.generate(first, admit)
         run.streams.join([])
     if stats is not None:
         stats.update(batch.stats)
@@ -115,32 +111,21 @@ class ContinuousBatch:
         head = self.s.head_device
         self.generator = torch.Generator(device=head).manual_seed(sampling.seed) if sampling.do_sample else None
         self.lag = EOS_CHECK_LAG if head.type == "cuda" else 0
-        self.issued: list[list[Any]] = []  # per lane and row: whom the row's next tokens are for (None: free)
-        self.heard: list[list[Any]] = []  # the same, as the tokens come back to the host
+        self.issued = [[None] * lane.ids.shape[0] for lane in run.lanes]  # per lane and row: whom the row's next
+        self.heard = [[None] * lane.ids.shape[0] for lane in run.lanes]  # tokens are for, as issued and as heard back
         # per lane, in issue order: (step, event, host tokens, None) for a step's tokens of every row, and
         # (step, event, host tokens, [(row, owner, index in the tokens)]) for joining requests' first tokens
-        self.pending: list[list[tuple[int, Any, torch.Tensor, Any]]] = []
+        self.pending: list[list[tuple[int, Any, torch.Tensor, Any]]] = [[] for _ in run.lanes]
         self.stats = {"steps": 0, "joined": 0, "join_seconds": 0.0}
 
-    def generate(self, owners: list[list[Any]], admit: Admit) -> list[Any]:
-        run, lanes, last = self.run, self.run.lanes, len(self.s.stages) - 1
-        self.issued, self.heard = owners, [list(held) for held in owners]
-        self.pending = [[] for _ in lanes]
-        run.start()
-        run.prompts()
-        for k, lane in enumerate(lanes):
-            hidden = run.through(lane, caches=True)
-            for j, lane_cache in enumerate(lane.caches):
-                with run.on(j):
-                    lane_cache.start_decoding(self.first_slot)
-            with run.on(last):
-                self.finish(k, self.s.head(hidden[:, -1:, :])[:, -1].float(), 0)
+    def generate(self, first: list[SlotRequest], admit: Admit) -> list[Any]:
+        self.run.start()
         for step in range(1, self.cache_len - self.first_slot + 1):
             self.deliver(step - 1 - self.lag)
             slot = self.first_slot + step - 1  # where this step writes its input token
             self.stats["steps"] = step
-            free = [(k, row) for k, held in enumerate(self.issued) for row, owner in enumerate(held) if owner is None]
-            joining = admit(len(free), slot, self.cache_len - slot + 1)
+            free = self.free_rows()
+            joining = first if step == 1 else admit(len(free), slot, self.cache_len - slot + 1)
             if joining is None:
                 break
             if len(joining) > len(free):
@@ -148,14 +133,19 @@ class ContinuousBatch:
             began = time.perf_counter()
             if joining:
                 self.join([(request, k, row) for request, (k, row) in zip(joining, free)], step, slot)
-            self.stats["joined"] += len(joining)
+            self.stats["joined"] += len(joining) if step > 1 else 0
             self.stats["join_seconds"] += time.perf_counter() - began
             if all(owner is None for held in self.issued for owner in held):
                 break
-            for k, lane in enumerate(lanes):
+            for k, lane in enumerate(self.run.lanes):
                 self.finish(k, self.decode(lane), step)
         self.deliver(None)
         return [owner for held in self.heard for owner in held if owner is not None]
+
+    def free_rows(self) -> list[tuple[int, int]]:
+        """(lane, row) of every free row, the lanes taking turns (joiners spread over the lanes)."""
+        free = [[(k, row) for row, owner in enumerate(held) if owner is None] for k, held in enumerate(self.issued)]
+        return [item for turn in zip_longest(*free) for item in turn if item is not None]
 
     def decode(self, lane: Lane) -> torch.Tensor:
         """One decode step of the lane through every stage; the last stage's float logits."""

@@ -28,30 +28,27 @@ def continuous_possible(params: GenerationParams) -> bool:
     return params.temperature == 0 or params.seed is None
 
 
-def batch_shape(jobs: list[Job], max_batch: int, length_bucket: int,
-                resident: ResidentModel) -> tuple[int, int, int, int]:
-    """(rows, prompt length, first slot, cache length) of a continuous batch starting with `jobs`: prompts
-    left-padded to a multiple of `length_bucket`; rows a power of two; decoding from a slot as far as the longest
-    prompt the model's batches have had (so that such prompts can join); a cache for twice the longest max_tokens
-    past that, in multiples of CACHE_BUCKET, within the model's context. Rows, first slot and cache length never
-    shrink below the model's largest batch so far: a service settles on one shape, whose decode steps are captured
-    once and replayed from then on (a new shape costs a capture, hundreds of milliseconds)."""
+def batch_shape(jobs: list[Job], max_batch: int, length_bucket: int, resident: ResidentModel) -> tuple[int, int, int]:
+    """(rows, first slot, cache length) of a continuous batch starting with `jobs`: rows a power of two; decoding
+    from a slot past the longest prompt the model's batches have had, in multiples of `length_bucket` (so that such
+    prompts can join); a cache for twice the longest max_tokens past that, in multiples of CACHE_BUCKET, within the
+    model's context. None of the three shrinks below the model's largest batch so far: a service settles on one
+    shape, whose steps are captured once and replayed from then on (a new shape costs captures)."""
     count = len(jobs)
     rows = max(count, min(max_batch, max(MIN_ROWS, 1 << (count - 1).bit_length(), resident.batch_rows)))
     longest = max(len(j.prompt_ids) + len(j.generated) for j in jobs)
     most = max(j.params.max_tokens - len(j.generated) for j in jobs)
     span = max(j.params.max_tokens for j in jobs)
-    length = round_up(longest, length_bucket)
-    slot = max(length, resident.batch_slot)
+    slot = max(round_up(longest, length_bucket), resident.batch_slot)
     cache = max(round_up(slot + 2 * span, CACHE_BUCKET), resident.batch_cache)
     if resident.context:
         cache = min(cache, resident.context)
         if most > cache - slot + 1:  # the buckets never cost a request its tokens (the engine's check fits it)
-            slot = length = longest
+            slot = longest
     cache = max(cache, slot + most - 1)
     resident.batch_rows = max(rows, resident.batch_rows)
     resident.batch_slot, resident.batch_cache = max(slot, resident.batch_slot), max(cache, resident.batch_cache)
-    return rows, length, slot, cache
+    return rows, slot, cache
 
 
 def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> list[Job]:
@@ -60,9 +57,7 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
     limits, metrics = engine.limits, engine.metrics
     key = (jobs[0].model_id, jobs[0].params.batch_key())
     eos = eos_ids(resident)
-    tokenizer = resident.tokenizer
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    rows, length, slot, cache_len = batch_shape(jobs, limits.max_batch, limits.length_bucket, resident)
+    rows, slot, cache_len = batch_shape(jobs, limits.max_batch, limits.length_bucket, resident)
     params = jobs[0].params
     sampling = Sampling(params.temperature != 0, params.temperature or 1.0, params.top_k, params.top_p,
                         params.seed or 0)
@@ -97,11 +92,11 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
         return job.finished or job.cancelled.is_set()
 
     left = generate_continuous(resident.model, [_request(job) for job in jobs], admit, emit, rows=rows,
-                               prompt_len=length, cache_len=cache_len, first_slot=slot, lanes=limits.lanes,
-                               sampling=sampling, pad_token_id=pad, compile=limits.compile, stats=stats)
+                               first_slot=slot, cache_len=cache_len, lanes=limits.lanes, sampling=sampling,
+                               compile=limits.compile, stats=stats)
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("continuous batch (rows %d, prompt %d, first slot %d, cache %d): %d requests, %d joined (issued in "
-                  "%.0f ms), %s after %d steps, %.0f ms", rows, length, slot, cache_len, len(jobs), stats["joined"],
+        log.debug("continuous batch (rows %d, first slot %d, cache %d): %d requests, %d joined (issued in %.0f ms), "
+                  "%s after %d steps, %.0f ms", rows, slot, cache_len, len(jobs), stats["joined"],
                   1000 * stats["join_seconds"], "stopped" if left else "drained", stats["steps"],
                   1000 * (time.perf_counter() - started))
     return [job for job in left if not job.finished and not job.cancelled.is_set()]

@@ -32,7 +32,7 @@ def requests(count, seed=0):
             for i, (n, m) in enumerate(zip(lengths, news))]
 
 
-def run(model, first, later, rows, prompt_len=12, cache_len=40, lanes=2, stop_after=None, first_slot=None,
+def run(model, first, later, rows, first_slot=12, cache_len=40, lanes=2, stop_after=None,
         together=True):
     """Start `first`, hand `later` in as rows free up (as many as fit at once, or one per step); the tokens each
     owner got, the owners left unfinished and the requests never started."""
@@ -53,8 +53,8 @@ def run(model, first, later, rows, prompt_len=12, cache_len=40, lanes=2, stop_af
         got[owner].append(token)
         return len(got[owner]) >= budget[owner]
 
-    left = generate_continuous(model, first, admit, emit, rows=rows, prompt_len=prompt_len, cache_len=cache_len,
-                               first_slot=first_slot, lanes=lanes, split_layers=[2])
+    left = generate_continuous(model, first, admit, emit, rows=rows, first_slot=first_slot, cache_len=cache_len,
+                               lanes=lanes, split_layers=[2])
     return got, left, queue
 
 
@@ -79,10 +79,10 @@ def test_a_request_joins_while_others_still_decode(model):
 
 
 def test_a_later_first_slot_lets_longer_prompts_join_at_once(model):
-    """The first prompts (padded to 6) end at column 20: a joiner of 18 prompt tokens fits at the first step."""
+    """The lanes decode from slot 20: a joiner of 18 prompt tokens fits at once, beside short first prompts."""
     short = [SlotRequest([5, 6, 7], 1, "a"), SlotRequest([8, 9, 10, 11, 12, 13], 9, "b")]
     long = SlotRequest(list(range(100, 118)), 7, "long")
-    got, left, queue = run(model, short, [long], rows=2, prompt_len=6, first_slot=20, cache_len=40)
+    got, left, queue = run(model, short, [long], rows=2, first_slot=20, cache_len=40)
     assert not left and not queue
     for r in (*short, long):
         assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
@@ -98,10 +98,10 @@ def test_stopping_returns_the_unfinished_owners(model):
 def test_sampling_and_bad_arguments(model):
     reqs = requests(2)
     got = []
-    generate_continuous(model, reqs, lambda *a: [], lambda o, t: got.append(t) or False, rows=2, prompt_len=12,
+    generate_continuous(model, reqs, lambda *a: [], lambda o, t: got.append(t) or False, rows=2, first_slot=12,
                         cache_len=20, sampling=Sampling(do_sample=True, temperature=0.8, seed=3))
     assert len(got) == 2 * (20 - 12 + 1)
     with pytest.raises(UsageError, match="1 to rows=1"):
-        generate_continuous(model, reqs, lambda *a: [], lambda o, t: True, rows=1, prompt_len=12, cache_len=20)
+        generate_continuous(model, reqs, lambda *a: [], lambda o, t: True, rows=1, first_slot=12, cache_len=20)
     with pytest.raises(UsageError, match="do not hold"):
-        generate_continuous(model, reqs, lambda *a: [], lambda o, t: True, rows=2, prompt_len=4, cache_len=20)
+        generate_continuous(model, reqs, lambda *a: [], lambda o, t: True, rows=2, first_slot=4, cache_len=20)

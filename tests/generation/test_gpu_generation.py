@@ -180,7 +180,7 @@ def test_continuous_batching_over_two_gpus_gives_each_request_its_own_tokens(mon
             got[owner].append(token)
             return len(got[owner]) >= reqs[owner].max_new
 
-        left = generate_continuous(placed, reqs[:4], admit, emit, rows=4, prompt_len=20, cache_len=256, lanes=2)
+        left = generate_continuous(placed, reqs[:4], admit, emit, rows=4, first_slot=20, cache_len=256, lanes=2)
         assert not left and not queue
         assert got == expected
     entries = step_cache(placed, "continuous").entries
