@@ -20,7 +20,9 @@ from .registry import ResidentModel
 log = logging.getLogger("devmap.serving")
 
 MIN_ROWS = 8  # rows of the smallest continuous batch: room for a few joiners at about one row's step time
-CACHE_BUCKET = 256  # cache lengths come in multiples of this, so a service sees few captured step shapes
+CACHE_BUCKET = 128  # cache lengths come in multiples of this, so a service sees few captured step shapes
+CACHE_SPANS = 3  # a cache holds this many times the longest max_tokens past the first slot: requests join until
+# their tokens would pass its end, which then stops the batch (its requests continue in a new one, prefilled again)
 
 
 def continuous_possible(params: GenerationParams) -> bool:
@@ -31,7 +33,7 @@ def continuous_possible(params: GenerationParams) -> bool:
 def batch_shape(jobs: list[Job], max_batch: int, length_bucket: int, resident: ResidentModel) -> tuple[int, int, int]:
     """(rows, first slot, cache length) of a continuous batch starting with `jobs`: rows a power of two; decoding
     from a slot past the longest prompt the model's batches have had, in multiples of `length_bucket` (so that such
-    prompts can join); a cache for twice the longest max_tokens past that, in multiples of CACHE_BUCKET, within the
+    prompts can join); a cache for CACHE_SPANS times the longest max_tokens past that, in multiples of CACHE_BUCKET, within the
     model's context. None of the three shrinks below the model's largest batch so far: a service settles on one
     shape, whose steps are captured once and replayed from then on (a new shape costs captures)."""
     count = len(jobs)
@@ -40,7 +42,7 @@ def batch_shape(jobs: list[Job], max_batch: int, length_bucket: int, resident: R
     most = max(j.params.max_tokens - len(j.generated) for j in jobs)
     span = max(j.params.max_tokens for j in jobs)
     slot = max(round_up(longest, length_bucket), resident.batch_slot)
-    cache = max(round_up(slot + 2 * span, CACHE_BUCKET), resident.batch_cache)
+    cache = max(round_up(slot + CACHE_SPANS * span, CACHE_BUCKET), resident.batch_cache)
     if resident.context:
         cache = min(cache, resident.context)
         if most > cache - slot + 1:  # the buckets never cost a request its tokens (the engine's check fits it)
@@ -86,8 +88,12 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
         metrics.running.set(rows - free + len(chosen))
         return [_request(job) for job in chosen]
 
+    slowest = [0.0]  # the longest wait for a first token in this batch (debug log)
+
     def emit(job: Job, token: int) -> bool:
         if not job.finished and not job.cancelled.is_set():
+            if not job.generated:
+                slowest[0] = max(slowest[0], time.perf_counter() - job.arrived)
             take_token(job, token, resident, eos, metrics)
         return job.finished or job.cancelled.is_set()
 
@@ -96,7 +102,8 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
                                compile=limits.compile, stats=stats)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("continuous batch (rows %d, first slot %d, cache %d): %d requests, %d joined (issued in %.0f ms), "
-                  "%s after %d steps, %.0f ms", rows, slot, cache_len, len(jobs), stats["joined"],
+                  "slowest first token %.0f ms, %s after %d steps, %.0f ms", rows, slot, cache_len, len(jobs),
+                  stats["joined"], 1000 * slowest[0],
                   1000 * stats["join_seconds"], "stopped" if left else "drained", stats["steps"],
                   1000 * (time.perf_counter() - started))
     return [job for job in left if not job.finished and not job.cancelled.is_set()]
