@@ -32,8 +32,8 @@ def continuous_possible(params: GenerationParams) -> bool:
 
 def batch_shape(jobs: list[Job], max_batch: int, length_bucket: int, resident: ResidentModel) -> tuple[int, int, int]:
     """(rows, first slot, cache length) of a continuous batch starting with `jobs`: rows a power of two; decoding
-    from a slot past the longest prompt the model's batches have had, in multiples of `length_bucket` (so that such
-    prompts can join); a cache for CACHE_SPANS times the longest max_tokens past that, in multiples of CACHE_BUCKET, within the
+    from a slot past the longest prompt (plus max_tokens) the model's batches have had, in multiples of
+    `length_bucket` (so that such prompts can join); a cache for CACHE_SPANS times the longest max_tokens past that, in multiples of CACHE_BUCKET, within the
     model's context. None of the three shrinks below the model's largest batch so far: a service settles on one
     shape, whose steps are captured once and replayed from then on (a new shape costs captures)."""
     count = len(jobs)
@@ -41,7 +41,10 @@ def batch_shape(jobs: list[Job], max_batch: int, length_bucket: int, resident: R
     longest = max(len(j.prompt_ids) + len(j.generated) for j in jobs)
     most = max(j.params.max_tokens - len(j.generated) for j in jobs)
     span = max(j.params.max_tokens for j in jobs)
-    slot = max(round_up(longest, length_bucket), resident.batch_slot)
+    # past the longest prompt plus its tokens: when a batch stops at its cache's end, its requests continue from
+    # prompt + tokens so far, which then still fit the slot (a slot that grows costs new captures)
+    fresh = max(len(j.prompt_ids) for j in jobs) + span - 1
+    slot = max(round_up(max(longest, fresh), length_bucket), resident.batch_slot)
     cache = max(round_up(slot + CACHE_SPANS * span, CACHE_BUCKET), resident.batch_cache)
     if resident.context:
         cache = min(cache, resident.context)
