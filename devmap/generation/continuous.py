@@ -24,7 +24,7 @@ from .causal_lm import CausalLMStages
 from ..errors import UsageError
 from .joins import group_context, group_rows, group_width, on_device, padded_prompts
 from .lane_cache import LaneCache
-from .lane_runner import EOS_CHECK_LAG, Lane, LaneRunner, record_event, split_lanes
+from .lane_runner import EOS_CHECK_LAG, LaneRunner, record_event, split_lanes
 from .sampling import Sampling, choose
 from .step_cache import StepCache, step_cache, weight_pointers
 from ..pipelining.streams import copy_into, copy_later, hand_off
@@ -138,7 +138,7 @@ class ContinuousBatch:
             if all(owner is None for held in self.issued for owner in held):
                 break
             for k, lane in enumerate(self.run.lanes):
-                self.finish(k, self.decode(lane), step)
+                self.finish(k, self.run.decode_step(lane), step)
         self.deliver(None)
         return [owner for held in self.heard for owner in held if owner is not None]
 
@@ -146,20 +146,6 @@ class ContinuousBatch:
         """(lane, row) of every free row, the lanes taking turns (joiners spread over the lanes)."""
         free = [[(k, row) for row, owner in enumerate(held) if owner is None] for k, held in enumerate(self.issued)]
         return [item for turn in zip_longest(*free) for item in turn if item is not None]
-
-    def decode(self, lane: Lane) -> torch.Tensor:
-        """One decode step of the lane through every stage; the last stage's float logits."""
-        run = self.run
-        out = event = None
-        for j in range(len(self.s.stages)):
-            with run.on(j) as compute:
-                if j > 0:
-                    copy_into(lane.steps[j].static_in, out, event, j, run.streams, compute)
-                elif lane.token_ready is not None:
-                    compute.wait_event(lane.token_ready)
-                out = lane.steps[j]()
-                event = record_event(compute)
-        return out
 
     def finish(self, k: int, logits: torch.Tensor, step: int) -> None:
         """The lane's next tokens (on the last stage's stream): to the host, and to stage 0 for the next step."""

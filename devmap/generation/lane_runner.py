@@ -306,19 +306,25 @@ class LaneRunner:
                 if lane.done or _ended(lane, step):
                     lane.done = True
                     continue
-                out = event = None
-                for j, stage in enumerate(self.s.stages):
-                    with self.on(j) as compute:
-                        if j > 0:
-                            copy_into(lane.steps[j].static_in, out, event, j, self.streams, compute)
-                        elif lane.token_ready is not None:
-                            compute.wait_event(lane.token_ready)
-                        out = lane.steps[j]()
-                        event = record_event(compute)
+                out = self.decode_step(lane)
                 with self.on(last) as compute:
                     finish(lane, out, compute, step)
         if on_tokens is not None:
             self.deliver(on_tokens, max_new_tokens, lag=0)
+
+    def decode_step(self, lane: Lane) -> torch.Tensor:
+        """One decode step of the lane through every stage (stage 0 reads its token once it is there); the last
+        stage's output (float logits)."""
+        out = event = None
+        for j in range(len(self.s.stages)):
+            with self.on(j) as compute:
+                if j > 0:
+                    copy_into(lane.steps[j].static_in, out, event, j, self.streams, compute)
+                elif lane.token_ready is not None:
+                    compute.wait_event(lane.token_ready)
+                out = lane.steps[j]()
+                event = record_event(compute)
+        return out
 
     def deliver(self, on_tokens: OnTokens, step: int, lag: int | None = None) -> bool:
         """Hand the host every lane's tokens up to `step - lag` (lag: EOS_CHECK_LAG on GPUs, so the host waits

@@ -2,21 +2,11 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from devmap import generate
 from devmap.errors import UsageError
 from devmap.generation.continuous import SlotRequest, generate_continuous
 from devmap.generation.sampling import Sampling
-
-CONFIG = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval()
 
 
 def alone(model, prompt, new):

@@ -5,22 +5,12 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from devmap import generate, load
 from devmap.cli import main
 from devmap.errors import PipelineError, UsageError
 from devmap.generation import forward
-
-CONFIG = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval()
-
 
 def prompts(batch=5, length=9, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -131,9 +121,9 @@ def test_cli_generate():
     assert result.exit_code != 0 and result.output.startswith("Error: ")
 
 
-def test_eager_attention_generates_like_transformers():
+def test_eager_attention_generates_like_transformers(tiny_llama):
     torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), attn_implementation="eager").eval()
+    model = tiny_llama(attn_implementation="eager")
     ids, mask = prompts(seed=2)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0,
                               eos_token_id=None)
@@ -188,11 +178,11 @@ def test_cached_steps_are_reused_across_calls_and_dropped_on_change(model, monke
     assert not hasattr(model, "_devmap_steps")
 
 
-def test_weight_pointers_see_moved_and_replaced_weights():
+def test_weight_pointers_see_moved_and_replaced_weights(tiny_llama):
     from devmap.generation.step_cache import weight_pointers
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval()
+    model = tiny_llama()
     first = weight_pointers(model)
     assert weight_pointers(model) == first
     with torch.no_grad():
@@ -204,10 +194,10 @@ def test_weight_pointers_see_moved_and_replaced_weights():
     assert weight_pointers(model)[:-1] != first[:-1]
 
 
-def test_eight_stages_generate_and_forward_like_transformers():
+def test_eight_stages_generate_and_forward_like_transformers(tiny_llama):
     """Issue 7's 8 GPUs, as 8 CPU stages of one decoder layer each."""
     torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**CONFIG, "num_hidden_layers": 8})).eval()
+    model = tiny_llama(num_hidden_layers=8)
     ids, mask = prompts(batch=9)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                               eos_token_id=None)
