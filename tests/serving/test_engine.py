@@ -235,3 +235,21 @@ def test_a_request_that_cannot_join_stops_a_continuous_batch(registry):
     assert sampled.finish_reason in ("stop", "length")
     assert len(out) > 40  # long enough to be running when the sampled request came: it was stopped for it
     assert engine.metrics.rejoins._value.get() >= 1
+
+
+def test_unseeded_sampling_runs_in_a_continuous_batch(registry):
+    """Sampled requests without a seed share continuous batches; each gets at most its max_tokens."""
+    engine = Engine(registry, EngineLimits(max_batch=4))
+    engine.start()
+
+    async def sampled() -> list:
+        params = [GenerationParams(max_tokens=3 + i, temperature=0.8, top_p=0.9, top_k=50) for i in range(6)]
+        return await asyncio.gather(*(engine.complete("tiny", [5 + i, 6, 7], p) for i, p in enumerate(params)))
+
+    try:
+        done = asyncio.run(sampled())
+    finally:
+        engine.close(timeout=60)
+    assert [d.finish_reason in ("stop", "length") for d in done] == [True] * 6
+    assert all(d.completion_tokens <= 3 + i for i, d in enumerate(done))
+    assert engine.metrics.joined._value.get() >= 1  # 6 requests, 4 rows: some joined a running batch
