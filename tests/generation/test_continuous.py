@@ -95,3 +95,51 @@ def test_sampling_and_bad_arguments(model):
         generate_continuous(model, reqs, lambda *a: [], lambda o, t: True, rows=1, first_slot=12, cache_len=20)
     with pytest.raises(UsageError, match="do not hold"):
         generate_continuous(model, reqs, lambda *a: [], lambda o, t: True, rows=2, first_slot=4, cache_len=20)
+
+
+def test_any_arrival_pattern_gives_each_request_its_own_tokens(model):
+    """Property: whatever the rows, lanes, prompts, lengths and moments requests are handed in (several at once,
+    or held back some steps), each request gets the greedy tokens of generating it alone."""
+    hypothesis = pytest.importorskip("hypothesis")  # a test dependency; the GPU machine's image may lack it
+    st = hypothesis.strategies
+    cache: dict = {}
+
+    def alone_cached(prompt, new):
+        key = (tuple(prompt), new)
+        if key not in cache:
+            cache[key] = alone(model, prompt, new)
+        return cache[key]
+
+    request = st.tuples(st.lists(st.integers(3, 511), min_size=1, max_size=10), st.integers(1, 8))
+
+    @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+    @hypothesis.given(rows=st.integers(1, 5), lanes=st.integers(1, 3), reqs=st.lists(request, min_size=1, max_size=9),
+                      holds=st.lists(st.integers(0, 3), min_size=9, max_size=9), first=st.integers(1, 3))
+    def check(rows, lanes, reqs, holds, first):
+        items = [SlotRequest(prompt, new, i) for i, (prompt, new) in enumerate(reqs)]
+        start, later = items[:min(first, rows)], items[min(first, rows):]
+        got = {r.owner: [] for r in items}
+        waits = {r.owner: holds[i % len(holds)] for i, r in enumerate(later)}
+
+        def admit(free, longest, most):
+            ready = [r for r in later if waits[r.owner] == 0 and len(r.prompt) <= longest and r.max_new <= most]
+            for r in later:
+                waits[r.owner] = max(waits[r.owner] - 1, 0)
+            for r in ready[:free]:
+                later.remove(r)
+            return ready[:free]
+
+        def emit(owner, token):
+            got[owner].append(token)
+            return len(got[owner]) >= items[owner].max_new
+
+        left = generate_continuous(model, start, admit, emit, rows=rows, first_slot=10, cache_len=120,
+                                   lanes=lanes, split_layers=[2])
+        assert not left
+        for r in items:
+            if r in later:  # never started: the batch drained while it was held back
+                assert got[r.owner] == []
+            else:
+                assert got[r.owner] == alone_cached(r.prompt, r.max_new), r.owner
+
+    check()
