@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from itertools import zip_longest
 from typing import Any, Callable
 
@@ -27,7 +28,7 @@ from .lane_cache import LaneCache
 from .lane_runner import EOS_CHECK_LAG, LaneRunner, record_event, split_lanes
 from .sampling import Sampling, choose
 from .step_cache import StepCache, step_cache, weight_pointers
-from ..pipelining.streams import copy_into, copy_later, hand_off
+from ..pipelining.streams import copy_later, hand_off
 
 KEPT_SHAPES = 2  # (rows, cache length) shapes whose captured steps and KV caches stay on the model
 
@@ -188,11 +189,16 @@ class ContinuousBatch:
         for j, stage in enumerate(self.s.stages):
             (prefill, positions, static_mask), scratch = self.entries[key][j]
             with run.on(j) as compute:
-                copy_into(prefill.static_in, ids if j == 0 else out, None if j == 0 else event, j, run.streams,
-                          compute)
-                copy_into(positions, context["position_ids"], ready, j, run.streams, compute)
-                copy_into(static_mask, context["attention_mask"], ready, j, run.streams, compute)
+                # the same captured prefill may run again at the next step, before this stage has got through this
+                # one: its fixed inputs are written on the stage's own stream (after its earlier replays), and its
+                # output is copied before it goes on to the next stage
+                move = partial(_onto, device=stage.device, j=j, streams=run.streams, compute=compute)
+                prefill.static_in.copy_(ids if j == 0 else move(out, event))
+                positions.copy_(move(context["position_ids"], ready))
+                static_mask.copy_(move(context["attention_mask"], ready))
                 out = prefill()
+                if j < last:
+                    out = out.clone()
                 for k, items in per_lane.items():  # the joiners' keys and values into their rows, before the slot
                     index = on_device([i for i, _, _ in items], stage.device)
                     rows = on_device([row for _, row, _ in items], stage.device)
@@ -250,6 +256,11 @@ class ContinuousBatch:
             self.heard[k][row] = None
             if self.issued[k][row] is owner:
                 self.issued[k][row] = None
+
+
+def _onto(x: torch.Tensor, event: Any, device: torch.device, j: int, streams: Any, compute: Any) -> torch.Tensor:
+    """`x` (ready once `event` fires) usable on stage j's `compute` stream of `device` (None on a CPU)."""
+    return hand_off(x, event, device, j, streams, compute) if compute is not None else x.to(device)
 
 
 def _to_host(token: torch.Tensor) -> torch.Tensor:
