@@ -143,3 +143,42 @@ def test_any_arrival_pattern_gives_each_request_its_own_tokens(model):
                 assert got[r.owner] == alone_cached(r.prompt, r.max_new), r.owner
 
     check()
+
+
+def test_compiled_steps_join_like_eager_ones_and_compile_once(model, monkeypatch):
+    """compile=True (aot_eager on CPU: inductor's tracing and guards) with the cached-step paths: joining groups'
+    prefills and the decode steps give the eager tokens, trace whole, and a second batch compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from devmap.generation import compiled, lane_runner
+    from devmap.generation.step_cache import release_graphs
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)
+    torch._dynamo.reset()
+    counters.clear()
+    reqs = requests(7, seed=5)
+    try:
+        for round in range(2):
+            got = {r.owner: [] for r in reqs}
+            queue = list(reqs[2:])
+
+            def admit(free, longest, most):
+                fits = [r for r in queue if len(r.prompt) <= longest and r.max_new <= most][:free]
+                for r in fits:
+                    queue.remove(r)
+                return fits
+
+            def emit(owner, token):
+                got[owner].append(token)
+                return len(got[owner]) >= next(r.max_new for r in reqs if r.owner == owner)
+
+            generate_continuous(model, reqs[:2], admit, emit, rows=4, first_slot=12, cache_len=40, lanes=2,
+                                split_layers=[2], compile=True)
+            assert got == {r.owner: alone(model, r.prompt, r.max_new) for r in reqs}
+            if round == 0:
+                graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    finally:
+        release_graphs(model)
+        torch._dynamo.reset()
