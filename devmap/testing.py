@@ -50,3 +50,4 @@ def assert_same_greedy_tokens(ours: torch.Tensor, theirs: object, prompt_length:
         gap = float(logits[want] - logits[got])
         assert gap <= tie * float(logits.abs().max()), (
             f"row {row} departs at new token {step}: {got} instead of {want}, {gap:.4g} below it (not a tie)")
+

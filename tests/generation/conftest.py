@@ -4,6 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from devmap.generation.continuous import generate_continuous
+
 CONFIG = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
@@ -23,3 +25,35 @@ def tiny_llama():
 def model():
     torch.manual_seed(0)
     return _tiny_llama()
+
+
+def _run_continuous(model: torch.nn.Module, first: list, later: list, *, together: bool = True,
+                   stop_after: int | None = None, **kwargs: object) -> tuple[dict, list, list]:
+    """`generate_continuous` on `first`, handing `later` in as rows free up (as
+    many as fit at once, or one per step with `together=False`; None from the `stop_after`+1-th call on). Returns
+    the tokens each owner got, the owners left unfinished and the requests never started."""
+    got: dict = {r.owner: [] for r in first + later}
+    budget = {r.owner: r.max_new for r in first + later}
+    queue, calls = list(later), []
+
+    def admit(free: int, longest: int, most: int) -> list | None:
+        calls.append(free)
+        if stop_after is not None and len(calls) > stop_after:
+            return None
+        fits = [r for r in queue if len(r.prompt) <= longest and r.max_new <= most][:free if together else 1]
+        for r in fits:
+            queue.remove(r)
+        return fits
+
+    def emit(owner: object, token: int) -> bool:
+        got[owner].append(token)
+        return len(got[owner]) >= budget[owner]
+
+    left = generate_continuous(model, first, admit, emit, **kwargs)  # type: ignore[arg-type]
+    return got, left, queue
+
+
+@pytest.fixture(scope="session")
+def run_continuous():
+    """A continuous batch with requests handed in as rows free up (see `_run_continuous`)."""
+    return _run_continuous

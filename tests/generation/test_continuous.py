@@ -22,34 +22,17 @@ def requests(count, seed=0):
             for i, (n, m) in enumerate(zip(lengths, news))]
 
 
-def run(model, first, later, rows, first_slot=12, cache_len=40, lanes=2, stop_after=None,
-        together=True):
-    """Start `first`, hand `later` in as rows free up (as many as fit at once, or one per step); the tokens each
-    owner got, the owners left unfinished and the requests never started."""
-    got = {r.owner: [] for r in first + later}
-    budget = {r.owner: r.max_new for r in first + later}
-    queue, calls = list(later), []
-
-    def admit(free, longest, most):
-        calls.append(free)
-        if stop_after is not None and len(calls) > stop_after:
-            return None
-        fits = [r for r in queue if len(r.prompt) <= longest and r.max_new <= most][:free if together else 1]
-        for r in fits:
-            queue.remove(r)
-        return fits
-
-    def emit(owner, token):
-        got[owner].append(token)
-        return len(got[owner]) >= budget[owner]
-
-    left = generate_continuous(model, first, admit, emit, rows=rows, first_slot=first_slot, cache_len=cache_len,
-                               lanes=lanes, split_layers=[2])
-    return got, left, queue
+@pytest.fixture
+def run(run_continuous):
+    """`run_continuous` on two CPU stages: the tokens each owner got, the owners left unfinished, the unstarted."""
+    def on_two_stages(model, first, later, rows, first_slot=12, cache_len=40, lanes=2, **kwargs):
+        return run_continuous(model, first, later, rows=rows, first_slot=first_slot, cache_len=cache_len,
+                              lanes=lanes, split_layers=[2], **kwargs)
+    return on_two_stages
 
 
 @pytest.mark.parametrize("together", [True, False])
-def test_joined_requests_get_the_tokens_of_generating_alone(model, together):
+def test_joined_requests_get_the_tokens_of_generating_alone(model, run, together):
     """Joiners of different prompt lengths, several in one step over both lanes (one padded prefill), or one by one."""
     reqs = requests(14)
     got, left, queue = run(model, reqs[:3], reqs[3:], rows=6, together=together)
@@ -58,7 +41,7 @@ def test_joined_requests_get_the_tokens_of_generating_alone(model, together):
         assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
 
 
-def test_a_request_joins_while_others_still_decode(model):
+def test_a_request_joins_while_others_still_decode(model, run):
     long = SlotRequest(list(range(3, 10)), 20, "long")
     short = SlotRequest(list(range(20, 24)), 2, "short")
     late = SlotRequest(list(range(40, 51)), 6, "late")  # longer prompt than `short`: its columns reach back
@@ -68,7 +51,7 @@ def test_a_request_joins_while_others_still_decode(model):
         assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
 
 
-def test_a_later_first_slot_lets_longer_prompts_join_at_once(model):
+def test_a_later_first_slot_lets_longer_prompts_join_at_once(model, run):
     """The lanes decode from slot 20: a joiner of 18 prompt tokens fits at once, beside short first prompts."""
     short = [SlotRequest([5, 6, 7], 1, "a"), SlotRequest([8, 9, 10, 11, 12, 13], 9, "b")]
     long = SlotRequest(list(range(100, 118)), 7, "long")
@@ -78,7 +61,7 @@ def test_a_later_first_slot_lets_longer_prompts_join_at_once(model):
         assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
 
 
-def test_stopping_returns_the_unfinished_owners(model):
+def test_stopping_returns_the_unfinished_owners(model, run):
     reqs = [SlotRequest(list(range(5, 12)), 20, "a"), SlotRequest(list(range(7, 10)), 3, "b")]
     got, left, _ = run(model, reqs, [], rows=2, stop_after=6)
     assert left == ["a"] and len(got["b"]) == 3
@@ -145,7 +128,7 @@ def test_any_arrival_pattern_gives_each_request_its_own_tokens(model):
     check()
 
 
-def test_compiled_steps_join_like_eager_ones_and_compile_once(model, monkeypatch):
+def test_compiled_steps_join_like_eager_ones_and_compile_once(model, run, monkeypatch):
     """compile=True (aot_eager on CPU: inductor's tracing and guards) with the cached-step paths: joining groups'
     prefills and the decode steps give the eager tokens, trace whole, and a second batch compiles nothing."""
     from torch._dynamo.utils import counters
@@ -160,21 +143,8 @@ def test_compiled_steps_join_like_eager_ones_and_compile_once(model, monkeypatch
     reqs = requests(7, seed=5)
     try:
         for round in range(2):
-            got = {r.owner: [] for r in reqs}
-            queue = list(reqs[2:])
-
-            def admit(free, longest, most):
-                fits = [r for r in queue if len(r.prompt) <= longest and r.max_new <= most][:free]
-                for r in fits:
-                    queue.remove(r)
-                return fits
-
-            def emit(owner, token):
-                got[owner].append(token)
-                return len(got[owner]) >= next(r.max_new for r in reqs if r.owner == owner)
-
-            generate_continuous(model, reqs[:2], admit, emit, rows=4, first_slot=12, cache_len=40, lanes=2,
-                                split_layers=[2], compile=True)
+            got, left, queue = run(model, reqs[:2], reqs[2:], rows=4, compile=True)
+            assert not left and not queue
             assert got == {r.owner: alone(model, r.prompt, r.max_new) for r in reqs}
             if round == 0:
                 graphs = counters["stats"]["unique_graphs"]

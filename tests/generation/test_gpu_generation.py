@@ -149,10 +149,10 @@ def test_compiled_steps_match_one_gpu_and_are_captured(dtype, monkeypatch, lane_
     assert steps and all(step.graph is not None and step.capture_error is None for step in steps)
 
 
-def test_continuous_batching_over_two_gpus_gives_each_request_its_own_tokens(monkeypatch):
+def test_continuous_batching_over_two_gpus_gives_each_request_its_own_tokens(monkeypatch, run_continuous):
     """Requests joining free rows between replayed decode steps (streams, events, the token hand-back's lag) get
     transformers' greedy tokens for their prompt alone, on the first run (capture) and on the next (replay)."""
-    from devmap.generation.continuous import SlotRequest, generate_continuous
+    from devmap.generation.continuous import SlotRequest
     from devmap.generation.step_cache import step_cache
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
@@ -167,25 +167,13 @@ def test_continuous_batching_over_two_gpus_gives_each_request_its_own_tokens(mon
                                             do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
                 .tolist() for r in reqs}
     for _ in range(2):
-        got = {r.owner: [] for r in reqs}
-        queue = list(reqs[4:])
-
-        def admit(free, longest, most):
-            fits = [r for r in queue if len(r.prompt) <= longest and r.max_new <= most][:free]
-            for r in fits:
-                queue.remove(r)
-            return fits
-
-        def emit(owner, token):
-            got[owner].append(token)
-            return len(got[owner]) >= reqs[owner].max_new
-
-        left = generate_continuous(placed, reqs[:4], admit, emit, rows=4, first_slot=20, cache_len=256, lanes=2)
+        got, left, queue = run_continuous(placed, reqs[:4], reqs[4:], rows=4, first_slot=20, cache_len=256, lanes=2)
         assert not left and not queue
         assert got == expected
     entries = step_cache(placed, "continuous").entries
     steps = [step for key, lane in entries.items() if isinstance(key, int) for step in lane[1]]
     assert len(steps) == 4 and all(step.graph is not None for step in steps)
-    prefills = [step for key, stages in entries.items() if isinstance(key, tuple) and key[0] == "join" for (step, _, _), _ in stages]
+    prefills = [step for key, stages in entries.items() if isinstance(key, tuple) and key[0] == "join"
+                for (step, _, _), _ in stages]
     assert prefills and all(step.graph is not None for step in prefills if step.calls > 1)
     assert any(step.calls > 2 for step in prefills)  # replayed
