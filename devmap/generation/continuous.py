@@ -23,12 +23,12 @@ from torch import nn
 from .api import check_length
 from .causal_lm import CausalLMStages
 from ..errors import UsageError
-from .joins import group_context, group_rows, group_width, on_device, padded_prompts
+from .joins import group_context, group_rows, group_width, on_device, padded_prompts, to_device
 from .lane_cache import LaneCache
 from .lane_runner import EOS_CHECK_LAG, LaneRunner, record_event, split_lanes
 from .sampling import Sampling, choose
 from .step_cache import StepCache, step_cache, weight_pointers
-from ..pipelining.streams import copy_later, hand_off
+from ..pipelining.streams import copy_later, hand_off, to_host
 
 KEPT_SHAPES = 2  # (rows, cache length) shapes whose captured steps and KV caches stay on the model
 
@@ -153,7 +153,7 @@ class ContinuousBatch:
         lane = self.run.lanes[k]
         with self.run.on(len(self.s.stages) - 1) as compute:
             token = choose(logits, self.sampling, self.generator)
-            host = _to_host(token)
+            host = to_host(token)
             event = record_event(compute)
         self.pending[k].append((step, event, host, None))
         lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, event, 0, self.run.streams)
@@ -177,8 +177,7 @@ class ContinuousBatch:
                     for k in {lane for _, lane, _ in joining}}
         with run.on(0) as first:  # the group's inputs, on stage 0's stream
             device = self.s.stages[0].device
-            ids = ids.pin_memory().to(self.s.embed_device, non_blocking=True) if device.type == "cuda" else ids
-            mask = mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask
+            ids, mask = to_device(ids, self.s.embed_device), to_device(mask, device)
             context = group_context(mask, self.s.float_mask_dtype())
             ready = record_event(first)
         key = ("join", group, width)
@@ -207,7 +206,7 @@ class ContinuousBatch:
                 event = record_event(compute)
         with run.on(last) as compute:
             tokens = choose(self.s.head(out[:count, -1:, :])[:, -1].float(), self.sampling, self.generator)
-            host = _to_host(tokens)
+            host = to_host(tokens)
             event = record_event(compute)
         for k, items in per_lane.items():
             self.pending[k].append((step, event, host, [(row, joining[index][0].owner, index)
@@ -261,10 +260,3 @@ class ContinuousBatch:
 def _onto(x: torch.Tensor, event: Any, device: torch.device, j: int, streams: Any, compute: Any) -> torch.Tensor:
     """`x` (ready once `event` fires) usable on stage j's `compute` stream of `device` (None on a CPU)."""
     return hand_off(x, event, device, j, streams, compute) if compute is not None else x.to(device)
-
-
-def _to_host(token: torch.Tensor) -> torch.Tensor:
-    """A copy on the host, queued on the current stream (pinned, so it does not wait)."""
-    host = torch.empty(token.shape, dtype=token.dtype, pin_memory=token.is_cuda)
-    host.copy_(token, non_blocking=True)
-    return host

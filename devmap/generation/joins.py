@@ -49,9 +49,11 @@ def group_context(mask: torch.Tensor, float_mask_dtype: torch.dtype | None) -> d
     return {"attention_mask": keep, "position_ids": positions(mask, length)}
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied on the current stream (from pinned memory, so the host does not wait)."""
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
+
+
 def on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small index tensor on `device`, copied on the current stream (from pinned memory, without waiting)."""
-    tensor = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
+    """A small index tensor on `device` (see `to_device`)."""
+    return to_device(torch.tensor(values, dtype=torch.long), device)

@@ -21,7 +21,7 @@ from .graphed_step import GraphedStep
 from .lane_cache import DecodeInputs, LaneCache
 from .sampling import Sampling, choose
 from .step_cache import StepCache, weight_pointers
-from ..pipelining.streams import StreamSet, copy_into, copy_later, hand_off
+from ..pipelining.streams import StreamSet, copy_into, copy_later, hand_off, to_host
 
 EOS_CHECK_LAG = 2  # steps between a lane's last token and the host reading whether its rows all ended
 
@@ -282,9 +282,7 @@ class LaneRunner:
             lane.tokens.append(token)
             lane.unfinished.append(unfinished)
             if on_tokens is not None:  # the host reads them EOS_CHECK_LAG steps later, when they surely are there
-                host = torch.empty(token.shape, dtype=token.dtype, pin_memory=token.is_cuda)
-                host.copy_(token, non_blocking=True)
-                lane.undelivered.append((step, record_event(compute), host))
+                lane.undelivered.append((step, record_event(compute), to_host(token)))
             if step + 1 < max_new_tokens:  # stage 0 waits for it only right before the lane's next step
                 lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, record_event(compute), 0,
                                               self.streams)

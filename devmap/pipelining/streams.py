@@ -108,3 +108,10 @@ def _copy_on_side_streams(dst: torch.Tensor, src: torch.Tensor, event: Any, stag
         if src.is_cuda:
             src.record_stream(recv)
     return recv
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, queued on the current stream (into pinned memory, so the host does not wait for it)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    host.copy_(tensor, non_blocking=True)
+    return host
