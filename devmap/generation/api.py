@@ -126,7 +126,8 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     stages.check_window(input_ids.shape[-1])
     # prefill: lanes big enough to keep GEMMs efficient, enough of them that filling and draining the
     # pipeline (one lane's time per stage) stays small
-    lane_list = split_lanes(stages, input_ids, attention_mask, lanes, default=4 * len(stages.stages) if len(stages.stages) > 1 else 1)
+    default = 4 * len(stages.stages) if len(stages.stages) > 1 else 1
+    lane_list = split_lanes(stages, input_ids, attention_mask, lanes, default=default)
     run = LaneRunner(stages, lane_list, graphs, compile)
     vocab = stages.model.lm_head.out_features if hasattr(stages.model.lm_head, "out_features") \
         else stages.model.config.vocab_size

@@ -1,12 +1,12 @@
 """Continuous batching over devmap's lanes: a fixed set of rows decodes step after step, and a new request takes a
 free row between two steps instead of waiting for the whole batch to end.
 
-A batch starts with empty rows. Before a step, the requests that join (the first ones too) are prefilled together
-through every stage as one group (a captured step per bucketed group shape), each one's keys and values copied
-into its row's columns right before the lanes' shared cache slot; its row's mask and position offset are reset on
-every stage, and its first token replaces the row's input of the next step. All of it is issued in stream order
-between the lanes' steps, so decode steps stay the same replayed graphs (one capture per rows × cache length) and
-the host never waits for a GPU beyond the token hand-back's lag.
+A batch starts with empty rows. Before a step, the requests that join (the first ones too) are prefilled through
+every stage in sub-groups of similar lengths (a captured step per bucketed sub-group shape), each one's keys and
+values copied into its row's columns right before the lanes' shared cache slot; its row's mask and position offset
+are reset on every stage, and its first token replaces the row's input of the next step. All of it is issued in
+stream order between the lanes' steps, so decode steps stay the same replayed graphs (one capture per rows × cache
+length) and the host never waits for a GPU beyond the token hand-back's lag.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from .api import check_length
 from .causal_lm import CausalLMStages
 from ..errors import UsageError
-from .joins import group_context, group_rows, group_width, on_device, padded_prompts, to_device
+from .joins import arena_tokens, group_context, join_groups, on_device, padded_prompts, to_device
 from .lane_cache import LaneCache
 from .lane_runner import EOS_CHECK_LAG, LaneRunner, record_event, split_lanes
 from .sampling import Sampling, choose
@@ -159,22 +159,55 @@ class ContinuousBatch:
         lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, event, 0, self.run.streams)
 
     def join(self, joining: list[tuple[SlotRequest, int, int]], step: int, slot: int) -> None:
-        """Start each (request, lane, row) before the lanes' step `step`, which writes cache slot `slot`: one prefill
-        of them all (a captured step per bucketed group shape, padded with copies of the first), their keys and
-        values copied into their rows, their first tokens into their rows' inputs."""
+        """Start each (request, lane, row) before the lanes' step `step`, which writes cache slot `slot`: prefills of
+        them in sub-groups of similar lengths (a captured step per bucketed sub-group shape, padded with copies of
+        its first prompt), their keys and values copied into their rows, their first tokens into their rows'
+        inputs. Stage j runs sub-group g while stage j + 1 runs g - 1."""
         for request, _, _ in joining:
             length = len(request.prompt)
             if not request.prompt or length > slot or not 1 <= request.max_new <= self.cache_len - slot + 1:
                 raise ValueError(f"a request of {length} prompt tokens and {request.max_new} new ones does not fit at "
                                  f"slot {slot} of a {self.cache_len}-token cache")
         run, lanes, last = self.run, self.run.lanes, len(self.s.stages) - 1
-        count = len(joining)
-        group = group_rows(count, sum(lane.ids.shape[0] for lane in lanes))
-        width = group_width(max(len(r.prompt) for r, _, _ in joining), self.first_slot)
-        prompts = [r.prompt for r, _, _ in joining]
+        groups = join_groups([len(r.prompt) for r, _, _ in joining], self.first_slot,
+                             sum(lane.ids.shape[0] for lane in lanes))
+        chosen = [self._prefill_group([joining[i] for i in indices], rows, width, slot)
+                  for indices, rows, width in groups]
+        order = [i for indices, _, _ in groups for i in indices]  # joiner at each place of the tokens
+        per_lane: dict[int, list[tuple[int, int]]] = {}  # lane: (place in the tokens, row)
+        for place, index in enumerate(order):
+            _, k, row = joining[index]
+            per_lane.setdefault(k, []).append((place, row))
+        with run.on(last) as compute:
+            tokens = torch.cat(chosen) if len(chosen) > 1 else chosen[0]
+            host = to_host(tokens)
+            event = record_event(compute)
+        for k, items in per_lane.items():
+            self.pending[k].append((step, event, host, [(row, joining[order[place]][0].owner, place)
+                                                        for place, row in items]))
+        with run.on(0) as first:  # after each lane's last tokens reached stage 0, its joined rows' are replaced
+            device = self.s.stages[0].device
+            moved = hand_off(tokens, event, device, 0, run.streams, first) if first is not None else tokens.to(device)
+            for k, items in per_lane.items():
+                if first is not None and lanes[k].token_ready is not None:
+                    first.wait_event(lanes[k].token_ready)
+                index = on_device([place for place, _ in items], device)
+                rows = on_device([row for _, row in items], device)
+                lanes[k].steps[0].static_in.view(-1).index_copy_(0, rows, moved.index_select(0, index))
+        for request, k, row in joining:
+            self.issued[k][row] = request.owner
+
+    def _prefill_group(self, members: list[tuple[SlotRequest, int, int]], group: int, width: int,
+                       slot: int) -> torch.Tensor:
+        """One sub-group's prefill through every stage, its rows' keys and values copied into the lanes' caches;
+        returns its first tokens (on the last stage's stream)."""
+        run, lanes, last = self.run, self.run.lanes, len(self.s.stages) - 1
+        count = len(members)
+        prompts = [r.prompt for r, _, _ in members]
         ids, mask = padded_prompts(prompts + prompts[:1] * (group - count), pad=0, width=width)
-        per_lane = {k: [(index, row, len(r.prompt)) for index, (r, lane, row) in enumerate(joining) if lane == k]
-                    for k in {lane for _, lane, _ in joining}}
+        per_lane: dict[int, list[tuple[int, int, int]]] = {}  # lane: (place in the group, row, prompt length)
+        for place, (request, k, row) in enumerate(members):
+            per_lane.setdefault(k, []).append((place, row, len(request.prompt)))
         with run.on(0) as first:  # the group's inputs, on stage 0's stream
             device = self.s.stages[0].device
             ids, mask = to_device(ids, self.s.embed_device), to_device(mask, device)
@@ -188,9 +221,9 @@ class ContinuousBatch:
         for j, stage in enumerate(self.s.stages):
             (prefill, positions, static_mask), scratch = self.entries[key][j]
             with run.on(j) as compute:
-                # the same captured prefill may run again at the next step, before this stage has got through this
-                # one: its fixed inputs are written on the stage's own stream (after its earlier replays), and its
-                # output is copied before it goes on to the next stage
+                # the same captured prefill may run again (the next sub-group's, the next step's) before this stage
+                # has got through this one: its fixed inputs are written on the stage's own stream (after its
+                # earlier replays), and its output is copied before it goes on to the next stage
                 move = partial(_onto, device=stage.device, j=j, streams=run.streams, compute=compute)
                 prefill.static_in.copy_(ids if j == 0 else move(out, event))
                 positions.copy_(move(context["position_ids"], ready))
@@ -199,37 +232,26 @@ class ContinuousBatch:
                 if j < last:
                     out = out.clone()
                 for k, items in per_lane.items():  # the joiners' keys and values into their rows, before the slot
-                    index = on_device([i for i, _, _ in items], stage.device)
+                    index = on_device([place for place, _, _ in items], stage.device)
                     rows = on_device([row for _, row, _ in items], stage.device)
                     lanes[k].caches[j].take_rows(scratch, index, rows, slot - width, slot)
                     lanes[k].inputs[j].join(rows, on_device([n for _, _, n in items], stage.device), slot)
                 event = record_event(compute)
-        with run.on(last) as compute:
-            tokens = choose(self.s.head(out[:count, -1:, :])[:, -1].float(), self.sampling, self.generator)
-            host = to_host(tokens)
-            event = record_event(compute)
-        for k, items in per_lane.items():
-            self.pending[k].append((step, event, host, [(row, joining[index][0].owner, index)
-                                                        for index, row, _ in items]))
-        with run.on(0) as first:  # after each lane's last tokens reached stage 0, its joined rows' are replaced
-            device = self.s.stages[0].device
-            moved = hand_off(tokens, event, device, 0, run.streams, first) if first is not None else tokens.to(device)
-            for k, items in per_lane.items():
-                if first is not None and lanes[k].token_ready is not None:
-                    first.wait_event(lanes[k].token_ready)
-                index = on_device([i for i, _, _ in items], device)
-                rows = on_device([row for _, row, _ in items], device)
-                lanes[k].steps[0].static_in.view(-1).index_copy_(0, rows, moved.index_select(0, index))
-        for request, k, row in joining:
-            self.issued[k][row] = request.owner
+        with run.on(last):
+            return choose(self.s.head(out[:count, -1:, :])[:, -1].float(), self.sampling, self.generator)
 
     def _join_step(self, j: int, group: int, width: int, mask: torch.Tensor) -> tuple[Any, LaneCache]:
-        """Stage j's prefill of a joining group of this shape, into a scratch cache of its own (both kept)."""
+        """Stage j's prefill of a joining sub-group of this shape, into a scratch cache of its own (both kept): a
+        view into the stage's one arena, as sub-groups run one after another on the stage's stream."""
         stage = self.s.stages[j]
         scratch = LaneCache(group, width, stage.device)
         layout = self.s.kv_layout(j)
         if layout is not None:
-            scratch.allocate(*layout, self.s.dtype)
+            if ("join-arena", j) not in self.entries:
+                tokens = arena_tokens(sum(lane.ids.shape[0] for lane in self.run.lanes), self.cache_len)
+                size = LaneCache.arena_size(tokens, len(layout[0]), layout[1], layout[2])
+                self.entries[("join-arena", j)] = torch.zeros(size, dtype=self.s.dtype, device=stage.device)
+            scratch.allocate(*layout, self.s.dtype, arena=self.entries[("join-arena", j)])
         return self.run.prefill_step(j, group, width, mask, self.cache, scratch), scratch
 
     def deliver(self, limit: int | None) -> None:

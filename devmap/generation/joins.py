@@ -1,9 +1,10 @@
-"""Requests joining a continuous batch together: one prefill of all of a step's joiners, left-padded to a bucketed
-group shape, their causal mask built on the device (no host reads).
+"""Requests joining a continuous batch together: prefills of a step's joiners in sub-groups, each left-padded to a
+bucketed shape, their causal mask built on the device (no host reads).
 
 An eager prefill of a LLaMA stage costs the same few hundred small kernels for one row as for thirty: tens of
-milliseconds of host time at 1B (transformers' Python), during which the host issues nothing else. So joiners go
-in as one group per step, and each group shape's prefill is a captured graph, replayed from its second use on.
+milliseconds of host time at 1B (transformers' Python), during which the host issues nothing else. So each group
+shape's prefill is a captured graph, replayed from its second use on; a step's joiners go in as few sub-groups of
+similar lengths (little padding), which the stages run at once, one sub-group behind the other.
 """
 
 from __future__ import annotations
@@ -13,15 +14,40 @@ import torch
 from .causal_lm import positions
 
 
-def group_rows(count: int, most: int) -> int:
-    """Rows of a joining group's prefill: few shapes (4, 16, or every row of the batch), each captured once."""
-    return next((size for size in (4, 16) if count <= size < most), most)
+GROUP_TOKENS = 2048  # padded prompt tokens of a joining sub-group (beyond 4 rows): several sub-groups per step
+# keep the stages busy at once (sub-group g on stage 1 while g+1 runs on stage 0) and pad little, while each one's
+# matrix products stay large enough to run near the GPUs' peak
 
 
 def group_width(longest: int, first_slot: int) -> int:
-    """Columns of a joining group's prefill: 64, 256, or the batch's first slot (which every prompt that may join
-    fits, and no wider: the group's columns end at the lanes' slot)."""
-    return next((width for width in (64, 256) if longest <= width <= first_slot), first_slot)
+    """Columns of a joining sub-group's prefill: a power of two from 64 up, or the batch's first slot (which every
+    prompt that may join fits, and no wider: the group's columns end at the lanes' slot)."""
+    width = 64
+    while width < longest:
+        width *= 2
+    return min(width, first_slot)
+
+
+def join_groups(lengths: list[int], first_slot: int, most: int) -> list[tuple[list[int], int, int]]:
+    """The joiners (by prompt length) as sub-groups (indices, rows, width) of similar lengths: a sub-group's rows
+    are a power of two from 4 up to what fits GROUP_TOKENS at its width (never more than `most`), so that a service
+    sees few prefill shapes, each captured once."""
+    by_width: dict[int, list[int]] = {}
+    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
+        by_width.setdefault(group_width(lengths[index], first_slot), []).append(index)
+    groups = []
+    for width, indices in by_width.items():
+        cap = min(most, max(4, 1 << max((GROUP_TOKENS // width).bit_length() - 1, 0)))
+        for begin in range(0, len(indices), cap):
+            chunk = indices[begin:begin + cap]
+            groups.append((chunk, min(cap, max(4, 1 << (len(chunk) - 1).bit_length())), width))
+    return groups
+
+
+def arena_tokens(most: int, cache_len: int) -> int:
+    """Tokens (rows × columns) of the largest sub-group `join_groups` makes for a batch of `most` rows and a cache
+    of `cache_len` columns: every sub-group's scratch cache fits one arena of this size."""
+    return min(most * cache_len, max(GROUP_TOKENS, 4 * cache_len))
 
 
 def padded_prompts(prompts: list[list[int]], pad: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,8 +52,8 @@ class EngineLimits:
     # with them, unless they fill every free row
     preempt_after: float = 0.25  # continuous: a request that cannot join (another model or sampling, no free row)
     # stops the running batch once it has waited this long (seconds); its unfinished requests continue later
-    rejoin_after: float | None = None  # dynamic batches (continuous=False): when a request that could join the running batch has waited this long
-    # (seconds) and the batch has run as long, the batch stops between two steps and its unfinished requests
+    rejoin_after: float | None = None  # dynamic batches (continuous=False): when a request that could join the
+    # running batch has waited this long (seconds) and the batch has run as long, the batch stops between two steps and its unfinished requests
     # continue in the next one together with the waiting ones (their prompt + tokens so far prefilled again:
     # recompute, as vLLM's preemption does). None: a batch runs to its end. Seeded sampling never rejoins.
 

@@ -33,8 +33,8 @@ def continuous_possible(params: GenerationParams) -> bool:
 def batch_shape(jobs: list[Job], max_batch: int, length_bucket: int, resident: ResidentModel) -> tuple[int, int, int]:
     """(rows, first slot, cache length) of a continuous batch starting with `jobs`: rows a power of two; decoding
     from a slot past the longest prompt (plus max_tokens) the model's batches have had, in multiples of
-    `length_bucket` (so that such prompts can join); a cache for CACHE_SPANS times the longest max_tokens past that, in multiples of CACHE_BUCKET, within the
-    model's context. None of the three shrinks below the model's largest batch so far: a service settles on one
+    `length_bucket` (so that such prompts can join); a cache for CACHE_SPANS times the longest max_tokens past that,
+    in multiples of CACHE_BUCKET, within the model's context. None of the three shrinks below the model's largest batch so far: a service settles on one
     shape, whose steps are captured once and replayed from then on (a new shape costs captures)."""
     count = len(jobs)
     rows = max(count, min(max_batch, max(MIN_ROWS, 1 << (count - 1).bit_length(), resident.batch_rows)))
@@ -106,9 +106,8 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
     if log.isEnabledFor(logging.DEBUG):
         log.debug("continuous batch (rows %d, first slot %d, cache %d): %d requests, %d joined (issued in %.0f ms), "
                   "slowest first token %.0f ms, %s after %d steps, %.0f ms", rows, slot, cache_len, len(jobs),
-                  stats["joined"], 1000 * slowest[0],
-                  1000 * stats["join_seconds"], "stopped" if left else "drained", stats["steps"],
-                  1000 * (time.perf_counter() - started))
+                  stats["joined"], 1000 * stats["join_seconds"], 1000 * slowest[0],
+                  "stopped" if left else "drained", stats["steps"], 1000 * (time.perf_counter() - started))
     return [job for job in left if not job.finished and not job.cancelled.is_set()]
 
 

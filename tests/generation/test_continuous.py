@@ -5,6 +5,7 @@ import torch
 
 from devmap import generate
 from devmap.errors import UsageError
+from devmap.generation import joins
 from devmap.generation.continuous import SlotRequest, generate_continuous
 from devmap.generation.sampling import Sampling
 
@@ -59,6 +60,41 @@ def test_a_later_first_slot_lets_longer_prompts_join_at_once(model, run):
     assert not left and not queue
     for r in (*short, long):
         assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+
+
+def test_joiners_of_mixed_lengths_go_in_sub_groups_and_get_their_own_tokens(model, run, monkeypatch):
+    """One step's joiners of 3 to 150 tokens: sub-groups of 64, 128 and 256 columns, several of one shape in a step
+    (GROUP_TOKENS made small), their scratch caches sharing one arena."""
+    monkeypatch.setattr(joins, "GROUP_TOKENS", 128)
+    g = torch.Generator().manual_seed(5)
+    lengths = [3, 150, 40, 70, 9, 120, 64, 65, 20, 31, 5, 100]
+    reqs = [SlotRequest(torch.randint(3, 512, (n,), generator=g).tolist(), 3 + i % 4, f"m{i}")
+            for i, n in enumerate(lengths)]
+    got, left, queue = run(model, reqs[:1], reqs[1:], rows=12, first_slot=160, cache_len=176)
+    assert not left and not queue
+    for r in reqs:
+        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+
+
+def test_join_groups_cover_every_joiner_once_in_few_shapes():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=200, deadline=None, derandomize=True)
+    @hypothesis.given(lengths=st.lists(st.integers(1, 600), min_size=1, max_size=64), most=st.integers(1, 64),
+                      extra=st.integers(0, 300))
+    def check(lengths, most, extra):
+        first_slot = max(lengths) + extra
+        lengths = lengths[:most]
+        groups = joins.join_groups(lengths, first_slot, most)
+        assert sorted(i for indices, _, _ in groups for i in indices) == list(range(len(lengths)))
+        for indices, rows, width in groups:
+            assert len(indices) <= rows <= most and rows & (rows - 1) == 0 or rows == most
+            assert max(lengths[i] for i in indices) <= width <= first_slot
+            assert width == first_slot or width & (width - 1) == 0
+            assert rows * width <= joins.arena_tokens(most, first_slot)
+
+    check()
 
 
 def test_stopping_returns_the_unfinished_owners(model, run):
