@@ -33,6 +33,9 @@ from .options import load_options
 @click.option("--join-wait-ms", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="Continuous: requests that could join the running batch wait up to this long for others to join "
                    "with them (one prefill for all), unless they fill its free rows.")
+@click.option("--join-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
+              help="Continuous: prompt tokens that join the running batch at one step, at most (a larger first "
+                   "request joins alone): a burst of requests joins over a few short steps instead of one long one.")
 @click.option("--preempt-after-ms", default=250.0, show_default=True, type=click.FloatRange(min=0),
               help="Continuous: a request that cannot join the running batch (another model or sampling, no free "
                    "row) stops it after waiting this long; its unfinished requests continue in a later batch.")
@@ -57,7 +60,8 @@ from .options import load_options
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
           quantize: str | None,
           model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int, batch_wait_ms: float,
-          max_batch_wait_ms: float, continuous: bool, join_wait_ms: float, preempt_after_ms: float,
+          max_batch_wait_ms: float, continuous: bool, join_wait_ms: float, join_tokens: int,
+          preempt_after_ms: float,
           rejoin_after_ms: float | None,
           max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
@@ -93,7 +97,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
                    f"{', '.join(sorted({str(v) for v in resident.model.hf_device_map.values()}))}", err=True)
     limits = EngineLimits(max_batch=max_batch, batch_wait=batch_wait_ms / 1000,
                           max_batch_wait=max(max_batch_wait_ms, batch_wait_ms) / 1000, max_queue=max_queue,
-                          continuous=continuous, join_wait=join_wait_ms / 1000,
+                          continuous=continuous, join_wait=join_wait_ms / 1000, join_tokens=join_tokens,
                           preempt_after=preempt_after_ms / 1000,
                           rejoin_after=None if rejoin_after_ms is None else rejoin_after_ms / 1000,
                           max_prompt_tokens=max_prompt_tokens,

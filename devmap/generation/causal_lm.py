@@ -215,7 +215,7 @@ class CausalLMStages:
         context = {"attention_mask": inputs.mask(), "position_ids": position_ids,
                    "position_embeddings": self.rotary(hidden, position_ids)}
         hidden = self.run(stage, hidden, context, inputs.cache)
-        inputs.cache.slot.add_(1)
+        inputs.cache.advance()
         if stage + 1 < len(self.stages):
             return hidden
         return self.head(hidden)[:, -1].float()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
+import itertools
 from itertools import zip_longest
 from typing import Any, Callable
 
@@ -57,9 +58,11 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
     """Generate for `first`, and for every request `admit` hands in while the batch runs, each in one of `rows` rows
     (a row an earlier request freed); every token goes to `emit` in order (a couple of steps behind the GPUs).
 
-    Each row's cache holds `cache_len` tokens. The lanes decode from slot `first_slot`, which the first prompts must
-    fit; a request joining when the lanes write slot s needs prompt ≤ s and max_new ≤ cache_len - s + 1 (a larger
-    `first_slot` lets longer prompts join, at no cost beyond cache columns). Ends when every row is free and `admit`
+    Each row's cache holds `cache_len` tokens, its columns reused around the cache's end (keys carry their positions,
+    attention ignores column order). The lanes decode from slot `first_slot`; a request (the first ones too) needs a
+    prompt of at most `first_slot` tokens and prompt + max_new - 1 ≤ cache_len, whenever it joins, so a batch runs
+    as long as requests come (`admit` gets first_slot and cache_len - first_slot + 1 as the longest prompt and the
+    most new tokens that fit). Ends when every row is free and `admit`
     brings none, or when `admit` returns None; returns the owners that had not finished then (to continue
     elsewhere, from their prompt plus the tokens they got). Greedy tokens equal `devmap.generate` of each request
     alone. `stats`, when given, gets the run's steps, joined requests and the host seconds spent issuing them."""
@@ -70,10 +73,10 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
     for request in first:
         if not request.prompt or request.max_new < 1:
             raise UsageError("every request needs a non-empty prompt and max_new >= 1")
-    longest, most = max(len(r.prompt) for r in first), max(r.max_new for r in first)
-    if first_slot < longest or most > cache_len - first_slot + 1:
-        raise UsageError(f"first_slot={first_slot} and cache_len={cache_len} do not hold prompts of {longest} "
-                         f"tokens and {most} new ones")
+    for request in first:
+        if len(request.prompt) > first_slot or len(request.prompt) + request.max_new - 1 > cache_len:
+            raise UsageError(f"first_slot={first_slot} and cache_len={cache_len} do not hold a prompt of "
+                             f"{len(request.prompt)} tokens and {request.max_new} new ones")
     stages = CausalLMStages(model, split_layers)
     check_length(model.config, cache_len)
     stages.check_window(cache_len)
@@ -114,19 +117,23 @@ class ContinuousBatch:
         self.lag = EOS_CHECK_LAG if head.type == "cuda" else 0
         self.issued = [[None] * lane.ids.shape[0] for lane in run.lanes]  # per lane and row: whom the row's next
         self.heard = [[None] * lane.ids.shape[0] for lane in run.lanes]  # tokens are for, as issued and as heard back
+        # per lane and row: tokens still to issue, and to hand over, for its holder (a row never runs past its
+        # request's max_new: its columns would wrap onto its own prompt)
+        self.to_issue = [[0] * lane.ids.shape[0] for lane in run.lanes]
+        self.to_hear = [[0] * lane.ids.shape[0] for lane in run.lanes]
         # per lane, in issue order: (step, event, host tokens, None) for a step's tokens of every row, and
-        # (step, event, host tokens, [(row, owner, index in the tokens)]) for joining requests' first tokens
+        # (step, event, host tokens, [(row, request, index in the tokens)]) for joining requests' first tokens
         self.pending: list[list[tuple[int, Any, torch.Tensor, Any]]] = [[] for _ in run.lanes]
         self.stats = {"steps": 0, "joined": 0, "join_seconds": 0.0}
 
     def generate(self, first: list[SlotRequest], admit: Admit) -> list[Any]:
         self.run.start()
-        for step in range(1, self.cache_len - self.first_slot + 1):
+        for step in itertools.count(1):
             self.deliver(step - 1 - self.lag)
             slot = self.first_slot + step - 1  # where this step writes its input token
             self.stats["steps"] = step
             free = self.free_rows()
-            joining = first if step == 1 else admit(len(free), slot, self.cache_len - slot + 1)
+            joining = first if step == 1 else admit(len(free), self.first_slot, self.cache_len - self.first_slot + 1)
             if joining is None:
                 break
             if len(joining) > len(free):
@@ -140,8 +147,18 @@ class ContinuousBatch:
                 break
             for k, lane in enumerate(self.run.lanes):
                 self.finish(k, self.run.decode_step(lane), step)
+                self.count_issued(k)
         self.deliver(None)
         return [owner for held in self.heard for owner in held if owner is not None]
+
+    def count_issued(self, k: int, rows: list[int] | None = None) -> None:
+        """One more token issued for lane k's held rows (or `rows`): a row whose request has all its tokens issued
+        is free for the next joiner (its last tokens still reach its owner)."""
+        for row in range(len(self.issued[k])) if rows is None else rows:
+            if self.issued[k][row] is not None:
+                self.to_issue[k][row] -= 1
+                if self.to_issue[k][row] <= 0:
+                    self.issued[k][row] = None
 
     def free_rows(self) -> list[tuple[int, int]]:
         """(lane, row) of every free row, the lanes taking turns (joiners spread over the lanes)."""
@@ -165,9 +182,9 @@ class ContinuousBatch:
         inputs. Stage j runs sub-group g while stage j + 1 runs g - 1."""
         for request, _, _ in joining:
             length = len(request.prompt)
-            if not request.prompt or length > slot or not 1 <= request.max_new <= self.cache_len - slot + 1:
-                raise ValueError(f"a request of {length} prompt tokens and {request.max_new} new ones does not fit at "
-                                 f"slot {slot} of a {self.cache_len}-token cache")
+            if not 0 < length <= self.first_slot or not 1 <= request.max_new <= self.cache_len - length + 1:
+                raise ValueError(f"a request of {length} prompt tokens and {request.max_new} new ones does not fit a "
+                                 f"batch of first slot {self.first_slot} and a {self.cache_len}-token cache")
         run, lanes, last = self.run, self.run.lanes, len(self.s.stages) - 1
         groups = join_groups([len(r.prompt) for r, _, _ in joining], self.first_slot,
                              sum(lane.ids.shape[0] for lane in lanes))
@@ -183,7 +200,7 @@ class ContinuousBatch:
             host = to_host(tokens)
             event = record_event(compute)
         for k, items in per_lane.items():
-            self.pending[k].append((step, event, host, [(row, joining[order[place]][0].owner, place)
+            self.pending[k].append((step, event, host, [(row, joining[order[place]][0], place)
                                                         for place, row in items]))
         with run.on(0) as first:  # after each lane's last tokens reached stage 0, its joined rows' are replaced
             device = self.s.stages[0].device
@@ -195,7 +212,8 @@ class ContinuousBatch:
                 rows = on_device([row for _, row in items], device)
                 lanes[k].steps[0].static_in.view(-1).index_copy_(0, rows, moved.index_select(0, index))
         for request, k, row in joining:
-            self.issued[k][row] = request.owner
+            self.issued[k][row], self.to_issue[k][row] = request.owner, request.max_new
+            self.count_issued(k, [row])  # the first token
 
     def _prefill_group(self, members: list[tuple[SlotRequest, int, int]], group: int, width: int,
                        slot: int) -> torch.Tensor:
@@ -263,8 +281,8 @@ class ContinuousBatch:
                     event.synchronize()
                 tokens = host.tolist()
                 if joined is not None:
-                    for row, owner, index in joined:
-                        self.heard[k][row] = owner
+                    for row, request, index in joined:
+                        self.heard[k][row], self.to_hear[k][row] = request.owner, request.max_new
                         self._give(k, row, tokens[index])
                     continue
                 for row, token in enumerate(tokens):
@@ -273,7 +291,8 @@ class ContinuousBatch:
 
     def _give(self, k: int, row: int, token: int) -> None:
         owner = self.heard[k][row]
-        if self.emit(owner, token):
+        self.to_hear[k][row] -= 1
+        if self.emit(owner, token) or self.to_hear[k][row] <= 0:
             self.heard[k][row] = None
             if self.issued[k][row] is owner:
                 self.issued[k][row] = None

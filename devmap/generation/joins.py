@@ -30,8 +30,8 @@ def group_width(longest: int, first_slot: int) -> int:
 
 def join_groups(lengths: list[int], first_slot: int, most: int) -> list[tuple[list[int], int, int]]:
     """The joiners (by prompt length) as sub-groups (indices, rows, width) of similar lengths: a sub-group's rows
-    are a power of two from 4 up to what fits GROUP_TOKENS at its width (never more than `most`), so that a service
-    sees few prefill shapes, each captured once."""
+    are a power of two up to what fits GROUP_TOKENS at its width (at least 4, never more than `most`), so that a
+    service sees few prefill shapes, each captured once."""
     by_width: dict[int, list[int]] = {}
     for index in sorted(range(len(lengths)), key=lengths.__getitem__):
         by_width.setdefault(group_width(lengths[index], first_slot), []).append(index)
@@ -40,7 +40,7 @@ def join_groups(lengths: list[int], first_slot: int, most: int) -> list[tuple[li
         cap = min(most, max(4, 1 << max((GROUP_TOKENS // width).bit_length() - 1, 0)))
         for begin in range(0, len(indices), cap):
             chunk = indices[begin:begin + cap]
-            groups.append((chunk, min(cap, max(4, 1 << (len(chunk) - 1).bit_length())), width))
+            groups.append((chunk, min(cap, 1 << (len(chunk) - 1).bit_length()), width))
     return groups
 
 

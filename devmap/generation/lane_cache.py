@@ -2,7 +2,9 @@
 
 Every buffer has a fixed address and shape for the whole generation (prompt + new tokens), so a decode
 step reads and writes only fixed memory and can be captured once as a CUDA graph and replayed each token.
-The slot a step writes is a device tensor that the step itself advances.
+The slot a step writes is a device tensor that the step itself advances, wrapping around at the cache's end: keys
+are stored with their rotary positions applied and attention does not care about column order, so a continuous
+batch reuses the columns of requests that ended, and runs as long as each request fits the cache on its own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class LaneCache:
         self.values: dict[int, torch.Tensor] = {}
         self.prefilling = True
         self.start = 0  # the column a prompt's first token is written to while prefilling
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the column the next decode step writes
+        self.tick = torch.zeros(1, dtype=torch.long, device=device)  # the same, not wrapped (positions count it)
 
     def allocate(self, layer_indices: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype,
                  arena: torch.Tensor | None = None) -> None:
@@ -54,13 +57,26 @@ class LaneCache:
     def start_decoding(self, prompt_len: int) -> None:
         """After the prompt: the next token goes to slot `prompt_len` (issued on the current stream)."""
         self.prefilling = False
-        self.slot.fill_(prompt_len)
+        self.slot.fill_(prompt_len % self.max_len)
+        self.tick.fill_(prompt_len)
+
+    def advance(self) -> None:
+        """The next slot (the end of a decode step; wraps around)."""
+        self.slot.add_(1).remainder_(self.max_len)
+        self.tick.add_(1)
 
     def take_rows(self, other: LaneCache, index: torch.Tensor, rows: torch.Tensor, start: int, end: int) -> None:
-        """Rows `index` of `other`'s keys and values (all its columns) into rows `rows`, columns start..end-1."""
+        """Rows `index` of `other`'s keys and values (all its columns) into rows `rows`, at the slots start..end-1
+        (counted without wrapping: columns start % max_len on, around the cache's end if need be)."""
+        first = start % self.max_len
+        spans = [(0, first, min(end - start, self.max_len - first))]
+        if end - start > spans[0][2]:
+            spans.append((spans[0][2], 0, end - start - spans[0][2]))
         for layer, keys in other.keys.items():
-            self.keys[layer][:, :, start:end].index_copy_(0, rows, keys.index_select(0, index))
-            self.values[layer][:, :, start:end].index_copy_(0, rows, other.values[layer].index_select(0, index))
+            for source, target in ((keys, self.keys[layer]), (other.values[layer], self.values[layer])):
+                picked = source.index_select(0, index)
+                for begin, column, count in spans:
+                    target[:, :, column:column + count].index_copy_(0, rows, picked[:, :, begin:begin + count])
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,24 +119,28 @@ class DecodeInputs:
         end = start + mask.shape[1]
         self.attended[:, :start].fill_(False)
         self.attended[:, start:end].copy_(mask.bool())
-        self.attended[:, end:].fill_(True)
+        self.attended[:, end:].fill_(False)  # each decode step marks the column it writes
         self.offset.copy_(mask.long().sum(-1, keepdim=True) - end)
         self.cache.prefilling = True
         self.cache.start = start
 
     def join(self, rows: torch.Tensor, lengths: torch.Tensor, slot: int) -> None:
-        """Rows `rows` now hold prompts of `lengths` tokens written just before `slot` (continuous batching): each
-        attends to its prompt's columns and the ones it writes from `slot` on, its next token at position `length`.
-        `rows` and `lengths` are on the cache's device."""
-        self.attended.index_copy_(0, rows, self.columns[None, :] >= (slot - lengths)[:, None])
+        """Rows `rows` now hold prompts of `lengths` tokens written just before slot `slot` (continuous batching;
+        counted without wrapping): each attends to its prompt's columns and the ones it writes from `slot` on, its
+        next token at position `length`. `rows` and `lengths` are on the cache's device."""
+        back = (slot - self.columns) % self.cache.max_len  # how many slots before `slot` each column is
+        self.attended.index_copy_(0, rows, (back[None, :] >= 1) & (back[None, :] <= lengths[:, None]))
         self.offset.index_copy_(0, rows, (lengths - slot)[:, None])
 
     def mask(self) -> torch.Tensor:
-        keep = (self.attended & (self.columns <= self.cache.slot))[:, None, None, :]
+        """The step's attention mask: the columns each row attends to, the one this step writes included (marked
+        here, inside the step)."""
+        self.attended.index_fill_(1, self.cache.slot, True)
+        keep = self.attended[:, None, None, :]
         if self.float_mask_dtype is None:
             return keep
         zero = torch.zeros((), dtype=self.float_mask_dtype, device=keep.device)
         return torch.where(keep, zero, torch.finfo(self.float_mask_dtype).min)
 
     def position_ids(self) -> torch.Tensor:
-        return self.offset + self.cache.slot
+        return self.offset + self.cache.tick

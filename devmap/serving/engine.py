@@ -49,12 +49,15 @@ class EngineLimits:
     continuous: bool = True  # a running batch's free rows take waiting requests of the same model and sampling
     # between two decode steps (greedy and unseeded sampling); False: batches run whole, as dynamic batches
     join_wait: float = 0.01  # continuous: requests that could join wait up to this long (seconds) for more to join
-    # with them, unless they fill every free row
+    # with them, unless they fill every free row or the step's join_tokens
+    join_tokens: int = 2048  # continuous: prompt tokens that join the running batch at one step, at most (beyond
+    # the first request): a burst of requests joins over a few steps, each step's prefill short, so the first ones
+    # answer sooner and the burst's requests end (and come back) spread out rather than all at once
     preempt_after: float = 0.25  # continuous: a request that cannot join (another model or sampling, no free row)
     # stops the running batch once it has waited this long (seconds); its unfinished requests continue later
     rejoin_after: float | None = None  # dynamic batches (continuous=False): when a request that could join the
-    # running batch has waited this long (seconds) and the batch has run as long, the batch stops between two steps and its unfinished requests
-    # continue in the next one together with the waiting ones (their prompt + tokens so far prefilled again:
+    # running batch has waited this long (seconds) and the batch has run as long, the batch stops between two
+    # steps and its unfinished requests continue in the next one together with the waiting ones (their prompt + tokens so far prefilled again:
     # recompute, as vLLM's preemption does). None: a batch runs to its end. Seeded sampling never rejoins.
 
 

@@ -1,7 +1,8 @@
 """The engine's continuous batches: between two decode steps, a running batch's free rows take waiting requests of
 the same model and sampling (devmap.generation.continuous), so a request starts within a step or two instead of
-waiting for the batch to end. A request that cannot join (another model or sampling, no free row) stops the batch
-once it has waited `preempt_after`; one whose tokens no longer fit the batch's cache stops it at once. The stopped
+waiting for the batch to end; at most `join_tokens` prompt tokens join at one step. A batch's cache columns wrap
+around, so it runs as long as requests come. A request that cannot join (another model or sampling, no free row)
+stops the batch once it has waited `preempt_after`; one larger than the batch's shape stops it at once. The stopped
 batch's unfinished requests continue in a later one, their prompt and tokens so far prefilled again.
 """
 
@@ -21,8 +22,6 @@ log = logging.getLogger("devmap.serving")
 
 MIN_ROWS = 8  # rows of the smallest continuous batch: room for a few joiners at about one row's step time
 CACHE_BUCKET = 128  # cache lengths come in multiples of this, so a service sees few captured step shapes
-CACHE_SPANS = 3  # a cache holds this many times the longest max_tokens past the first slot: requests join until
-# their tokens would pass its end, which then stops the batch (its requests continue in a new one, prefilled again)
 
 
 def continuous_possible(params: GenerationParams) -> bool:
@@ -33,19 +32,19 @@ def continuous_possible(params: GenerationParams) -> bool:
 def batch_shape(jobs: list[Job], max_batch: int, length_bucket: int, resident: ResidentModel) -> tuple[int, int, int]:
     """(rows, first slot, cache length) of a continuous batch starting with `jobs`: rows a power of two; decoding
     from a slot past the longest prompt (plus max_tokens) the model's batches have had, in multiples of
-    `length_bucket` (so that such prompts can join); a cache for CACHE_SPANS times the longest max_tokens past that,
-    in multiples of CACHE_BUCKET, within the model's context. None of the three shrinks below the model's largest batch so far: a service settles on one
+    `length_bucket` (so that such prompts can join); a cache of that plus the longest max_tokens (each request's
+    prompt and tokens fit it; its columns wrap around), in multiples of CACHE_BUCKET, within the model's context. None of the three shrinks below the model's largest batch so far: a service settles on one
     shape, whose steps are captured once and replayed from then on (a new shape costs captures)."""
     count = len(jobs)
     rows = max(count, min(max_batch, max(MIN_ROWS, 1 << (count - 1).bit_length(), resident.batch_rows)))
     longest = max(len(j.prompt_ids) + len(j.generated) for j in jobs)
     most = max(j.params.max_tokens - len(j.generated) for j in jobs)
     span = max(j.params.max_tokens for j in jobs)
-    # past the longest prompt plus its tokens: when a batch stops at its cache's end, its requests continue from
-    # prompt + tokens so far, which then still fit the slot (a slot that grows costs new captures)
+    # past the longest prompt plus its tokens: when a batch stops for another model's requests, its requests
+    # continue from prompt + tokens so far, which then still fit the slot (a slot that grows costs new captures)
     fresh = max(len(j.prompt_ids) for j in jobs) + span - 1
     slot = max(round_up(max(longest, fresh), length_bucket), resident.batch_slot)
-    cache = max(round_up(slot + CACHE_SPANS * span, CACHE_BUCKET), resident.batch_cache)
+    cache = max(round_up(slot + span, CACHE_BUCKET), resident.batch_cache)
     if resident.context:
         cache = min(cache, resident.context)
         if most > cache - slot + 1:  # the buckets never cost a request its tokens (the engine's check fits it)
@@ -72,17 +71,26 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
         engine.drain_queue()
         now = time.perf_counter()
         chosen: list[Job] = []
+        tokens, budget = 0, limits.join_tokens
         for job in engine.waiting:
             if job.cancelled.is_set():
                 continue
             same = (job.model_id, job.params.batch_key()) == key
             if same and job.params.max_tokens - len(job.generated) > most:
                 return None  # it never fits this batch's cache: a new batch, now
-            if same and len(chosen) < free and len(job.prompt_ids) + len(job.generated) <= longest:
+            length = len(job.prompt_ids) + len(job.generated)
+            if same and len(chosen) < free and length <= longest and (not chosen or tokens + length <= budget):
                 chosen.append(job)
-            elif now - job.waiting_since >= limits.preempt_after:
+                tokens += length
+                continue
+            # what waits for the budget joins at a later step; what needs a row none frees soon enough (the batch
+            # could grow), a longer prompt than the batch's shape takes, or another model or sampling stops it
+            blocked = not same or length > longest or (len(chosen) >= free and rows < limits.max_batch)
+            if blocked and now - job.waiting_since >= limits.preempt_after:
                 return None
-        if chosen and len(chosen) < free < rows and now - min(j.waiting_since for j in chosen) < limits.join_wait:
+        full = len(chosen) == free or any(j not in chosen and (j.model_id, j.params.batch_key()) == key
+                                          for j in engine.waiting if not j.cancelled.is_set())
+        if chosen and not full and free < rows and now - min(j.waiting_since for j in chosen) < limits.join_wait:
             chosen = []  # a little longer for more of them: one prefill for all (its cost hardly depends on rows)
         if chosen:
             engine.take(chosen)

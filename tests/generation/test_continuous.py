@@ -97,6 +97,17 @@ def test_join_groups_cover_every_joiner_once_in_few_shapes():
     check()
 
 
+def test_a_batch_runs_past_its_cache_length_reusing_columns(model, run):
+    """Fourteen requests through two rows of a 20-column cache: the slot wraps around several times, prompts are
+    copied in across the cache's end, and every request still gets the tokens of generating alone."""
+    reqs = requests(14, seed=7)
+    got, left, queue = run(model, reqs[:2], reqs[2:], rows=2, lanes=1, first_slot=12, cache_len=20)
+    assert not left and not queue
+    assert sum(r.max_new for r in reqs) > 3 * 20
+    for r in reqs:
+        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+
+
 def test_stopping_returns_the_unfinished_owners(model, run):
     reqs = [SlotRequest(list(range(5, 12)), 20, "a"), SlotRequest(list(range(7, 10)), 3, "b")]
     got, left, _ = run(model, reqs, [], rows=2, stop_after=6)
@@ -109,7 +120,7 @@ def test_sampling_and_bad_arguments(model):
     got = []
     generate_continuous(model, reqs, lambda *a: [], lambda o, t: got.append(t) or False, rows=2, first_slot=12,
                         cache_len=20, sampling=Sampling(do_sample=True, temperature=0.8, seed=3))
-    assert len(got) == 2 * (20 - 12 + 1)
+    assert len(got) == sum(r.max_new for r in reqs)  # a row stops at its request's max_new
     with pytest.raises(UsageError, match="1 to rows=1"):
         generate_continuous(model, reqs, lambda *a: [], lambda o, t: True, rows=1, first_slot=12, cache_len=20)
     with pytest.raises(UsageError, match="do not hold"):
@@ -152,8 +163,8 @@ def test_any_arrival_pattern_gives_each_request_its_own_tokens(model):
             got[owner].append(token)
             return len(got[owner]) >= items[owner].max_new
 
-        left = generate_continuous(model, start, admit, emit, rows=rows, first_slot=10, cache_len=120,
-                                   lanes=lanes, split_layers=[2])
+        left = generate_continuous(model, start, admit, emit, rows=rows, first_slot=10, cache_len=20,
+                                   lanes=lanes, split_layers=[2])  # a small cache: its columns wrap around
         assert not left
         for r in items:
             if r in later:  # never started: the batch drained while it was held back

@@ -157,9 +157,10 @@ def test_incremental_decoding_gives_the_whole_decode(registry):
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
 
 
-@pytest.mark.parametrize("continuous", [True, False])
-def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generate(registry, continuous):
-    """Continuous batching: requests that come while a long batch runs take its free rows between two steps.
+@pytest.mark.parametrize("continuous, join_tokens", [(True, 2048), (True, 8), (False, 2048)])
+def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generate(registry, continuous, join_tokens):
+    """Continuous batching: requests that come while a long batch runs take its free rows between two steps (with
+    join_tokens=8, about one per step).
     Dynamic batches with rejoin_after: the batch stops between steps for them; its unfinished request continues
     from its tokens so far (prefilled again) beside them. Either way every answer is the one devmap.generate gives
     alone."""
@@ -179,7 +180,8 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
         return resident.tokenizer.decode([t for t in out[:next((k for k, t in enumerate(out) if t in eos), len(out))]],
                                          skip_special_tokens=True)
 
-    engine = Engine(registry, EngineLimits(continuous=continuous, rejoin_after=1e-3, max_batch=4))
+    engine = Engine(registry, EngineLimits(continuous=continuous, rejoin_after=1e-3, max_batch=4,
+                                           join_tokens=join_tokens))
     engine.start()
 
     async def staggered() -> list:
