@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="24,90,170,330", help="prompt lengths drawn from, in tokens")
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--group-tokens", default="1024,4096,8192", help="GROUP_TOKENS values to time joins with")
     parser.add_argument("--budgets", default="none,2048,1024", help="closed loops' join budgets (prompt tokens)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compile", action="store_true", help="last: joins of compiled steps (inductor)")
@@ -114,14 +115,15 @@ def main() -> None:
     rng = random.Random(1)
     prompts = [[rng.randrange(3, min(1000, model.config.vocab_size)) for _ in range(rng.choice(lengths))] for _ in range(args.clients)]
     real = sum(len(p) for p in prompts)
-    for label, groups in (("sub-groups", None), ("one group", 1 << 30)):
+    sizes = [int(n) for n in args.group_tokens.split(",")]
+    for label, groups in [("sub-groups", None), *((f"sub-groups of {n} tokens", n) for n in sizes),
+                          ("one group", 1 << 30)]:
         if groups is not None:
             devmap.generation.joins.GROUP_TOKENS = groups
             devmap.release_graphs(model)  # the joins' scratch arena is sized by GROUP_TOKENS
         times = [one_join(model, prompts, rows, first_slot, cache_len) for _ in range(4)]
-        eager = [one_join(model, prompts, rows, first_slot, cache_len, graphs=False) for _ in range(2)]
-        print(f"join of {args.clients} prompts ({real} tokens) as {label}: {[round(t * 1e3, 1) for t in times]} ms "
-              f"(eager {[round(t * 1e3, 1) for t in eager]} ms)", flush=True)
+        print(f"join of {args.clients} prompts ({real} tokens) as {label}: {[round(t * 1e3, 1) for t in times]} ms",
+              flush=True)
         if args.profile and groups is None:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -202,6 +202,15 @@ class Engine:
             except queue.Empty:
                 return
 
+    def await_request(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for a queued request and move it to the waiting list (worker thread only);
+        False if none came."""
+        try:
+            self._waiting.append(self._queue.get(timeout=max(timeout, 0.0)))
+        except queue.Empty:
+            return False
+        return True
+
     @property
     def waiting(self) -> list[Job]:
         """Requests taken off the queue and not yet in a batch, oldest first (worker thread only)."""

@@ -59,7 +59,7 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
     """Run `jobs` as a continuous batch of the `Engine`, taking in its waiting requests as rows free up (each is
     appended to `jobs`); returns the unfinished requests when the batch was stopped for others."""
     limits, metrics = engine.limits, engine.metrics
-    key = (jobs[0].model_id, jobs[0].params.batch_key())
+    key = _key(jobs[0])
     eos = eos_ids(resident)
     rows, slot, cache_len = batch_shape(jobs, limits.max_batch, limits.length_bucket, resident)
     params = jobs[0].params
@@ -69,13 +69,19 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
 
     def admit(free: int, longest: int, most: int) -> list[SlotRequest] | None:
         engine.drain_queue()
+        if free == rows and not any(_key(job) == key for job in engine.waiting if not job.cancelled.is_set()):
+            # every row is free: the clients that just got their answers are likely on their way back; waiting a
+            # little for them keeps the batch and its captured steps instead of draining it and starting anew
+            if engine.await_request(limits.max_batch_wait):
+                while len(engine.waiting) < rows and engine.await_request(limits.batch_wait):
+                    pass
         now = time.perf_counter()
         chosen: list[Job] = []
         tokens, budget = 0, limits.join_tokens
         for job in engine.waiting:
             if job.cancelled.is_set():
                 continue
-            same = (job.model_id, job.params.batch_key()) == key
+            same = _key(job) == key
             if same and job.params.max_tokens - len(job.generated) > most:
                 return None  # it never fits this batch's cache: a new batch, now
             length = len(job.prompt_ids) + len(job.generated)
@@ -88,7 +94,7 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
             blocked = not same or length > longest or (len(chosen) >= free and rows < limits.max_batch)
             if blocked and now - job.waiting_since >= limits.preempt_after:
                 return None
-        full = len(chosen) == free or any(j not in chosen and (j.model_id, j.params.batch_key()) == key
+        full = len(chosen) == free or any(j not in chosen and _key(j) == key
                                           for j in engine.waiting if not j.cancelled.is_set())
         if chosen and not full and free < rows and now - min(j.waiting_since for j in chosen) < limits.join_wait:
             chosen = []  # a little longer for more of them: one prefill for all (its cost hardly depends on rows)
@@ -117,6 +123,11 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
                   stats["joined"], 1000 * stats["join_seconds"], 1000 * slowest[0],
                   "stopped" if left else "drained", stats["steps"], 1000 * (time.perf_counter() - started))
     return [job for job in left if not job.finished and not job.cancelled.is_set()]
+
+
+def _key(job: Job) -> tuple:
+    """Requests of one key can share a batch: the same model and sampling settings."""
+    return job.model_id, job.params.batch_key()
 
 
 def _request(job: Job) -> SlotRequest:
