@@ -14,7 +14,7 @@ import torch
 from .causal_lm import positions
 
 
-GROUP_TOKENS = 2048  # padded prompt tokens of a joining sub-group (beyond 4 rows): several sub-groups per step
+GROUP_TOKENS = 1024  # padded prompt tokens of a joining sub-group (beyond 4 rows): several sub-groups per step
 # keep the stages busy at once (sub-group g on stage 1 while g+1 runs on stage 0) and pad little, while each one's
 # matrix products stay large enough to run near the GPUs' peak
 

@@ -167,7 +167,7 @@ def test_continuous_batching_over_two_gpus_gives_each_request_its_own_tokens(mon
                                             do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
                 .tolist() for r in reqs}
     for _ in range(2):
-        got, left, queue = run_continuous(placed, reqs[:4], reqs[4:], rows=4, first_slot=20, cache_len=256, lanes=2)
+        got, left, queue = run_continuous(placed, reqs[:4], reqs[4:], rows=4, first_slot=20, cache_len=40, lanes=2)
         assert not left and not queue
         assert got == expected
     entries = step_cache(placed, "continuous").entries
