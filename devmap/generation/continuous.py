@@ -24,7 +24,7 @@ from torch import nn
 from .api import check_length
 from .causal_lm import CausalLMStages
 from ..errors import UsageError
-from .joins import arena_tokens, group_context, join_groups, on_device, padded_prompts, to_device
+from .joins import arena_tokens, group_context, join_groups, join_shapes, on_device, padded_prompts, to_device
 from .lane_cache import LaneCache
 from .lane_runner import EOS_CHECK_LAG, LaneRunner, record_event, split_lanes
 from .sampling import Sampling, choose
@@ -96,6 +96,8 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
             for j, inputs in enumerate(lane.inputs):
                 inputs.reset(lane.mask, first_slot - 1)
                 lane.caches[j].start_decoding(first_slot)
+        if run.graphs:
+            batch.capture_joins()
         unfinished = batch.generate(first, admit)
         run.streams.join([])
     if stats is not None:
@@ -215,22 +217,51 @@ class ContinuousBatch:
             self.issued[k][row], self.to_issue[k][row] = request.owner, request.max_new
             self.count_issued(k, [row])  # the first token
 
+    def capture_joins(self) -> None:
+        """Capture the prefill of every sub-group shape this batch can meet, before its first step (on GPUs): a
+        shape's first use otherwise costs an eager run and a capture in the middle of a burst of requests."""
+        most = sum(lane.ids.shape[0] for lane in self.run.lanes)
+        for group, width in join_shapes(self.first_slot, most):
+            if ("join", group, width) not in self.entries:
+                inputs = self._group_inputs([[0]] * group, group, width)
+                for _ in range(2):  # eager, then captured
+                    self._through_stages(group, width, *inputs)
+
     def _prefill_group(self, members: list[tuple[SlotRequest, int, int]], group: int, width: int,
                        slot: int) -> torch.Tensor:
         """One sub-group's prefill through every stage, its rows' keys and values copied into the lanes' caches;
         returns its first tokens (on the last stage's stream)."""
-        run, lanes, last = self.run, self.run.lanes, len(self.s.stages) - 1
-        count = len(members)
+        lanes = self.run.lanes
         prompts = [r.prompt for r, _, _ in members]
-        ids, mask = padded_prompts(prompts + prompts[:1] * (group - count), pad=0, width=width)
         per_lane: dict[int, list[tuple[int, int, int]]] = {}  # lane: (place in the group, row, prompt length)
         for place, (request, k, row) in enumerate(members):
             per_lane.setdefault(k, []).append((place, row, len(request.prompt)))
-        with run.on(0) as first:  # the group's inputs, on stage 0's stream
-            device = self.s.stages[0].device
-            ids, mask = to_device(ids, self.s.embed_device), to_device(mask, device)
+
+        def into_rows(j: int, device: torch.device, scratch: LaneCache) -> None:
+            for k, items in per_lane.items():  # the joiners' keys and values into their rows, before the slot
+                index = on_device([place for place, _, _ in items], device)
+                rows = on_device([row for _, row, _ in items], device)
+                lanes[k].caches[j].take_rows(scratch, index, rows, slot - width, slot)
+                lanes[k].inputs[j].join(rows, on_device([n for _, _, n in items], device), slot)
+
+        out = self._through_stages(group, width, *self._group_inputs(prompts, group, width), into_rows)
+        with self.run.on(len(self.s.stages) - 1):
+            return choose(self.s.head(out[:len(members), -1:, :])[:, -1].float(), self.sampling, self.generator)
+
+    def _group_inputs(self, prompts: list[list[int]], group: int, width: int) -> tuple[torch.Tensor, dict, Any]:
+        """(ids, mask and positions, the event they are ready at) of a sub-group, on stage 0's stream; the prompts
+        left-padded to `width`, the rows past them copies of the first."""
+        ids, mask = padded_prompts(prompts + prompts[:1] * (group - len(prompts)), pad=0, width=width)
+        with self.run.on(0) as first:
+            ids, mask = to_device(ids, self.s.embed_device), to_device(mask, self.s.stages[0].device)
             context = group_context(mask, self.s.float_mask_dtype())
-            ready = record_event(first)
+            return ids, context, record_event(first)
+
+    def _through_stages(self, group: int, width: int, ids: torch.Tensor, context: dict, ready: Any,
+                        after: Callable[[int, torch.device, LaneCache], None] | None = None) -> torch.Tensor:
+        """The sub-group's captured prefill on every stage (`after(j, device, scratch)` once stage j's is issued);
+        the last stage's output."""
+        run, last = self.run, len(self.s.stages) - 1
         key = ("join", group, width)
         if key not in self.entries:  # per stage: the captured prefill and the scratch cache it fills
             self.entries[key] = [self._join_step(j, group, width, context["attention_mask"])
@@ -249,14 +280,10 @@ class ContinuousBatch:
                 out = prefill()
                 if j < last:
                     out = out.clone()
-                for k, items in per_lane.items():  # the joiners' keys and values into their rows, before the slot
-                    index = on_device([place for place, _, _ in items], stage.device)
-                    rows = on_device([row for _, row, _ in items], stage.device)
-                    lanes[k].caches[j].take_rows(scratch, index, rows, slot - width, slot)
-                    lanes[k].inputs[j].join(rows, on_device([n for _, _, n in items], stage.device), slot)
+                if after is not None:
+                    after(j, stage.device, scratch)
                 event = record_event(compute)
-        with run.on(last):
-            return choose(self.s.head(out[:count, -1:, :])[:, -1].float(), self.sampling, self.generator)
+        return out
 
     def _join_step(self, j: int, group: int, width: int, mask: torch.Tensor) -> tuple[Any, LaneCache]:
         """Stage j's prefill of a joining sub-group of this shape, into a scratch cache of its own (both kept): a

@@ -37,11 +37,32 @@ def join_groups(lengths: list[int], first_slot: int, most: int) -> list[tuple[li
         by_width.setdefault(group_width(lengths[index], first_slot), []).append(index)
     groups = []
     for width, indices in by_width.items():
-        cap = min(most, max(4, 1 << max((GROUP_TOKENS // width).bit_length() - 1, 0)))
+        cap = _rows_cap(width, most)
         for begin in range(0, len(indices), cap):
             chunk = indices[begin:begin + cap]
             groups.append((chunk, min(cap, 1 << (len(chunk) - 1).bit_length()), width))
     return groups
+
+
+def join_shapes(first_slot: int, most: int) -> list[tuple[int, int]]:
+    """Every (rows, width) of a sub-group `join_groups` can make for a batch of `most` rows and this first slot."""
+    widths, width = [], 64
+    while width < first_slot:
+        widths.append(width)
+        width *= 2
+    shapes = []
+    for width in [*widths, first_slot]:
+        cap, rows = _rows_cap(width, most), 1
+        while rows < cap:
+            shapes.append((rows, width))
+            rows *= 2
+        shapes.append((cap, width))
+    return shapes
+
+
+def _rows_cap(width: int, most: int) -> int:
+    """The most rows of a sub-group of this width: a power of two fitting GROUP_TOKENS, at least 4, at most `most`."""
+    return min(most, max(4, 1 << max((GROUP_TOKENS // width).bit_length() - 1, 0)))
 
 
 def arena_tokens(most: int, cache_len: int) -> int:

@@ -76,6 +76,27 @@ def test_joiners_of_mixed_lengths_go_in_sub_groups_and_get_their_own_tokens(mode
         assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
 
 
+def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypatch):
+    """With captured steps (here: the cached-step path on CPU, eager), a batch prepares the prefill of every
+    sub-group shape up front, and joins still give each request its tokens."""
+    from devmap.generation import lane_runner
+    from devmap.generation.step_cache import release_graphs, step_cache
+
+    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)
+    release_graphs(model)
+    reqs = requests(8, seed=2)
+    try:
+        got, left, queue = run(model, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=24)
+        shapes = {key[1:] for key in step_cache(model, "continuous").entries if isinstance(key, tuple)
+                  and key[0] == "join"}
+    finally:
+        release_graphs(model)
+    assert shapes == set(joins.join_shapes(12, 4))
+    assert not left and not queue
+    for r in reqs:
+        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+
+
 def test_join_groups_cover_every_joiner_once_in_few_shapes():
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
@@ -88,6 +109,7 @@ def test_join_groups_cover_every_joiner_once_in_few_shapes():
         lengths = lengths[:most]
         groups = joins.join_groups(lengths, first_slot, most)
         assert sorted(i for indices, _, _ in groups for i in indices) == list(range(len(lengths)))
+        assert {(rows, width) for _, rows, width in groups} <= set(joins.join_shapes(first_slot, most))
         for indices, rows, width in groups:
             assert len(indices) <= rows <= most and rows & (rows - 1) == 0 or rows == most
             assert max(lengths[i] for i in indices) <= width <= first_slot
