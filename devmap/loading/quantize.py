@@ -3,8 +3,9 @@
 The planner decides which weights shrink (devmap.planning.quantization); the loader hands this module each
 block's Linears with their full-precision weights already on their device, and this module swaps them for the
 library's quantized form, so a device never holds more than one block in full precision beyond its plan.
-No kernel is hand-written: torchao's `quantize_` (Int8WeightOnlyConfig, Int4WeightOnlyConfig) and bitsandbytes'
-Linear8bitLt / Linear4bit do the work, as they do under transformers.
+No kernel is hand-written: torchao's `quantize_` (Int4WeightOnlyConfig; for int8 its `Int8Tensor.from_hp` per
+weight shape of a block, which is what `quantize_` runs per Linear) and bitsandbytes' Linear8bitLt / Linear4bit
+do the work, as they do under transformers.
 """
 
 from __future__ import annotations
