@@ -33,8 +33,9 @@ def batch_shape(jobs: list[Job], max_batch: int, length_bucket: int, resident: R
     """(rows, first slot, cache length) of a continuous batch starting with `jobs`: rows a power of two; decoding
     from a slot past the longest prompt (plus max_tokens) the model's batches have had, in multiples of
     `length_bucket` (so that such prompts can join); a cache of that plus the longest max_tokens (each request's
-    prompt and tokens fit it; its columns wrap around), in multiples of CACHE_BUCKET, within the model's context. None of the three shrinks below the model's largest batch so far: a service settles on one
-    shape, whose steps are captured once and replayed from then on (a new shape costs captures)."""
+    prompt and tokens fit it; its columns wrap around), in multiples of CACHE_BUCKET, within the model's context.
+    None of the three shrinks below the model's largest batch so far: a service settles on one shape, whose steps
+    are captured once and replayed from then on (a new shape costs captures)."""
     count = len(jobs)
     rows = max(count, min(max_batch, max(MIN_ROWS, 1 << (count - 1).bit_length(), resident.batch_rows)))
     longest = max(len(j.prompt_ids) + len(j.generated) for j in jobs)
@@ -94,7 +95,8 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
             blocked = not same or length > longest or (len(chosen) >= free and rows < limits.max_batch)
             if blocked and now - job.waiting_since >= limits.preempt_after:
                 return None
-        full = len(chosen) == free or any(j not in chosen and _key(j) == key
+        taken = {id(j) for j in chosen}  # identity: jobs compare by value
+        full = len(chosen) == free or any(id(j) not in taken and _key(j) == key
                                           for j in engine.waiting if not j.cancelled.is_set())
         if chosen and not full and free < rows and now - min(j.waiting_since for j in chosen) < limits.join_wait:
             chosen = []  # a little longer for more of them: one prefill for all (its cost hardly depends on rows)
