@@ -1,5 +1,5 @@
 """GPU-only, one GPU: a continuous batch's captured steps, its joining sub-groups and its wrapping cache give each
-request transformers' greedy tokens (fp32)."""
+request transformers' greedy tokens (fp32), eager and compiled."""
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -35,3 +35,27 @@ def test_continuous_batch_on_one_gpu_wraps_its_cache_and_gives_each_request_its_
         assert not left and not queue
         assert got == expected
     assert sum(news) / 6 > 2 * (72 - 60)  # steps enough for the slot to go round the cache more than once
+
+
+def test_compiled_steps_on_one_gpu_give_transformers_tokens(monkeypatch, run_continuous):
+    """compile=True (inductor) with the decode step marking its mask column inside the step: generate and a
+    continuous batch give transformers' greedy tokens, on capture and on replay."""
+    from devmap import generate
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.manual_seed(8)
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
+    placed = dispatch(AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval(), {"": 0})
+    placed.load_state_dict(reference.state_dict())
+    ids = torch.randint(3, 1000, (4, 10), device="cuda:0")
+    expected = reference.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    g = torch.Generator().manual_seed(9)
+    reqs = [SlotRequest(torch.randint(3, 1000, (int(n),), generator=g).tolist(), 6, i)
+            for i, n in enumerate(torch.randint(3, 30, (8,), generator=g))]
+    tokens = {r.owner: reference.generate(torch.tensor([r.prompt], device="cuda:0"), max_new_tokens=6,
+                                          do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
+              .tolist() for r in reqs}
+    for _ in range(3):  # compile + run, capture, replay
+        assert torch.equal(generate(placed, ids, max_new_tokens=10, eos_token_id=[], compile=True), expected)
+        got, left, _ = run_continuous(placed, reqs[:2], reqs[2:], rows=4, first_slot=32, cache_len=40, compile=True)
+        assert not left and got == tokens
