@@ -48,7 +48,7 @@ def test_compiled_steps_on_one_gpu_give_transformers_tokens(monkeypatch, run_con
     placed = dispatch(AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval(), {"": 0})
     placed.load_state_dict(reference.state_dict())
     ids = torch.randint(3, 1000, (4, 10), device="cuda:0")
-    expected = reference.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = reference.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None).cpu()
     g = torch.Generator().manual_seed(9)
     reqs = [SlotRequest(torch.randint(3, 1000, (int(n),), generator=g).tolist(), 6, i)
             for i, n in enumerate(torch.randint(3, 30, (8,), generator=g))]
