@@ -115,7 +115,7 @@ def main() -> None:
     rng = random.Random(1)
     prompts = [[rng.randrange(3, min(1000, model.config.vocab_size)) for _ in range(rng.choice(lengths))] for _ in range(args.clients)]
     real = sum(len(p) for p in prompts)
-    sizes = [int(n) for n in args.group_tokens.split(",")]
+    sizes, default = [int(n) for n in args.group_tokens.split(",")], devmap.generation.joins.GROUP_TOKENS
     for label, groups in [("sub-groups", None), *((f"sub-groups of {n} tokens", n) for n in sizes),
                           ("one group", 1 << 30)]:
         if groups is not None:
@@ -134,7 +134,7 @@ def main() -> None:
             bare = [one_join(model, prompts, rows, first_slot, cache_len) for _ in range(3)]
             LaneCache.take_rows = take_rows
             print(f"  without copying keys and values into rows: {[round(t * 1e3, 1) for t in bare]} ms", flush=True)
-    devmap.generation.joins.GROUP_TOKENS = 2048
+    devmap.generation.joins.GROUP_TOKENS = default  # the closed loops run devmap's own sub-groups
     devmap.release_graphs(model)
     with torch.no_grad():
         ids = torch.randint(3, min(1000, model.config.vocab_size), (args.clients, first_slot),

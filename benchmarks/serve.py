@@ -42,8 +42,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(command: list[str], port: int, name: str, timeout: float = 600) -> Iterator[str]:
-    """Start a server process and wait for it to answer; always stopped after."""
+def server(command: list[str], port: int, name: str, timeout: float = 600) -> Iterator[tuple[str, float]]:
+    """Start a server process and wait for it to answer; yields its URL and the seconds until it answered (the
+    cold start); always stopped after."""
     log = open(Path(os.environ.get("SERVE_BENCH_LOGS", tempfile.gettempdir())) / f"serve-bench-{name}.log", "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -59,8 +60,9 @@ def server(command: list[str], port: int, name: str, timeout: float = 600) -> It
             time.sleep(0.5)
         else:
             raise RuntimeError(f"{name} did not answer in {timeout} s; see {log.name}")
-        print(f"  {name} answers {time.monotonic() - started:.1f} s after its process started", flush=True)
-        yield url
+        cold = time.monotonic() - started
+        print(f"  {name} answers {cold:.1f} s after its process started", flush=True)
+        yield url, cold
     finally:
         process.terminate()
         try:
@@ -184,12 +186,12 @@ def main() -> None:
                 model = path.name
             else:
                 command, model = transformers_command(path, port), str(path)
-            with server(command, port, system) as url:
+            with server(command, port, system) as (url, cold):
                 for clients in counts:
                     row = asyncio.run(load_test(url, model, clients, args.seconds, args.new, seed=clients,
                                               lengths=[int(w) for w in args.prompt_words.split(",")],
                                               warmup=args.warmup))
-                    rows.setdefault(system, []).append(row)
+                    rows.setdefault(system, []).append({**row, "cold_start_s": cold})
                     if args.out and system.startswith("devmap"):  # batch sizes and first-token times as the server saw them
                         Path(args.out).mkdir(parents=True, exist_ok=True)
                         (Path(args.out) / f"metrics_{system}_{args.model}_{clients}.txt").write_text(
@@ -213,6 +215,8 @@ def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int],
             print(f"| {system} | {r['clients']} | {r['requests']} | {r['first_call_s']:.2f} | {r['tokens_per_s']:,.0f} "
                   f"| {ttft} | {token} | "
                   f"{ratio} |")
+    cold = ", ".join(f"{system} {results[0]['cold_start_s']:.1f} s" for system, results in rows.items() if results)
+    print(f"cold start (a fresh server process until it answers): {cold}")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"serve_{model}.json").write_text(json.dumps(rows, indent=2))

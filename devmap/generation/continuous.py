@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from functools import partial
 import itertools
-from itertools import zip_longest
 from typing import Any, Callable
 
 import torch
@@ -165,7 +164,7 @@ class ContinuousBatch:
     def free_rows(self) -> list[tuple[int, int]]:
         """(lane, row) of every free row, the lanes taking turns (joiners spread over the lanes)."""
         free = [[(k, row) for row, owner in enumerate(held) if owner is None] for k, held in enumerate(self.issued)]
-        return [item for turn in zip_longest(*free) for item in turn if item is not None]
+        return [item for turn in itertools.zip_longest(*free) for item in turn if item is not None]
 
     def finish(self, k: int, logits: torch.Tensor, step: int) -> None:
         """The lane's next tokens (on the last stage's stream): to the host, and to stage 0 for the next step."""
