@@ -4,7 +4,9 @@ Run on nvidia-h200-x2 (the wheels of fastapi, uvicorn, pydantic and openai trave
     PYTHONPATH=. python3 benchmarks/serve.py --model tinyllama-1.1b --clients 1,8,32,64 --out $OUT
 The checkpoint is `devmap save MODEL` (random bf16 weights and devmap's offline tokenizer), written once to
 a temporary directory. Each server runs as its own process on 127.0.0.1; each client sends streaming chat
-completions of mixed prompt lengths (greedy, `max_tokens` new tokens) back to back for `--seconds`.
+completions of mixed prompt lengths (greedy, `max_tokens` new tokens) back to back for `--seconds`; the clients
+are spread over `--client-processes` processes (before the tenth session: one process, whose event loop delayed
+its own clocks at thousands of streamed chunks a second).
 Reported per server and client count: output tokens/s (all clients), time to first token p50/p99,
 time per output token p50/p99 (a request's time from its first text to its
 last, over its output tokens after the first), and devmap's ratio to transformers.
@@ -18,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import socket
@@ -27,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from queue import Empty
 from typing import Any, Iterator
 
 import httpx
@@ -97,36 +101,75 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int
     return {"ttft": times[0] - start if times else None, "tokens": tokens, "tpot": tpot}
 
 
-async def load_test(url: str, model: str, clients: int, seconds: float, new: int, seed: int,
-                    lengths: list[int], warmup: float = 0.0) -> dict[str, Any]:
-    """One request alone (the first call: compilation, graphs), then `clients` clients for `warmup` seconds
-    (untimed: the servers' first batches of this load capture or compile their shapes), then for `seconds`."""
-    rng = random.Random(seed)
-    results: list[dict[str, Any]] = []
-    stop_at = 0.0
+async def _window(url: str, model: str, clients: int, seconds: float, new: int, rng: random.Random,
+                  lengths: list[int], into: list[dict[str, Any]]) -> None:
+    """`clients` clients sending requests back to back until `seconds` have passed (each ends its last one)."""
+    stop_at = time.monotonic() + seconds
 
-    async def client(http: httpx.AsyncClient, into: list[dict[str, Any]]) -> None:
-        while time.perf_counter() < stop_at:
+    async def client(http: httpx.AsyncClient) -> None:
+        while time.monotonic() < stop_at:
             words = rng.choice(lengths)  # mixed prompt lengths
             prompt = " ".join(rng.choice(WORDS) for _ in range(words))
             into.append(await one_request(http, model, prompt, new))
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        start = time.perf_counter()
-        await one_request(http, model, "warm up " * 8, new)  # first call: compilation, graphs
-        first_call = time.perf_counter() - start
-        if warmup > 0:
-            stop_at = time.perf_counter() + warmup
-            await asyncio.gather(*(client(http, []) for _ in range(clients)))
-        start = time.perf_counter()
-        stop_at = start + seconds
-        await asyncio.gather(*(client(http, results) for _ in range(clients)))
-        elapsed = time.perf_counter() - start
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+
+
+def _client_process(url: str, model: str, clients: int, seconds: float, new: int, seed: int, lengths: list[int],
+                    warmup: float, barrier: Any, results: Any) -> None:
+    """One client process: the warm-up window, then (once every process is through it) the timed window."""
+    rng = random.Random(seed)
+    barrier.wait()
+    if warmup > 0:
+        asyncio.run(_window(url, model, clients, warmup, new, rng, lengths, []))
+    barrier.wait()  # the timed window starts for every process once every warm-up request has ended
+    start, into = time.monotonic(), []
+    asyncio.run(_window(url, model, clients, seconds, new, rng, lengths, into))
+    results.put((start, time.monotonic(), into))
+
+
+def load_test(url: str, model: str, clients: int, seconds: float, new: int, seed: int, lengths: list[int],
+              warmup: float = 0.0, processes: int = 1) -> dict[str, Any]:
+    """One request alone (the first call: compilation, graphs), then `clients` clients for `warmup` seconds
+    (untimed: the servers' first batches of this load capture or compile their shapes), then for `seconds`.
+    The clients are spread over `processes` processes, so that reading thousands of streamed chunks a second
+    does not delay the clients' own clocks (one Python event loop per process)."""
+    async def first() -> float:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            start = time.monotonic()
+            await one_request(http, model, "warm up " * 8, new)  # first call: compilation, graphs
+            return time.monotonic() - start
+
+    first_call = asyncio.run(first())
+    processes = max(1, min(processes, clients))
+    context = multiprocessing.get_context("fork")  # this process holds no GPU context and runs no thread now
+    barrier, queue = context.Barrier(processes), context.Queue()
+    shares = [clients // processes + (i < clients % processes) for i in range(processes)]
+    workers = [context.Process(target=_client_process, args=(url, model, share, seconds, new, seed * 1000 + i,
+                                                             lengths, warmup, barrier, queue))
+               for i, share in enumerate(shares)]
+    for worker in workers:
+        worker.start()
+    parts: list[tuple[float, float, list[dict[str, Any]]]] = []
+    while len(parts) < len(workers):
+        try:
+            parts.append(queue.get(timeout=1.0))
+        except Empty:
+            failed = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            if failed:  # its traceback is above; the others would wait at the barrier forever
+                for worker in workers:
+                    worker.kill()
+                raise RuntimeError(f"a client process failed (exit code {failed[0]})") from None
+    for worker in workers:
+        worker.join()
+    results = [r for _, _, into in parts for r in into]
+    elapsed = max(end for _, end, _ in parts) - min(start for start, _, _ in parts)
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     tpots = sorted(r["tpot"] for r in results if r["tpot"] is not None)
     return {"clients": clients, "requests": len(results), "seconds": elapsed, "first_call_s": first_call,
-            "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
+            "client_processes": processes, "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
             "ttft_p50": _quantile(ttfts, 0.5), "ttft_p99": _quantile(ttfts, 0.99),
             "tpot_p50": _quantile(tpots, 0.5), "tpot_p99": _quantile(tpots, 0.99)}
 
@@ -167,6 +210,8 @@ def main() -> None:
     parser.add_argument("--rejoin-ms", type=float, default=100.0,
                         help="--rejoin-after-ms of the system devmap+rejoin (dynamic batches that stop for waiting "
                              "requests; add it to --systems; devmap-dynamic: dynamic batches that run whole)")
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="processes the clients are spread over (one event loop each)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
@@ -188,9 +233,9 @@ def main() -> None:
                 command, model = transformers_command(path, port), str(path)
             with server(command, port, system) as (url, cold):
                 for clients in counts:
-                    row = asyncio.run(load_test(url, model, clients, args.seconds, args.new, seed=clients,
-                                              lengths=[int(w) for w in args.prompt_words.split(",")],
-                                              warmup=args.warmup))
+                    row = load_test(url, model, clients, args.seconds, args.new, seed=clients,
+                                    lengths=[int(w) for w in args.prompt_words.split(",")], warmup=args.warmup,
+                                    processes=args.client_processes)
                     rows.setdefault(system, []).append({**row, "cold_start_s": cold})
                     if args.out and system.startswith("devmap"):  # batch sizes and first-token times as the server saw them
                         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from .text_stream import eos_ids, take_token
 from .registry import ResidentModel
 
 log = logging.getLogger("devmap.serving")
+SLOW_FIRST_TOKEN = 0.25  # seconds: a request slower than this to its first token is logged with its phases (debug)
 
 MIN_ROWS = 8  # rows of the smallest continuous batch: room for a few joiners at about one row's step time
 CACHE_BUCKET = 128  # cache lengths come in multiples of this, so a service sees few captured step shapes
@@ -102,17 +103,27 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
             chosen = []  # a little longer for more of them: one prefill for all (its cost hardly depends on rows)
         if chosen:
             engine.take(chosen)
+            for job in chosen:
+                admitted[id(job)] = (now, free)
             jobs.extend(chosen)
             metrics.joined.inc(len(chosen))
         metrics.running.set(rows - free + len(chosen))
         return [_request(job) for job in chosen]
 
     slowest = [0.0]  # the longest wait for a first token in this batch (debug log)
+    admitted: dict[int, tuple[float, int]] = {}  # id(job): when it was taken into the batch, rows free then
 
     def emit(job: Job, token: int) -> bool:
         if not job.finished and not job.cancelled.is_set():
             if not job.generated:
-                slowest[0] = max(slowest[0], time.perf_counter() - job.arrived)
+                now = time.perf_counter()
+                slowest[0] = max(slowest[0], now - job.arrived)
+                if now - job.arrived > SLOW_FIRST_TOKEN and log.isEnabledFor(logging.DEBUG):
+                    taken, free = admitted.get(id(job), (started, rows))
+                    log.debug("slow first token (%.0f ms): a %d-token prompt waited %.0f ms to join (%d rows free "
+                              "then; %.0f ms into the batch), then %.0f ms to its first token",
+                              1000 * (now - job.arrived), len(job.prompt_ids) + len(job.generated),
+                              1000 * (taken - job.arrived), free, 1000 * (taken - started), 1000 * (now - taken))
             take_token(job, token, resident, eos, metrics)
         return job.finished or job.cancelled.is_set()
 

@@ -255,3 +255,24 @@ def test_unseeded_sampling_runs_in_a_continuous_batch(registry):
     assert [d.finish_reason in ("stop", "length") for d in done] == [True] * 6
     assert all(d.completion_tokens <= 3 + i for i, d in enumerate(done))
     assert engine.metrics.joined._value.get() >= 1  # 6 requests, 4 rows: some joined a running batch
+
+
+def test_the_debug_log_says_where_a_slow_first_token_waited(registry, monkeypatch, caplog):
+    from devmap.serving import slots
+
+    monkeypatch.setattr(slots, "SLOW_FIRST_TOKEN", 0.0)  # every first token counts as slow
+    engine = Engine(registry)
+    engine.start()
+
+    async def ask() -> None:
+        job = engine.submit("tiny", [5, 6, 7, 8], GenerationParams(max_tokens=3, temperature=0))
+        async for _ in engine.stream(job):
+            pass
+
+    try:
+        with caplog.at_level("DEBUG", logger="devmap.serving"):
+            asyncio.run(ask())
+    finally:
+        engine.close(timeout=30)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow first token")]
+    assert lines and "a 4-token prompt waited" in lines[0] and "to its first token" in lines[0]
