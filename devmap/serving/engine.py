@@ -13,12 +13,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
 from ..generation.step_cache import keep_shapes
 from .errors import GenerationFailed, QueueFull, RequestTimeout, ServiceError, ShuttingDown
+from .gc_pauses import watch_gc_pauses
 from .metrics import ServiceMetrics
 from .jobs import Completion, GenerationParams, Job
 from .text_stream import eos_ids, finish_job, take_token
@@ -74,11 +75,13 @@ class Engine:
         self._count = threading.Lock()
         self._closing = threading.Event()
         self._worker: threading.Thread | None = None
+        self._unwatch_gc: Callable[[], None] = lambda: None  # set while the worker runs
         self._last_start = self._last_done = 0.0  # perf_counter when the last batch started and finished
         self._last_size = 0  # and how many requests it held
 
     def start(self) -> None:
         if self._worker is None:
+            self._unwatch_gc = watch_gc_pauses(observe=self.metrics.gc_pauses.observe)
             self._worker = threading.Thread(target=self._run, name="devmap-engine", daemon=True)
             self._worker.start()
 
@@ -88,6 +91,7 @@ class Engine:
         if self._worker is not None:
             self._worker.join(timeout)
             self._worker = None
+            self._unwatch_gc()
 
     # -- requests -----------------------------------------------------------------------------------------------
 

@@ -30,6 +30,9 @@ class ServiceMetrics:
                                "unfinished ones continuing in a later batch", registry=r)
         self.joined = Counter("devmap_joined_requests", "Requests that took a free row of a running batch "
                               "(continuous batching)", registry=r)
+        self.gc_pauses = Histogram("devmap_gc_pause_seconds", "Python garbage collections (each holds every thread, "
+                                   "the engine's too)", buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+                                   registry=r)
         self.models = Gauge("devmap_resident_models", "Models loaded", registry=r)
         self.device_memory = Gauge("devmap_device_memory_bytes", "Memory allocated by torch on each GPU",
                                    ["device"], registry=r)

@@ -276,3 +276,24 @@ def test_the_debug_log_says_where_a_slow_first_token_waited(registry, monkeypatc
         engine.close(timeout=30)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow first token")]
     assert lines and "a 4-token prompt waited" in lines[0] and "to its first token" in lines[0]
+
+
+def test_garbage_collections_are_timed_while_the_engine_runs(registry, caplog):
+    import gc
+
+    from devmap.serving import gc_pauses
+
+    engine = Engine(registry)
+    engine.start()
+    try:
+        with caplog.at_level("DEBUG", logger="devmap.serving"):
+            stop = gc_pauses.watch_gc_pauses(threshold=0.0)  # every collection logged
+            gc.collect()
+            stop()
+        gc.collect()
+        text = engine.metrics.render().decode()
+    finally:
+        engine.close(timeout=30)
+    assert any("garbage collector (generation 2) held every thread" in r.getMessage() for r in caplog.records)
+    count = next(line for line in text.splitlines() if line.startswith("devmap_gc_pause_seconds_count"))
+    assert float(count.split()[-1]) >= 2
