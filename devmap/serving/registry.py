@@ -106,6 +106,7 @@ class ModelRegistry:
             )
             with self._lock:
                 self._models[model_id] = resident
+            _freeze_survivors()
             return resident
 
     def remaining(self) -> dict[Any, int] | None:
@@ -140,7 +141,8 @@ class ModelRegistry:
                 self._models.pop(model_id, None)
             _free(resident.model)
         del resident
-        gc.collect()
+        gc.unfreeze()  # the model's objects were frozen at its load: cycles among them are garbage only now
+        _freeze_survivors()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -177,3 +179,11 @@ def _free(model: nn.Module) -> None:
             module._parameters[key] = None
         for key in list(module._buffers):
             module._buffers[key] = None
+
+
+def _freeze_survivors() -> None:
+    """Collect, then exclude every object alive now (models, their modules and tensors, the server's own) from
+    Python's later collections: a full collection otherwise walks them all, holding every thread (the engine's
+    issuing thread too) for ~0.3 s at 1B in the middle of a burst of requests (measured). Unload unfreezes."""
+    gc.collect()
+    gc.freeze()

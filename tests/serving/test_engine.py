@@ -297,3 +297,19 @@ def test_garbage_collections_are_timed_while_the_engine_runs(registry, caplog):
     assert any("garbage collector (generation 2) held every thread" in r.getMessage() for r in caplog.records)
     count = next(line for line in text.splitlines() if line.startswith("devmap_gc_pause_seconds_count"))
     assert float(count.split()[-1]) >= 2
+
+
+def test_an_unloaded_model_is_freed_though_loads_freeze_the_collector(model_root):
+    import gc
+    import weakref
+
+    registry = ModelRegistry(model_root, "auto", "cpu=2GB")
+    resident = registry.load(model_root / "tiny", model_id="frozen")
+    assert gc.get_freeze_count() > 0  # what was alive at the load is left out of later collections
+    model = weakref.ref(resident.model)
+    cycle = [resident.model]
+    cycle.append(cycle)  # held by a reference cycle too: only the collector can free it
+    gc.freeze()  # as the next load would: the cycle is frozen with the rest
+    del resident, cycle
+    registry.unload("frozen")
+    assert model() is None
