@@ -22,7 +22,7 @@ class GraphedStep:
     `static_in` is the buffer the step reads (token ids on stage 0, else the hidden state); fill it before
     each call. With `graph=True` the first call runs eagerly (it also warms up kernels and allocations),
     the second captures the step into `pool` and replays it, later calls only replay; a graph's output is
-    the same tensor each time, valid until the next replay.
+    the same tensor each time, valid until the next replay of any graph of its pool (`handed_on`).
     """
 
     def __init__(self, body: Callable[[torch.Tensor], torch.Tensor], static_in: torch.Tensor, graph: bool,
@@ -46,6 +46,15 @@ class GraphedStep:
             self.graph.replay()
             return self.static_out
         return self.body(self.static_in)
+
+    def handed_on(self, out: torch.Tensor, crosses: bool) -> torch.Tensor:
+        """This step's output `out`, made safe to go on to the next stage (`crosses`): a replayed graph's output is
+        copied first, on this stage's stream. The graphs of a device share one memory pool, so that output may be
+        another graph's scratch space: the next replay on this stream (another lane's step, with more lanes than
+        stages) can overwrite it while the copy to the next stage, on a side stream, still reads it. On two GPUs
+        before this copy the last of 3 lanes got other tokens in many calls (benchmarks/generate_race_probe.py);
+        continuous batches' joins already copied their outputs so."""
+        return out.clone() if crosses and self.graph is not None else out
 
     def _capture(self) -> bool:
         """Capture the step (nothing runs while capturing); False, and eager from now on, where it can't be."""

@@ -138,8 +138,8 @@ class LaneRunner:
         front = self.front_head(out)
         last = len(self.s.stages) - 1
         for k, lane in enumerate(self.lanes):
-            hidden = self.through(lane, caches=False) if entries is None else self.through_graphed(k, lane, entries,
-                                                                                                  cache)
+            hidden = self.through(lane, caches=False) if entries is None else self.through_graphed(
+                k, lane, entries, cache, leaves=front is not None)  # half of the last stage's output goes to the front
             cut = hidden.shape[0] // 2 if front is not None else 0
             with self.on(last) as compute:
                 self.s.head_into(hidden[cut:], out[lane.rows][cut:])
@@ -173,10 +173,10 @@ class LaneRunner:
             gather = self.streams.get("gather", pseudo, out.device) if out.is_cuda else None
             copy_into(out, logits, record_event(stream), pseudo, self.streams, gather)
 
-    def through_graphed(self, k: int, lane: Lane, entries: dict, cache: StepCache, caches: bool = False
-                        ) -> torch.Tensor:
+    def through_graphed(self, k: int, lane: Lane, entries: dict, cache: StepCache, caches: bool = False,
+                        leaves: bool = False) -> torch.Tensor:
         """`through` with every stage's prefill of this lane shape captured once and replayed after (writing
-        the lane's static KV caches when `caches`)."""
+        the lane's static KV caches when `caches`); `leaves`: the last stage's output is read on another stream."""
         rows, length = lane.ids.shape
         prompt = self.prompt(lane)
         position_ids, mask, ready = prompt["context"]["position_ids"], prompt["context"]["attention_mask"], \
@@ -194,7 +194,7 @@ class LaneRunner:
                 copy_into(static_positions, position_ids, ready, j, self.streams, compute)
                 if static_mask is not None:
                     copy_into(static_mask, mask, ready, j, self.streams, compute)
-                out = step()
+                out = step.handed_on(step(), leaves or j < len(self.s.stages) - 1)
                 event = record_event(compute)
         return out
 
@@ -320,7 +320,7 @@ class LaneRunner:
                     copy_into(lane.steps[j].static_in, out, event, j, self.streams, compute)
                 elif lane.token_ready is not None:
                     compute.wait_event(lane.token_ready)
-                out = lane.steps[j]()
+                out = lane.steps[j].handed_on(lane.steps[j](), j < len(self.s.stages) - 1)
                 event = record_event(compute)
         return out
 

@@ -254,3 +254,15 @@ def test_keep_shapes_replays_alternating_shapes(model, monkeypatch):
     finally:
         release_graphs(model)
         model.__dict__.pop("_devmap_keep_shapes", None)
+
+
+def test_a_replayed_graphs_output_is_copied_before_it_leaves_its_stream():
+    from devmap.generation.graphed_step import GraphedStep
+
+    step = GraphedStep(lambda x: x + 1, torch.zeros(2, 3), graph=False)
+    out = step()
+    assert step.handed_on(out, crosses=True) is out  # an eager step's output is its own allocation
+    step.graph = object()  # as after a capture: the output lives in the pool the device's graphs share
+    moved = step.handed_on(out, crosses=True)
+    assert moved is not out and moved.data_ptr() != out.data_ptr() and torch.equal(moved, out)
+    assert step.handed_on(out, crosses=False) is out  # read on its own stream only: no copy
