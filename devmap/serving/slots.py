@@ -118,8 +118,8 @@ def serve_continuous(engine: Any, resident: ResidentModel, jobs: list[Job]) -> l
             if not job.generated:
                 now = time.perf_counter()
                 slowest[0] = max(slowest[0], now - job.arrived)
+                taken, free = admitted.pop(id(job), (started, rows))  # its first token: no longer needed
                 if now - job.arrived > SLOW_FIRST_TOKEN and log.isEnabledFor(logging.DEBUG):
-                    taken, free = admitted.get(id(job), (started, rows))
                     log.debug("slow first token (%.0f ms): a %d-token prompt waited %.0f ms to join (%d rows free "
                               "then; %.0f ms into the batch), then %.0f ms to its first token",
                               1000 * (now - job.arrived), len(job.prompt_ids) + len(job.generated),
