@@ -40,6 +40,10 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
+        if _EXPORTS[name] != "devmap.errors":
+            from .releases import require_supported
+
+            require_supported()  # a library outside its tested range: one clear error before any work
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value

@@ -81,3 +81,7 @@ def _fail(message: str, code: int, debug: bool) -> None:
 @click.version_option(package_name="devmap")
 def main(debug: bool) -> None:
     """Spread one PyTorch model over the GPUs of a machine, and make them work together."""
+    if click.get_current_context().invoked_subcommand != "env":  # env shows every release, then refuses the same way
+        from devmap.releases import require_supported
+
+        require_supported()

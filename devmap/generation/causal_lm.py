@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
+from ..compat import (attention_implementation, cache_keyword, call_decoder_layer, device_hooks_bypassed,
+                      hook_execution_device, own_forward, transformers_causal_mask)
 from ..errors import PipelineError, UsageError
+from .masks import prompt_mask
 
 # model types whose base model's forward is LLaMA's glue (embed, one rotary, causal mask, layers, norm): the glue
 # redone here is theirs. Others (Gemma scales its embeddings, for one) would come out silently wrong: refused.
@@ -32,30 +33,10 @@ class LMStage:
     layers: list[nn.Module]
 
 
-def _unhooked(module: nn.Module) -> Any:
-    """The module's own forward, past accelerate's AlignDevicesHook (which re-checks every argument's device on
-    every call: it doubled the cost of a decode step). Safe because offloaded models are refused."""
-    if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward"):
-        return module._old_forward
-    return module
-
-
-def _only_moves_arguments(hook: Any) -> bool:
-    """The hook (or every hook of a SequentialHook) is accelerate's AlignDevicesHook without offload: skipping it
-    changes nothing for arguments that already are on the module's device."""
-    try:
-        from accelerate.hooks import AlignDevicesHook
-    except ImportError:  # pragma: no cover - accelerate is a dependency
-        return False
-    hooks = getattr(hook, "hooks", None) or [hook]
-    return all(isinstance(h, AlignDevicesHook) and not h.offload for h in hooks)
-
-
 def _device_of(module: nn.Module) -> torch.device:
-    hook = getattr(module, "_hf_hook", None)
-    execution = getattr(hook, "execution_device", None)
+    execution = hook_execution_device(module)
     if execution is not None:  # accelerate offloads: the hook's device is where it runs
-        return torch.device(execution if not isinstance(execution, int) else f"cuda:{execution}")
+        return execution
     param = next(module.parameters(), None)
     if param is None or param.device.type == "meta":
         raise PipelineError("the model has offloaded or unloaded weights; load it onto devices first")
@@ -98,35 +79,17 @@ class CausalLMStages:
         self.head_device = _device_of(model.lm_head)
         # tied embeddings put lm_head with embed_tokens (the first GPU), the final norm stays after the last layer
         self.norm_device = _device_of(base.norm)
-        self._mask_args = _mask_arguments()
+        self.cache_keyword = cache_keyword(base.layers[0])
         self._rotary: dict[torch.device, nn.Module] = {}
         for device in {*self.devices, self.embed_device}:  # copied here, not inside a compiled step
             self._rotary[device] = module_on(self.base.rotary_emb, device)
 
     @contextlib.contextmanager
     def hooks_bypassed(self) -> Iterator[None]:
-        """accelerate's device hooks taken off the model's modules for one call, put back after (also on error).
-
-        A loaded model carries an AlignDevicesHook on every module that has weights; each one moves the
-        arguments again (the stages already did) and is `torch.compiler.disable`d, which broke every compiled
-        stage step into one graph per module. Hooks that bring offloaded weights in are left alone (such
-        models are refused anyway)."""
-        swapped = []
-        for module in self.model.modules():
-            hook = getattr(module, "_hf_hook", None)
-            hooked = module.__dict__.get("forward")
-            own = getattr(module, "_old_forward", None)
-            if module is self.model or hook is None or hooked is None or own is None or hooked is own:
-                continue
-            if not _only_moves_arguments(hook):
-                continue
-            swapped.append((module, hooked))
-            module.forward = own
-        try:
+        """accelerate's device hooks taken off the model's modules for one call (the stages move the arguments
+        themselves), put back after, also on error."""
+        with device_hooks_bypassed(self.model):
             yield
-        finally:
-            for module, hooked in swapped:
-                module.forward = hooked
 
     @property
     def devices(self) -> list[torch.device]:
@@ -156,33 +119,27 @@ class CausalLMStages:
         return indices, kv_heads, head_dim
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return _unhooked(self.base.embed_tokens)(input_ids.to(self.embed_device))
+        return own_forward(self.base.embed_tokens)(input_ids.to(self.embed_device))
 
     def prompt_context(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                        like: torch.Tensor) -> dict[str, Any]:
-        """transformers' causal mask for a whole prompt (no cache before it; None where attention can use its
-        causal fast path) with the position ids; `like` gives batch, length, dtype and device."""
-        # without a mask, transformers looks for packed sequences in the position ids (a host read of a device
-        # tensor); positions made from an attention mask are never packed
-        args: dict[str, Any] = {"config": self.config, "attention_mask": attention_mask, "past_key_values": None,
-                                "position_ids": position_ids if attention_mask is not None else None}
-        args["inputs_embeds" if "inputs_embeds" in self._mask_args else "input_embeds"] = like
-        extra = self.cache_position(like.shape[1], like.device)
-        args = {k: v for k, v in {**args, **extra}.items() if k in self._mask_args}
-        mask = _create_causal_mask()(**args)
-        return {"attention_mask": mask, "position_ids": position_ids, **extra}
-
-    def cache_position(self, length: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """{"cache_position": 0..length-1} for transformers releases whose mask code still takes it, else {}."""
-        if "cache_position" not in self._mask_args:
-            return {}
-        return {"cache_position": torch.arange(length, device=device)}
+        """The causal mask of a whole prompt (no cache before it) with its position ids; `attention_mask` is None
+        when no row is padded, and `like` gives batch, length, dtype and device. sdpa and eager masks are devmap's
+        own (no host reads); other attention implementations get transformers' mask code."""
+        implementation = attention_implementation(self.config)
+        rows, length = like.shape[0], like.shape[1]
+        if implementation in ("sdpa", "eager"):
+            float_dtype = like.dtype if implementation == "eager" else None
+            mask = prompt_mask(attention_mask, rows, length, like.device, float_dtype)
+        else:
+            mask = transformers_causal_mask(self.config, like, attention_mask,
+                                            position_ids if attention_mask is not None else None)
+        return {"attention_mask": mask, "position_ids": position_ids}
 
     def run(self, stage: int, hidden: torch.Tensor, context: dict[str, Any], cache: Any) -> torch.Tensor:
         """Stage `stage`'s decoder layers; `context` tensors must already be on the stage's device."""
         for layer in self.stages[stage].layers:
-            out = _unhooked(layer)(hidden, past_key_values=cache, use_cache=cache is not None, **context)
-            hidden = out[0] if isinstance(out, tuple) else out
+            hidden = call_decoder_layer(layer, hidden, cache, context, self.cache_keyword)
         return hidden
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +152,7 @@ class CausalLMStages:
 
     def float_mask_dtype(self) -> torch.dtype | None:
         """The decode mask's form for this model's attention: booleans for sdpa, additive floats for eager."""
-        implementation = getattr(self.config, "_attn_implementation", None) or "eager"
+        implementation = attention_implementation(self.config)
         if implementation == "sdpa":
             return None
         if implementation == "eager":
@@ -222,7 +179,7 @@ class CausalLMStages:
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head (logits in the model's dtype, as transformers returns them)."""
-        return _unhooked(self.model.lm_head)(self.final_norm(hidden))
+        return own_forward(self.model.lm_head)(self.final_norm(hidden))
 
     def head_is_on(self, device: torch.device) -> bool:
         """The final norm and lm_head both live on `device` (a step ending in the head never changes device)."""
@@ -230,7 +187,7 @@ class CausalLMStages:
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm on its own device, its output on the head's."""
-        return _unhooked(self.base.norm)(hidden.to(self.norm_device)).to(self.head_device)
+        return own_forward(self.base.norm)(hidden.to(self.norm_device)).to(self.head_device)
 
     def head_into(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
         """`head(hidden)` written straight into `out` (a slice of the batch's logits: no concatenation after)."""
@@ -271,17 +228,6 @@ def module_on(module: nn.Module, device: torch.device) -> nn.Module:
 def project_into(normed: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
     """out = normed @ weight.T, written in place into a contiguous `out` (rows × ... × vocab)."""
     torch.mm(normed.reshape(-1, normed.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
-
-
-@functools.lru_cache(maxsize=1)
-def _mask_arguments() -> frozenset[str]:
-    return frozenset(inspect.signature(_create_causal_mask()).parameters)
-
-
-def _create_causal_mask():  # type: ignore[no-untyped-def]
-    from transformers.masking_utils import create_causal_mask
-
-    return create_causal_mask
 
 
 def positions(attention_mask: torch.Tensor, length: int) -> torch.Tensor:

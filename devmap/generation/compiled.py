@@ -11,10 +11,11 @@ fresh process compile faster the second time.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Callable
 
 import torch
+
+from ..compat import raise_recompile_limit
 
 BACKEND = "inductor"  # tests on CPU swap in "aot_eager": the same tracing and guards, no C++ compiler needed
 RECOMPILE_LIMIT = 64  # a stage step has one entry per (stage, lane shape, kind); torch's default of 8 is too few
@@ -22,26 +23,6 @@ RECOMPILE_LIMIT = 64  # a stage step has one entry per (stage, lane shape, kind)
 
 def compile_step(body: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """`body` compiled for fixed shapes (no dynamic dimensions: every lane keeps its shape for the whole call)."""
-    _raise_recompile_limit()
+    raise_recompile_limit(RECOMPILE_LIMIT)
     return torch.compile(body, backend=BACKEND, dynamic=False, fullgraph=False)
 
-
-@contextlib.contextmanager
-def no_recompiles() -> Iterator[None]:
-    """While capturing a CUDA graph: a compiled step whose guards fail raises instead of compiling (compiling
-    launches and synchronizes work, which a capture cannot hold)."""
-    set_stance: Any = getattr(torch.compiler, "set_stance", None)
-    if set_stance is None:
-        yield
-        return
-    with set_stance("fail_on_recompile"):
-        yield
-
-
-def _raise_recompile_limit() -> None:
-    config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.6; older releases use the second
-        if hasattr(config, name):
-            if getattr(config, name) < RECOMPILE_LIMIT:
-                setattr(config, name, RECOMPILE_LIMIT)
-            return

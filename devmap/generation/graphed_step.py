@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .compiled import no_recompiles
+from ..compat import begin_capture, fail_on_recompile
 
 
 class GraphedStep:
@@ -62,11 +62,8 @@ class GraphedStep:
         side = self.capture_stream or torch.cuda.Stream(self.static_in.device)
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        # capture_begin/end rather than torch.cuda.graph(): that one synchronizes the device, collects garbage
-        # and empties the allocator's cache on entry, once per captured step. "thread_local": another thread's
-        # CUDA calls (a service loading a model while a batch captures) do not invalidate this capture
-        with torch.cuda.stream(side), no_recompiles():
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        with torch.cuda.stream(side), fail_on_recompile():
+            begin_capture(graph, self.pool)
             try:
                 out = self.body(self.static_in)
             except Exception as exc:  # not capturable: end the capture, stay eager

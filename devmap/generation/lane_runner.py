@@ -83,8 +83,9 @@ class LaneRunner:
             yield stream
 
     def prompts(self) -> None:
-        """The causal mask and position ids of every lane with padding, before any lane's work is issued:
-        transformers' mask code reads padding on the host, which would stall the pipeline once per lane."""
+        """The causal mask and position ids of every lane with padding, made before any lane's work is issued
+        (attention implementations other than sdpa and eager use transformers' mask code, which reads padding on the
+        host: that would stall the pipeline once per lane)."""
         for lane in self.lanes:
             if lane.padded:
                 self.prompt(lane)
@@ -210,11 +211,10 @@ class LaneRunner:
             static_in = torch.zeros(rows, length, self.s.config.hidden_size, dtype=self.s.dtype, device=device)
         static_positions = torch.zeros(rows, length, dtype=torch.long, device=device)
         static_mask = None if mask is None else torch.zeros(mask.shape, dtype=mask.dtype, device=device)
-        extra = self.s.cache_position(length, device)
 
         def body(x: torch.Tensor) -> torch.Tensor:
             hidden = self.s.embed(x).to(device) if j == 0 else x
-            context = {**extra, "attention_mask": static_mask, "position_ids": static_positions,
+            context = {"attention_mask": static_mask, "position_ids": static_positions,
                        "position_embeddings": self.s.rotary(hidden, static_positions)}
             return self.s.run(j, hidden, context, lane_cache)
 

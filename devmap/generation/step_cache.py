@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import graph_pool
+
 _ATTRIBUTE = "_devmap_steps"
 
 
@@ -55,7 +57,7 @@ class StepCache:
         if device.type != "cuda":
             return None
         if device not in self.pools:
-            self.pools[device] = torch.cuda.graph_pool_handle()
+            self.pools[device] = graph_pool()
         return self.pools[device]
 
 

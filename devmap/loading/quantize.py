@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..compat import stored_tensors, torchao_int8_rows
 from ..errors import UsageError
 from ..planning.planner import Plan, owner_of
 from ..planning.quantization import INT4_GROUP, NF4_BLOCK, Quantization
@@ -110,7 +111,7 @@ def quantize_linears(model: nn.Module, layer_names: list[str], quantization: Qua
 
         config = torchao_config(quantization)
         if quantization.scheme == "int8":
-            _torchao_int8([model.get_submodule(name) for name in layer_names], config)
+            torchao_int8_rows([model.get_submodule(name) for name in layer_names], config)
             return
         for name in layer_names:
             quantize_(model.get_submodule(name), config)
@@ -118,29 +119,6 @@ def quantize_linears(model: nn.Module, layer_names: list[str], quantization: Qua
     for name in layer_names:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, _bitsandbytes_linear(model.get_submodule(name), quantization))
-
-
-def _torchao_int8(layers: list[nn.Module], config: Any) -> None:
-    """What `quantize_(layer, Int8WeightOnlyConfig())` does to each Linear, with one `Int8Tensor.from_hp` per weight
-    shape of the block instead of one `quantize_` per Linear: rows are quantized independently, so the int8 data
-    and scales are the same, and the host time drops (quantize_ costs about a millisecond of Python per Linear,
-    which is what bounded an int8 7B load)."""
-    from torchao.quantization import Int8Tensor
-    from torchao.quantization.utils import recommended_inductor_config_setter
-
-    if config.set_inductor_config:
-        recommended_inductor_config_setter()
-    groups: dict[tuple, list[nn.Module]] = {}
-    for layer in layers:
-        weight = layer.weight
-        groups.setdefault((tuple(weight.shape), weight.dtype, weight.device), []).append(layer)
-    for same in groups.values():
-        stacked = Int8Tensor.from_hp(torch.stack([layer.weight.detach() for layer in same]), config.granularity)
-        for i, layer in enumerate(same):
-            zero = None if stacked.zero_point is None else stacked.zero_point[i].clone()
-            weight = Int8Tensor(stacked.qdata[i].clone(), stacked.scale[i].clone(), list(stacked.block_size[1:]),
-                                stacked.dtype, zero_point=zero)
-            layer.weight = nn.Parameter(weight, requires_grad=False)
 
 
 def torchao_config(quantization: Quantization) -> Any:
@@ -189,22 +167,6 @@ def _bitsandbytes_linear(layer: nn.Linear, quantization: Quantization) -> nn.Mod
     if bias:
         new.bias = nn.Parameter(layer.bias.data, requires_grad=False)
     return new.to(device)
-
-
-def stored_tensors(param: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors a (possibly quantized) parameter is stored as: torchao's inner tensors, or bitsandbytes'
-    data with its scales (4-bit absmax, int8 row scales)."""
-    names = getattr(param, "tensor_data_names", None)  # torchao's tensor subclasses
-    if names:
-        return [getattr(param, n) for n in names]
-    out = [param.data]
-    state = getattr(param, "quant_state", None)
-    if state is not None:
-        out.append(state.absmax)
-    scb = getattr(param, "SCB", None)
-    if isinstance(scb, torch.Tensor):
-        out.append(scb)
-    return out
 
 
 def quantized_nbytes(module: nn.Module) -> int:

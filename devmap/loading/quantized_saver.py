@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..compat import torchao_flat_state_dict
 from ..errors import UsageError
 from .quantize import transformers_config
 
@@ -28,9 +29,7 @@ def quantized_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     if plan.quantization.library == "torchao":
-        from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
-
-        tensors, metadata = flatten_tensor_state_dict(state)
+        tensors, metadata = torchao_flat_state_dict(state)
     else:
         tensors, metadata = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, {}
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..compat import foreach_add_, foreach_copies, foreach_zero_
 from ..errors import PipelineError
 
 
@@ -29,7 +30,7 @@ class GradSums:
     def add_into(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """sums[param] += grad for each pair (inside a captured graph: one fused launch per group)."""
         if pairs:
-            torch._foreach_add_([self.sums[self.index[id(p)]] for p, _ in pairs], [g for _, g in pairs])
+            foreach_add_([self.sums[self.index[id(p)]] for p, _ in pairs], [g for _, g in pairs])
 
     def check_live(self, generation: int) -> None:
         if generation != self.generation:
@@ -50,7 +51,7 @@ class _PassGate(torch.autograd.Function):
     def forward(ctx: Any, sums: GradSums, graphs: list, generation: int, device: torch.device,
                 *params: torch.Tensor) -> torch.Tensor:
         if sums.sums:
-            torch._foreach_zero_(sums.sums)
+            foreach_zero_(sums.sums)
         ctx.sums, ctx.graphs, ctx.generation = sums, graphs, generation
         return torch.empty(0, device=device)
 
@@ -64,4 +65,4 @@ class _PassGate(torch.autograd.Function):
             return (None, None, None, None)
         # autograd gets its own copy, made in one fused launch (not one clone per parameter): .grad never aliases
         # the sums that the next pass zeroes
-        return (None, None, None, None, *torch._foreach_mul(sums, 1.0))
+        return (None, None, None, None, *foreach_copies(sums))

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..compat import graph_pool
 from ..errors import PipelineError
 from .grad_sums import GradSums
 from .weight_grads import CallRecorder, close, deferrable, deferred_parameters, input_half, split_grads, weight_grads
@@ -39,7 +40,7 @@ class StageGraph:
         self.static_in = sample.detach().clone().requires_grad_(self.input_requires_grad)
         self.wgt: torch.cuda.CUDAGraph | None = None
         saved = [b.detach().clone() for b in module.buffers()]  # warm-up and capture must not change BN stats
-        pool = torch.cuda.graph_pool_handle()
+        pool = graph_pool()
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         recorder = CallRecorder(module)

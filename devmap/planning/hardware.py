@@ -7,12 +7,12 @@ import os
 import platform
 import threading
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from typing import Any
 
 import torch
 
-_PACKAGES = ("torch", "torchvision", "transformers", "accelerate", "safetensors", "click")
+from ..releases import releases
+
 
 
 @dataclass
@@ -38,6 +38,7 @@ class Environment:
     python: str
     versions: dict[str, str | None]
     cuda: str | None
+    releases: list[dict[str, Any]] = field(default_factory=list)  # each library against its tested range
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -87,13 +88,6 @@ def host_memory() -> tuple[int, int]:
         return total, total
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def describe_environment() -> Environment:
     """Probe GPUs (name, memory, peer access between each pair), host memory and package versions."""
     gpus = []
@@ -108,6 +102,7 @@ def describe_environment() -> Environment:
         if a != b
     }
     available, total = host_memory()
+    found = releases()
     notes = [] if gpus else ["no CUDA GPU is visible: plan with --gpus N --gpu-memory SIZE to simulate GPUs"]
     return Environment(
         gpus=gpus,
@@ -116,7 +111,9 @@ def describe_environment() -> Environment:
         cpu_available_bytes=available,
         cpu_count=os.cpu_count() or 1,
         python=platform.python_version(),
-        versions={name: _version(name) for name in _PACKAGES},
+        versions={r.package: r.version for r in found},
         cuda=torch.version.cuda,
+        releases=[{"package": r.package, "version": r.version, "tested": r.tested, "supported": r.supported}
+                  for r in found],
         notes=notes,
     )

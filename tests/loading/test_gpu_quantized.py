@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import devmap
-from devmap.loading.quantize import quantized_nbytes, stored_tensors
+from devmap.compat import stored_tensors
+from devmap.loading.quantize import quantized_nbytes
 from devmap.testing import assert_same_greedy_tokens, require_gpus
 
 pytestmark = require_gpus(2)

@@ -96,7 +96,8 @@ def test_same_weights_and_tokens_as_transformers_with_torchao(tiny, int8_model):
     checkpoint: the same stored int8 weights and scales, the same greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    from devmap.loading.quantize import stored_tensors, transformers_config
+    from devmap.compat import stored_tensors
+    from devmap.loading.quantize import transformers_config
 
     config = transformers_config(int8_model.devmap_plan.quantization, torch.bfloat16)
     theirs = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=config, dtype=torch.bfloat16,
@@ -118,7 +119,7 @@ def test_saved_quantized_checkpoint_is_read_back_by_transformers(tiny, int8_mode
     (it quantizes full-precision checkpoints itself) with a reason."""
     from transformers import AutoModelForCausalLM
 
-    from devmap.loading.quantize import stored_tensors
+    from devmap.compat import stored_tensors
 
     out = tmp_path / "int8"
     result = CliRunner().invoke(main, ["save", "llama-tiny", str(out), "--weights", str(tiny / "model.safetensors"),

@@ -1,0 +1,216 @@
+"""Every use of another library's private or version-dependent API, in one place, each with the releases it was
+checked on. Nothing else in devmap touches these; `tests/test_compat.py` checks each one against the installed
+releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
+
+| touchpoint | library | why devmap needs it | checked on |
+|---|---|---|---|
+| `call_decoder_layer`: the cache keyword of a decoder layer (`past_key_values`, renamed `cache`) | transformers | stages run the layers one run at a time with devmap's KV caches | 5.17, 5.24 |
+| `transformers_causal_mask`: `masking_utils.create_causal_mask` | transformers | prompt masks for attention kinds other than sdpa/eager (devmap builds those itself: `devmap.generation.masks`) | 5.17, 5.24 |
+| `attention_implementation`: `config._attn_implementation` | transformers | the decode mask's form (booleans for sdpa, floats for eager) | 5.17, 5.24 |
+| `own_forward`, `hook_execution_device`, `device_hooks_bypassed`: `_hf_hook`, `_old_forward`, `AlignDevicesHook` | accelerate | a placed model's device hooks re-check every argument (2x a decode step) and break compiled steps | 1.15 |
+| `raise_recompile_limit`: `torch._dynamo.config.recompile_limit` | torch | one compiled entry per stage, lane shape and kind | 2.11, 2.14 |
+| `fail_on_recompile`: `torch.compiler.set_stance` | torch | a CUDA-graph capture must never compile | 2.11, 2.14 |
+| `graph_pool`, `begin_capture`: `graph_pool_handle`, `CUDAGraph.capture_begin(capture_error_mode=)` | torch | steps of one stream share a pool; captures don't sync the device | 2.11, 2.14 |
+| `gpu_sleep`: `torch.cuda._sleep` | torch | DEVMAP_STREAM_CHECK's delays on hand-off streams | 2.11, 2.14 |
+| `foreach_add_`, `foreach_zero_`, `foreach_copies`: `torch._foreach_*` | torch | gradient sums in one fused launch per group | 2.11, 2.14 |
+| `torchao_int8_rows`, `torchao_flat_state_dict`: `Int8Tensor` fields, `flatten_tensor_state_dict` | torchao | int8 per weight shape (2.5x less host time than `quantize_` per Linear); pre-quantized saves | 0.18 |
+| `stored_tensors`: `tensor_data_names`, `quant_state.absmax`, `SCB` | torchao, bitsandbytes | what a quantized weight stores, for plans and saves | torchao 0.18, bitsandbytes 0.50 |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .releases import require_supported
+
+require_supported()  # what follows was checked on the releases of devmap.releases.SUPPORTED only
+
+# --- transformers -------------------------------------------------------------------------------------------------
+
+
+def cache_keyword(layer: nn.Module) -> str:
+    """The keyword a decoder layer takes its KV cache by: `cache` from transformers 5.2x on, `past_key_values`
+    before (5.2x still accepts the old name, with a deprecation warning per call). Read once per model, outside any
+    compiled step."""
+    parameters = inspect.signature(type(layer).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def call_decoder_layer(layer: nn.Module, hidden: torch.Tensor, cache: Any, context: dict[str, Any],
+                       keyword: str) -> torch.Tensor:
+    """One decoder layer over `hidden` with `cache` (None: no cache, else passed by `keyword`, from `cache_keyword`)
+    and the step's mask, positions and rotary embeddings in `context`; its hidden state out."""
+    out = own_forward(layer)(hidden, **{keyword: cache}, use_cache=cache is not None, **context)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def transformers_causal_mask(config: Any, like: torch.Tensor, attention_mask: torch.Tensor | None,
+                             position_ids: torch.Tensor | None) -> Any:
+    """transformers' own causal mask for a whole prompt with no cache before it, in the form `config`'s attention
+    implementation takes. The first four arguments are passed by position: the fourth (the cache) was renamed from
+    `past_key_values` to `cache` in 5.2x."""
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask(config, like, attention_mask, None, position_ids=position_ids)
+
+
+def attention_implementation(config: Any) -> str:
+    """The attention implementation the model was loaded with ('sdpa', 'eager', 'flash_attention_2', ...)."""
+    return getattr(config, "_attn_implementation", None) or "eager"
+
+
+# --- accelerate ---------------------------------------------------------------------------------------------------
+
+
+def own_forward(module: nn.Module) -> Any:
+    """The module's own forward, past accelerate's AlignDevicesHook (which re-checks every argument's device on
+    every call: it doubled the cost of a decode step). Callers only pass arguments already on the right device."""
+    if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward"):
+        return module._old_forward
+    return module
+
+
+def hook_execution_device(module: nn.Module) -> torch.device | None:
+    """Where accelerate's hook runs the module (its execution device when weights are offloaded), or None."""
+    execution = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if execution is None:
+        return None
+    return torch.device(f"cuda:{execution}" if isinstance(execution, int) else execution)
+
+
+def _only_moves_arguments(hook: Any) -> bool:
+    """The hook (or every hook of a SequentialHook) is an AlignDevicesHook without offload: skipping it changes
+    nothing for arguments that already are on the module's device."""
+    from accelerate.hooks import AlignDevicesHook
+
+    hooks = getattr(hook, "hooks", None) or [hook]
+    return all(isinstance(h, AlignDevicesHook) and not h.offload for h in hooks)
+
+
+@contextlib.contextmanager
+def device_hooks_bypassed(model: nn.Module) -> Iterator[None]:
+    """accelerate's device hooks taken off `model`'s submodules for one call, put back after (also on error).
+
+    A loaded model carries an AlignDevicesHook on every module that has weights; each one moves the arguments again
+    and is `torch.compiler.disable`d, which broke every compiled stage step into one graph per module. Hooks that
+    bring offloaded weights in are left alone."""
+    swapped = []
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        hooked = module.__dict__.get("forward")
+        own = getattr(module, "_old_forward", None)
+        if module is model or hook is None or hooked is None or own is None or hooked is own:
+            continue
+        if not _only_moves_arguments(hook):
+            continue
+        swapped.append((module, hooked))
+        module.forward = own
+    try:
+        yield
+    finally:
+        for module, hooked in swapped:
+            module.forward = hooked
+
+
+# --- torch --------------------------------------------------------------------------------------------------------
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """Let dynamo keep at least `limit` compiled entries per function (its default of 8 is too few for one entry per
+    stage, lane shape and kind of step)."""
+    config = torch._dynamo.config
+    if config.recompile_limit < limit:
+        config.recompile_limit = limit
+
+
+@contextlib.contextmanager
+def fail_on_recompile() -> Iterator[None]:
+    """A compiled function whose guards fail raises instead of compiling (compiling launches and synchronizes work,
+    which a CUDA-graph capture cannot hold)."""
+    with torch.compiler.set_stance("fail_on_recompile"):
+        yield
+
+
+def graph_pool() -> Any:
+    """A new memory pool for CUDA graphs to share."""
+    return torch.cuda.graph_pool_handle()
+
+
+def begin_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
+    """Start capturing into `graph` on the current stream (into `pool`). Unlike `torch.cuda.graph()`, nothing
+    synchronizes the device, collects garbage or empties the allocator first; "thread_local": another thread's CUDA
+    calls (a service loading a model while a batch captures) do not invalidate the capture."""
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+
+
+def gpu_sleep(cycles: int) -> None:
+    """Keep the current stream busy for about `cycles` GPU clock cycles (a delay that changes no data)."""
+    torch.cuda._sleep(cycles)
+
+
+def foreach_add_(targets: list[torch.Tensor], addends: list[torch.Tensor]) -> None:
+    """targets[i] += addends[i], in one fused launch per group of tensors."""
+    torch._foreach_add_(targets, addends)
+
+
+def foreach_zero_(tensors: list[torch.Tensor]) -> None:
+    torch._foreach_zero_(tensors)
+
+
+def foreach_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """New copies of `tensors`, made in one fused launch per group (not one clone each)."""
+    return list(torch._foreach_mul(tensors, 1.0))
+
+
+# --- torchao and bitsandbytes -------------------------------------------------------------------------------------
+
+
+def torchao_int8_rows(layers: list[nn.Module], config: Any) -> None:
+    """What `quantize_(layer, Int8WeightOnlyConfig())` does to each Linear, with one `Int8Tensor.from_hp` per weight
+    shape instead of one `quantize_` per Linear: rows are quantized independently, so the int8 data and scales are
+    the same, and the host time drops (quantize_ costs about a millisecond of Python per Linear)."""
+    from torchao.quantization import Int8Tensor
+    from torchao.quantization.utils import recommended_inductor_config_setter
+
+    if config.set_inductor_config:
+        recommended_inductor_config_setter()
+    groups: dict[tuple, list[nn.Module]] = {}
+    for layer in layers:
+        weight = layer.weight
+        groups.setdefault((tuple(weight.shape), weight.dtype, weight.device), []).append(layer)
+    for same in groups.values():
+        stacked = Int8Tensor.from_hp(torch.stack([layer.weight.detach() for layer in same]), config.granularity)
+        for i, layer in enumerate(same):
+            zero = None if stacked.zero_point is None else stacked.zero_point[i].clone()
+            weight = Int8Tensor(stacked.qdata[i].clone(), stacked.scale[i].clone(), list(stacked.block_size[1:]),
+                                stacked.dtype, zero_point=zero)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def torchao_flat_state_dict(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """torchao's flattening of its tensor subclasses into plain tensors plus safetensors metadata, as transformers'
+    `from_pretrained` reads them back."""
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    return flatten_tensor_state_dict(state)
+
+
+def stored_tensors(param: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a (possibly quantized) parameter is stored as: torchao's inner tensors, or bitsandbytes'
+    data with its scales (4-bit absmax, int8 row scales)."""
+    names = getattr(param, "tensor_data_names", None)  # torchao's tensor subclasses
+    if names:
+        return [getattr(param, n) for n in names]
+    out = [param.data]
+    state = getattr(param, "quant_state", None)
+    if state is not None:
+        out.append(state.absmax)
+    scb = getattr(param, "SCB", None)
+    if isinstance(scb, torch.Tensor):
+        out.append(scb)
+    return out

@@ -1,0 +1,129 @@
+"""Each touchpoint of devmap.compat against the installed releases (CI runs this at both ends of the range)."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from devmap import compat
+from devmap.generation.lane_cache import LaneCache
+
+CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval()
+
+
+def test_the_cache_reaches_attention_by_the_layer_s_keyword(llama):
+    # transformers renamed the decoder layer's `past_key_values` to `cache`: a cache passed under the wrong name
+    # vanished into **kwargs, and generation read keys it had never written
+    layer = llama.model.layers[0]
+    keyword = compat.cache_keyword(layer)
+    assert keyword in ("cache", "past_key_values")
+    cache = LaneCache(rows=1, max_len=8, device=torch.device("cpu"))
+    hidden = torch.randn(1, 3, CONFIG["hidden_size"])
+    positions = torch.arange(3)[None]
+    context = {"attention_mask": None, "position_ids": positions,
+               "position_embeddings": llama.model.rotary_emb(hidden, positions)}
+    with torch.no_grad():
+        out = compat.call_decoder_layer(layer, hidden, cache, context, keyword)
+    assert out.shape == hidden.shape
+    assert cache.keys[layer.self_attn.layer_idx][:, :, :3].abs().sum() > 0  # the prompt's keys were written
+
+
+def test_transformers_mask_is_built_for_a_prompt(llama):
+    like = torch.empty(2, 5, 0)
+    padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    positions = (padding.cumsum(-1) - 1).clamp(min=0)
+    mask = compat.transformers_causal_mask(llama.config, like, padding, positions)
+    assert mask.shape == (2, 1, 5, 5) and mask.dtype == torch.bool
+
+
+def test_attention_implementation_is_read_from_the_config(llama):
+    assert compat.attention_implementation(llama.config) == "sdpa"
+
+
+def test_accelerate_hooks_are_bypassed_and_put_back(llama):
+    from accelerate import dispatch_model
+
+    model = dispatch_model(llama, device_map={"": "cpu"}, force_hooks=True)
+    hooked = [m for m in model.modules() if "forward" in m.__dict__ and hasattr(m, "_old_forward")]
+    assert hooked, "accelerate put no hook on the model"
+    assert compat.hook_execution_device(hooked[0]) == torch.device("cpu")
+    assert compat.own_forward(hooked[0]) == hooked[0]._old_forward
+    before = {id(m): m.__dict__["forward"] for m in hooked}
+    with compat.device_hooks_bypassed(model):
+        assert all(m.__dict__["forward"] == m._old_forward for m in hooked if m is not model)
+    assert all(m.__dict__["forward"] is before[id(m)] for m in hooked)
+    from accelerate.hooks import remove_hook_from_module
+
+    remove_hook_from_module(model, recurse=True)
+
+
+def test_recompile_limit_and_the_stance_that_refuses_to_compile():
+    compat.raise_recompile_limit(64)
+    assert torch._dynamo.config.recompile_limit >= 64
+    torch._dynamo.reset()
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    double(torch.ones(3))
+    with compat.fail_on_recompile():
+        double(torch.ones(3))  # compiled already: runs
+        with pytest.raises(Exception):
+            double(torch.ones(4, 4))  # a new shape would compile: refused
+
+
+def test_foreach_helpers():
+    a, b = [torch.ones(3), torch.ones(2)], [torch.full((3,), 2.0), torch.full((2,), 3.0)]
+    compat.foreach_add_(a, b)
+    assert a[0].tolist() == [3.0] * 3 and a[1].tolist() == [4.0] * 2
+    copies = compat.foreach_copies(a)
+    compat.foreach_zero_(a)
+    assert copies[0].tolist() == [3.0] * 3 and a[0].sum() == 0
+
+
+def test_plain_parameters_store_themselves():
+    weight = nn.Parameter(torch.randn(4, 4))
+    assert [t.data_ptr() for t in compat.stored_tensors(weight)] == [weight.data_ptr()]
+
+
+def test_int8_by_weight_shape_equals_torchao_s_quantize():
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 32, bias=False).to(torch.bfloat16) for _ in range(3)]
+    theirs = [nn.Linear(64, 32, bias=False).to(torch.bfloat16) for _ in range(3)]
+    for mine, other in zip(layers, theirs):
+        other.weight.data.copy_(mine.weight.data)
+    compat.torchao_int8_rows(layers, Int8WeightOnlyConfig())
+    for layer in theirs:
+        quantize_(layer, Int8WeightOnlyConfig())
+    for mine, other in zip(layers, theirs):
+        for a, b in zip(compat.stored_tensors(mine.weight), compat.stored_tensors(other.weight), strict=True):
+            assert torch.equal(a, b)
+    flat, metadata = compat.torchao_flat_state_dict({"layer.weight": layers[0].weight})
+    assert flat and metadata
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
+def test_graph_pool_capture_and_sleep_on_a_gpu():
+    x = torch.ones(4, device="cuda")
+    pool = compat.graph_pool()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        compat.begin_capture(graph, pool)
+        y = x * 3
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    x.fill_(2)
+    compat.gpu_sleep(1000)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert y.tolist() == [6.0] * 4
