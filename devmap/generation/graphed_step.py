@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..compat import begin_capture, fail_on_recompile
+from ..pipelining.streams import check_cycles, poison
 
 
 class GraphedStep:
@@ -34,27 +35,34 @@ class GraphedStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_out: torch.Tensor | None = None
         self.capture_error: BaseException | None = None
+        self.checked = static_in.is_cuda and check_cycles() > 0  # DEVMAP_STREAM_CHECK (pipelining.streams)
 
     def __call__(self) -> torch.Tensor:
         self.calls += 1
+        if self.graph is None and self.use_graph and self.calls > 1:
+            self._capture()
         if self.graph is not None:
             self.graph.replay()
-            assert self.static_out is not None
-            return self.static_out
-        if self.use_graph and self.calls > 1 and self._capture():
-            assert self.graph is not None and self.static_out is not None
-            self.graph.replay()
-            return self.static_out
-        return self.body(self.static_in)
+            out = self.static_out
+            assert out is not None
+        else:
+            out = self.body(self.static_in)
+        if self.checked:  # the input must be written again before the next call reads it
+            poison(self.static_in)
+        return out
 
     def handed_on(self, out: torch.Tensor, crosses: bool) -> torch.Tensor:
-        """This step's output `out`, made safe to go on to the next stage (`crosses`): a replayed graph's output is
-        copied first, on this stage's stream. The graphs of a device share one memory pool, so that output may be
-        another graph's scratch space: the next replay on this stream (another lane's step, with more lanes than
-        stages) can overwrite it while the copy to the next stage, on a side stream, still reads it. On two GPUs
-        before this copy the last of 3 lanes got other tokens in many calls (benchmarks/generate_race_probe.py);
-        continuous batches' joins already copied their outputs so."""
-        return out.clone() if crosses and self.graph is not None else out
+        """This step's output `out`, made safe to go on to another stage (`crosses`): a replayed graph's output is
+        copied first, on this stage's stream. The graphs of a stage share one memory pool, so that output may be
+        another graph's scratch space: the stage's next replay (another lane's step, with more lanes than stages)
+        can overwrite it while the next stage's stream still reads it (the last of 3 lanes over 2 stages got other
+        greedy tokens so; `tests/generation/test_gpu_streams.py` makes it fail on one GPU without this copy)."""
+        if not crosses or self.graph is None:
+            return out
+        copy = out.clone()
+        if self.checked:
+            poison(out)
+        return copy
 
     def _capture(self) -> bool:
         """Capture the step (nothing runs while capturing); False, and eager from now on, where it can't be."""

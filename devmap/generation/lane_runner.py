@@ -218,7 +218,7 @@ class LaneRunner:
                        "position_embeddings": self.s.rotary(hidden, static_positions)}
             return self.s.run(j, hidden, context, lane_cache)
 
-        step = GraphedStep(self._compiled(body), static_in, True, cache.pool(device), self._capture_stream(j))
+        step = GraphedStep(self._compiled(body), static_in, True, cache.pool(device, j), self._capture_stream(j))
         return step, static_positions, static_mask
 
     def _compiled(self, body: Any) -> Any:
@@ -248,7 +248,7 @@ class LaneRunner:
             # the last stage's step ends in the head: a copy to another device can't be captured (and a failed
             # capture leaves the graph pool unusable), so that step stays eager when the head lives elsewhere
             graphed = self.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
-            pool = cache.pool(stage.device) if cache is not None and graphed else None
+            pool = cache.pool(stage.device, j) if cache is not None and graphed else None
             capture = self._capture_stream(j) if graphed else None
             lane.caches.append(lane_cache)
             body = self._compiled(lambda x, j=j, item=inputs[-1]: self.s.decode(j, x, item))

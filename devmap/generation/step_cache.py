@@ -20,7 +20,7 @@ _ATTRIBUTE = "_devmap_steps"
 
 
 class StepCache:
-    """Steps of the recent signatures, keyed by (stage, lane); pools of captured graphs per device and signature.
+    """Steps of the recent signatures, keyed by (stage, lane); pools of captured graphs per stage and signature.
     `entries` and `pools` are those of the signature last passed to `use`."""
 
     def __init__(self, capacity: int = 1) -> None:
@@ -29,7 +29,7 @@ class StepCache:
         self.signature: Any = None
         self.pointers: tuple[int, ...] = ()
         self.entries: dict[Any, Any] = {}
-        self.pools: dict[torch.device, Any] = {}
+        self.pools: dict[tuple[torch.device, int], Any] = {}
         self._kept: OrderedDict[Any, tuple[dict, dict]] = OrderedDict()
 
     def use(self, signature: Any, pointers: tuple[int, ...]) -> dict[Any, Any]:
@@ -52,13 +52,14 @@ class StepCache:
         """How many signatures are kept now."""
         return len(self._kept)
 
-    def pool(self, device: torch.device) -> Any:
-        """The graph memory pool shared by this cache's steps on `device` (None off GPUs)."""
+    def pool(self, device: torch.device, stage: int) -> Any:
+        """The graph memory pool shared by this cache's steps of one stage (None off GPUs). One per stage, not per
+        device: graphs of a pool must never replay at the same time, and stages on one GPU run concurrently."""
         if device.type != "cuda":
             return None
-        if device not in self.pools:
-            self.pools[device] = graph_pool()
-        return self.pools[device]
+        if (device, stage) not in self.pools:
+            self.pools[(device, stage)] = graph_pool()
+        return self.pools[(device, stage)]
 
 
 def step_cache(model: nn.Module, kind: str, capacity: int | None = None) -> StepCache:

@@ -1,10 +1,57 @@
-"""Cross-device hand-offs ordered by events, on streams that never make a copy wait for a stage's compute."""
+"""Cross-stream hand-offs ordered by events, on streams that never make a copy wait for a stage's compute.
+
+Stages are streams, not devices: each stage has its own set (compute, send, receive, capture), also when several
+stages share one GPU (or the CPU), so a one-GPU run with `split_layers` exercises every hand-off of a multi-GPU run.
+
+Ownership of what crosses streams (who writes, who reads, what makes reuse safe):
+
+| tensor | written on | read on | reuse made safe by |
+|---|---|---|---|
+| a stage's output (eager, or a copy of a replayed graph's) | the stage's compute stream | the next stage's compute or receive stream | the reader waits for the writer's event; `record_stream(reader)` keeps the caching allocator from handing the memory to the writer's stream again before the reader is done (`hand_off`, `copy_into`, `copy_later`) |
+| a replayed graph's output (`GraphedStep.static_out`) | its stage's compute stream (the replay) | the same stream only | it lives in its stage's graph pool, which the next replay of any graph of that pool may overwrite: no allocator bookkeeping protects it, so before it goes to another stream it is copied on its own stream (`GraphedStep.handed_on`) |
+| a graph's fixed input (`GraphedStep.static_in`, positions, masks) | the reader's compute stream, or its receive stream after the writer's event | the replay, on the compute stream | the next write for the same (stage, lane) depends, through events, on the token of the step that read it, which needs that replay done |
+| graph pools | replays of one stage's graphs | the same stage's compute stream | one pool per stage (`StepCache.pool`): graphs sharing a pool never run at the same time |
+| a joining group's scratch cache (one arena per stage) | its stage's prefill | `take_rows`, on the same stream | every shape's scratch is used one after another on that stream |
+| pinned host copies (`to_host`) | a copy on the producer's stream | the host, after the copy's event | the host waits for the event before reading; PyTorch's pinned allocator waits for the copy before reuse |
+
+DEVMAP_STREAM_CHECK=1 (or a number of GPU clock cycles) checks this rule at run time on GPUs: every reader stream
+sleeps before it reads a handed-over tensor (a writer that is not properly waited for gets ahead and overwrites it
+first), a replayed graph's output is poisoned (NaN) once it has been copied, and a graph's fixed input is poisoned
+after each replay (a write ordered too early is lost). A violation then gives wrong tokens instead of rare ones.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from ..compat import gpu_sleep
+
+CHECK_VARIABLE = "DEVMAP_STREAM_CHECK"
+CHECK_DEFAULT_CYCLES = 2_000_000  # about a millisecond: far longer than any hand-off of a decode step
+
+
+def check_cycles() -> int:
+    """The GPU cycles a reader stream sleeps before each hand-off under DEVMAP_STREAM_CHECK (0: checks off)."""
+    value = os.environ.get(CHECK_VARIABLE, "").strip()
+    if value in ("", "0"):
+        return 0
+    return CHECK_DEFAULT_CYCLES if value == "1" else int(value)
+
+
+def poison(tensor: torch.Tensor) -> None:
+    """Under DEVMAP_STREAM_CHECK, fill a buffer that must not be read again (until rewritten) with garbage, on the
+    current stream: NaN for floats, -1 for integers (an index no embedding has)."""
+    tensor.fill_(float("nan") if tensor.is_floating_point() else -1)
+
+
+def _delay(stream: Any) -> None:
+    cycles = check_cycles()
+    if cycles and stream is not None:
+        with torch.cuda.stream(stream):
+            gpu_sleep(cycles)
 
 
 class StreamSet:
@@ -42,12 +89,14 @@ def hand_off(x: torch.Tensor, event: Any, device: torch.device, stage: int, stre
             compute.wait_event(event)
         if x.is_cuda:
             x.record_stream(compute)
+            _delay(compute)
         return x
     recv = streams.get("recv", stage, device)
     if x.is_cuda:
         send = streams.get("send", stage, x.device)
         if event is not None:
             send.wait_event(event)
+        _delay(send)
         with torch.cuda.stream(send), torch.cuda.stream(recv):
             y = x.to(device, non_blocking=True)
         x.record_stream(send)
@@ -69,8 +118,11 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, event: Any, stage: int, stre
     if src.device == dst.device:
         if event is not None:
             compute.wait_event(event)
+        _delay(compute)
         with torch.cuda.stream(compute):
             dst.copy_(src, non_blocking=True)
+        if src.is_cuda:  # src may come from another stream: its memory is not reused before this copy ran
+            src.record_stream(compute)
         return
     compute.wait_stream(_copy_on_side_streams(dst, src, event, stage, streams))
 
@@ -97,12 +149,14 @@ def _copy_on_side_streams(dst: torch.Tensor, src: torch.Tensor, event: Any, stag
         send = streams.get("send", stage, src.device)
         if event is not None:
             send.wait_event(event)
+        _delay(send)
         with torch.cuda.stream(send), torch.cuda.stream(recv):
             dst.copy_(src, non_blocking=True)
         src.record_stream(send)
     else:
         if event is not None:
             recv.wait_event(event)
+        _delay(recv)
         with torch.cuda.stream(recv):
             dst.copy_(src, non_blocking=True)
         if src.is_cuda:
