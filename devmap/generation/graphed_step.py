@@ -9,6 +9,7 @@ or every call. Where capture fails (an operation that syncs with the host, say) 
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable
 
 import torch
@@ -70,19 +71,31 @@ class GraphedStep:
         side = self.capture_stream or torch.cuda.Stream(self.static_in.device)
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side), fail_on_recompile():
-            begin_capture(graph, self.pool)
-            try:
-                out = self.body(self.static_in)
-            except Exception as exc:  # not capturable: end the capture, stay eager
-                self.capture_error = exc
-                out = None
-            finally:
+        # no cyclic garbage collection while capturing: it may free an earlier call's graphs, whose pools are then
+        # released with cudaFree, which invalidates the capture (and a failed capture leaves its pool unusable).
+        # torch.cuda.graph() collects before every capture instead, which costs far more.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(side), fail_on_recompile():
+                begin_capture(graph, self.pool)
                 try:
-                    graph.capture_end()
-                except Exception as exc:  # an invalidated capture fails here
-                    self.capture_error = self.capture_error or exc
+                    out = self.body(self.static_in)
+                except Exception as exc:  # not capturable: end the capture, stay eager
+                    self.capture_error = exc
                     out = None
+                finally:
+                    try:
+                        graph.capture_end()
+                    except Exception as exc:  # an invalidated capture fails here
+                        self.capture_error = self.capture_error or exc
+                        out = None
+        except Exception as exc:  # the pool is unusable (an earlier capture into it failed): stay eager
+            self.capture_error = exc
+            out = None
+        finally:
+            if collecting:
+                gc.enable()
         current.wait_stream(side)
         if out is None:
             self.use_graph = False
