@@ -51,6 +51,30 @@ def checked(monkeypatch):
     monkeypatch.setenv("DEVMAP_STREAM_CHECK", os.environ.get("DEVMAP_STREAM_CHECK", "1"))
 
 
+@pytest.fixture(autouse=True)
+def captures(monkeypatch):
+    """Every capture's outcome: a step that could not be captured runs eagerly and still gives the right tokens,
+    which would hide that the graph paths were never exercised."""
+    from devmap.generation.graphed_step import GraphedStep
+
+    outcomes = {"captured": 0, "failed": []}
+    original = GraphedStep._capture
+
+    def capture(self):
+        ok = original(self)
+        if ok:
+            outcomes["captured"] += 1
+        else:
+            outcomes["failed"].append(repr(self.capture_error)[:300])
+        return ok
+
+    monkeypatch.setattr(GraphedStep, "_capture", capture)
+    yield outcomes
+    assert not outcomes["failed"], f"{len(outcomes['failed'])} captures failed: {outcomes['failed'][:3]}"
+    if not EAGER_ONLY:
+        assert outcomes["captured"] > 0
+
+
 def cases(seed: int, calls: int):
     rng = random.Random(seed)
     for index in range(calls):
