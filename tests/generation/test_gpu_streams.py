@@ -6,7 +6,9 @@ The checks of DEVMAP_STREAM_CHECK are on (`devmap.pipelining.streams`): reader s
 and buffers are poisoned once read, so that an ordering mistake gives wrong tokens in most calls rather than in a
 rare one. Without the copy of a replayed graph's output before it leaves its stage (`GraphedStep.handed_on`) the
 matrix fails. DEVMAP_STRESS_CALLS (default 200) sets the matrix's size, DEVMAP_STRESS_SEED its seed (a failure
-names the seed and the case, so it replays), DEVMAP_STRESS_EAGER=1 keeps graphs off (for TORCH_CUDA_SANITIZER=1).
+names the seed and the case, so it replays), DEVMAP_STRESS_EAGER=1 keeps graphs off (for TORCH_CUDA_SANITIZER=1,
+which cannot follow captures), DEVMAP_STRESS_ATTENTION=eager swaps sdpa for eager attention (the sanitizer reports
+sdpa's efficient kernel writing its empty RNG outputs from two streams, which is not devmap's memory).
 """
 
 import copy
@@ -30,6 +32,7 @@ CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=LAYERS, 
 CALLS = int(os.environ.get("DEVMAP_STRESS_CALLS", "200"))
 SEED = int(os.environ.get("DEVMAP_STRESS_SEED", "0"))
 EAGER_ONLY = os.environ.get("DEVMAP_STRESS_EAGER", "") not in ("", "0")
+ATTENTION = os.environ.get("DEVMAP_STRESS_ATTENTION", "sdpa")  # "eager" under the sanitizer (see below)
 
 
 def split(stages: int) -> list[int]:
@@ -41,7 +44,8 @@ def split(stages: int) -> list[int]:
 def models():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(11)
-    reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), attn_implementation=ATTENTION)
+    reference = reference.to("cuda:0").eval()
     placed = dispatch(copy.deepcopy(reference).cpu(), {"": 0})
     return reference, placed
 
