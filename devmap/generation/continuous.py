@@ -284,17 +284,19 @@ class ContinuousBatch:
 
     def _join_step(self, j: int, group: int, width: int, mask: torch.Tensor) -> tuple[Any, LaneCache]:
         """Stage j's prefill of a joining sub-group of this shape, into a scratch cache of its own (both kept): a
-        view into the stage's one arena, as sub-groups run one after another on the stage's stream."""
+        view into the stage's one arena, as sub-groups run one after another on the stage's stream. Its buffers are
+        made on that stream: zeros filled on another stream could land after the stage's first write into them."""
         stage = self.s.stages[j]
-        scratch = LaneCache(group, width, stage.device)
-        layout = self.s.kv_layout(j)
-        if layout is not None:
-            if ("join-arena", j) not in self.entries:
-                tokens = arena_tokens(sum(lane.ids.shape[0] for lane in self.run.lanes), self.cache_len)
-                size = LaneCache.arena_size(tokens, len(layout[0]), layout[1], layout[2])
-                self.entries[("join-arena", j)] = torch.zeros(size, dtype=self.s.dtype, device=stage.device)
-            scratch.allocate(*layout, self.s.dtype, arena=self.entries[("join-arena", j)])
-        return self.run.prefill_step(j, group, width, mask, self.cache, scratch), scratch
+        with self.run.on(j):  # made on the stage's stream, which writes them next (the sanitizer's finding)
+            scratch = LaneCache(group, width, stage.device)
+            layout = self.s.kv_layout(j)
+            if layout is not None:
+                if ("join-arena", j) not in self.entries:
+                    tokens = arena_tokens(sum(lane.ids.shape[0] for lane in self.run.lanes), self.cache_len)
+                    size = LaneCache.arena_size(tokens, len(layout[0]), layout[1], layout[2])
+                    self.entries[("join-arena", j)] = torch.zeros(size, dtype=self.s.dtype, device=stage.device)
+                scratch.allocate(*layout, self.s.dtype, arena=self.entries[("join-arena", j)])
+            return self.run.prefill_step(j, group, width, mask, self.cache, scratch), scratch
 
     def deliver(self, limit: int | None) -> None:
         """Hand every token of the steps up to `limit` (None: all issued) to its row's owner, in order."""
