@@ -53,6 +53,9 @@ def generate(
     `compile`: run each stage's prefill and decode step as torch.compile (inductor) code inside those graphs:
     the first call of each shape compiles (tens of seconds for a 1B model, cached on disk by torch), later
     calls run fused kernels. Worth it for many calls (a service, a batch job), not for one short one.
+    `split_layers`: decoder-layer indices that start a new stage even where the device does not change: several
+    stages on one GPU (or the CPU) run every multi-GPU path — per-stage streams, hand-offs, graph pools, lanes — which
+    is how a multi-GPU layout is checked on one GPU (set DEVMAP_STREAM_CHECK=1 to make ordering mistakes show).
     `on_tokens(rows, step, tokens)`: streams each step's new tokens of each lane (`rows`: a slice of the batch;
     `tokens`: on the CPU, a row that ended holds `pad_token_id`), a couple of steps behind the GPUs so the host
     never waits for the step in flight; returning False stops generation (what was generated is returned).
