@@ -57,3 +57,26 @@ def _run_continuous(model: torch.nn.Module, first: list, later: list, *, togethe
 def run_continuous():
     """A continuous batch with requests handed in as rows free up (see `_run_continuous`)."""
     return _run_continuous
+
+
+@pytest.fixture(scope="session")
+def requests_and_their_tokens():
+    """A factory: requests_and_their_tokens(reference, seed, count, longest, most_new) -> (requests, tokens)."""
+    return _requests_and_their_tokens
+
+
+def _requests_and_their_tokens(reference: torch.nn.Module, seed: int, count: int, longest: int, most_new: int):
+    """`count` random requests (prompts of 3..longest-1 tokens, 1..most_new-1 new ones) and transformers' greedy
+    tokens for each alone, on the reference model's device."""
+    from devmap.generation.continuous import SlotRequest
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, longest, (count,), generator=g).tolist()
+    news = torch.randint(1, most_new, (count,), generator=g).tolist()
+    reqs = [SlotRequest(torch.randint(3, 1000, (n,), generator=g).tolist(), m, i)
+            for i, (n, m) in enumerate(zip(lengths, news))]
+    device = next(reference.parameters()).device
+    expected = {r.owner: reference.generate(torch.tensor([r.prompt], device=device), max_new_tokens=r.max_new,
+                                            do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
+                .tolist() for r in reqs}
+    return reqs, expected

@@ -15,21 +15,16 @@ CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_a
               num_key_value_heads=2, vocab_size=1000, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def test_continuous_batch_on_one_gpu_wraps_its_cache_and_gives_each_request_its_tokens(monkeypatch,
-                                                                                       run_continuous):
+def test_continuous_batch_on_one_gpu_wraps_its_cache_and_gives_each_request_its_tokens(monkeypatch, run_continuous,
+                                                                                       requests_and_their_tokens):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(joins, "GROUP_TOKENS", 128)  # several sub-groups of one shape in a step
     torch.manual_seed(5)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
     placed = dispatch(AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval(), {"": 0})
     placed.load_state_dict(reference.state_dict())
-    g = torch.Generator().manual_seed(6)
-    lengths, news = torch.randint(3, 60, (36,), generator=g).tolist(), torch.randint(1, 12, (36,), generator=g).tolist()
-    reqs = [SlotRequest(torch.randint(3, 1000, (n,), generator=g).tolist(), m, i)
-            for i, (n, m) in enumerate(zip(lengths, news))]
-    expected = {r.owner: reference.generate(torch.tensor([r.prompt], device="cuda:0"), max_new_tokens=r.max_new,
-                                            do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
-                .tolist() for r in reqs}
+    reqs, expected = requests_and_their_tokens(reference, 6, 36, 60, 12)
+    news = [r.max_new for r in reqs]
     for _ in range(2):  # capture, then replay
         got, left, queue = run_continuous(placed, reqs[:3], reqs[3:], rows=6, first_slot=60, cache_len=72)
         assert not left and not queue

@@ -21,7 +21,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from devmap import dispatch, generate
 from devmap.generation import joins
-from devmap.generation.continuous import SlotRequest
 from devmap.testing import require_gpus
 
 pytestmark = require_gpus(1)
@@ -128,17 +127,11 @@ def test_compiled_steps_over_stages_on_one_gpu(models):
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-def test_continuous_joins_over_stages_on_one_gpu(models, run_continuous, monkeypatch, stages):
+def test_continuous_joins_over_stages_on_one_gpu(models, run_continuous, requests_and_their_tokens, monkeypatch,
+                                                  stages):
     reference, placed = models
     monkeypatch.setattr(joins, "GROUP_TOKENS", 128)  # several sub-groups per step
-    g = torch.Generator().manual_seed(20 + stages)
-    lengths = torch.randint(3, 40, (30,), generator=g).tolist()
-    news = torch.randint(1, 10, (30,), generator=g).tolist()
-    reqs = [SlotRequest(torch.randint(3, 1000, (n,), generator=g).tolist(), m, i)
-            for i, (n, m) in enumerate(zip(lengths, news))]
-    expected = {r.owner: reference.generate(torch.tensor([r.prompt], device="cuda:0"), max_new_tokens=r.max_new,
-                                            do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
-                .tolist() for r in reqs}
+    reqs, expected = requests_and_their_tokens(reference, 20 + stages, 30, 40, 10)
     for _ in range(2):  # capture, then replay
         got, left, queue = run_continuous(placed, reqs[:3], reqs[3:], rows=9, first_slot=40, cache_len=52, lanes=3,
                                           split_layers=split(stages), graphs=not EAGER_ONLY)
