@@ -195,7 +195,7 @@ def test_weight_pointers_see_moved_and_replaced_weights(tiny_llama):
 
 
 def test_eight_stages_generate_and_forward_like_transformers(tiny_llama):
-    """Issue 7's 8 GPUs, as 8 CPU stages of one decoder layer each."""
+    """An 8-GPU layout, as 8 CPU stages of one decoder layer each."""
     torch.manual_seed(3)
     model = tiny_llama(num_hidden_layers=8)
     ids, mask = prompts(batch=9)
