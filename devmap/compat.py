@@ -13,6 +13,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `graph_pool`, `begin_capture`: `graph_pool_handle`, `CUDAGraph.capture_begin(capture_error_mode=)` | torch | steps of one stream share a pool; captures don't sync the device | 2.11, 2.14 |
 | `gpu_sleep`: `torch.cuda._sleep` | torch | DEVMAP_STREAM_CHECK's delays on hand-off streams | 2.11, 2.14 |
 | `foreach_add_`, `foreach_zero_`, `foreach_copies`: `torch._foreach_*` | torch | gradient sums in one fused launch per group | 2.11, 2.14 |
+| `pipeline_stage_fixed`: `PipelineStage._shape_inference`, `_get_init_p2p_neighbors_ops` | torch | torch 2.11's shape inference moves BatchNorm statistics, and its start-up handshake sends to its own rank when a V schedule puts neighbouring stages on one rank (gloo refuses: "Pair is not connected") | 2.11, 2.14 |
 | `torchao_int8_rows`, `torchao_flat_state_dict`: `Int8Tensor` fields, `flatten_tensor_state_dict` | torchao | int8 per weight shape (2.5x less host time than `quantize_` per Linear); pre-quantized saves | 0.18 |
 | `stored_tensors`: `tensor_data_names`, `quant_state.absmax`, `SCB` | torchao, bitsandbytes | what a quantized weight stores, for plans and saves | torchao 0.18, bitsandbytes 0.50 |
 """
@@ -165,6 +166,38 @@ def foreach_zero_(tensors: list[torch.Tensor]) -> None:
 def foreach_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """New copies of `tensors`, made in one fused launch per group (not one clone each)."""
     return list(torch._foreach_mul(tensors, 1.0))
+
+
+def pipeline_stage_fixed(stage: Any) -> Any:
+    """A `torch.distributed.pipelining.PipelineStage` with two faults of older torch releases worked around (on
+    releases without them this changes nothing):
+
+    - `_shape_inference` (torch 2.11) runs the stage once on zeros in training mode on the real buffers, so every
+      BatchNorm counts one batch too many; here its buffers are put back after.
+    - `_get_init_p2p_neighbors_ops` (torch 2.11) also sends to and receives from this very rank when the next or
+      previous stage lives here (the V schedules); gloo has no connection to itself and fails the first step.
+      Those ops are dropped: a stage hands tensors to a neighbour on its own rank directly, never through p2p.
+    """
+    infer = getattr(stage, "_shape_inference", None)
+    if infer is not None:
+        def inferred_without_side_effects(*args: Any, **kwargs: Any) -> Any:
+            saved = [(b, b.detach().clone()) for b in stage.submod.buffers()]
+            try:
+                return infer(*args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for buffer, value in saved:
+                        buffer.copy_(value)
+
+        stage._shape_inference = inferred_without_side_effects
+    handshake = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if handshake is not None:
+        def handshake_with_other_ranks() -> list[Any]:
+            own = getattr(stage, "group_rank", None)
+            return [op for op in handshake() if getattr(op, "group_peer", None) != own]
+
+        stage._get_init_p2p_neighbors_ops = handshake_with_other_ranks
+    return stage
 
 
 # --- torchao and bitsandbytes -------------------------------------------------------------------------------------

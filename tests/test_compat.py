@@ -127,3 +127,33 @@ def test_graph_pool_capture_and_sleep_on_a_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert y.tolist() == [6.0] * 4
+
+
+def test_pipeline_stages_of_one_rank_train_without_talking_to_themselves(tmp_path):
+    """A V schedule on one rank: both stages live here, so the start-up handshake must not send to itself (gloo
+    has no connection to its own rank), and shape inference must leave BatchNorm statistics alone."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        first, second = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), nn.Linear(8, 2)
+        before = first[1].running_mean.clone(), int(first[1].num_batches_tracked)
+        stages = [compat.pipeline_stage_fixed(PipelineStage(m, i, 2, torch.device("cpu")))
+                  for i, m in enumerate((first, second))]
+        schedule = ScheduleZBVZeroBubble(stages, 2, loss_fn=nn.MSELoss())
+        x, target = torch.randn(4, 4), torch.randn(4, 2)
+        reference = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        reference.load_state_dict({**{f"0.{k}": v for k, v in first[0].state_dict().items()},
+                                   **{f"1.{k}": v for k, v in first[1].state_dict().items()},
+                                   **{f"2.{k}": v for k, v in second.state_dict().items()}})
+        losses: list[torch.Tensor] = []
+        schedule.step(x, target=target, losses=losses)
+        expected = torch.stack([nn.functional.mse_loss(reference(xs), ts)
+                                for xs, ts in zip(x.chunk(2), target.chunk(2))]).mean()
+        torch.testing.assert_close(torch.stack(losses).mean(), expected.detach())
+        # two micro-batches counted, none from shape inference
+        assert int(first[1].num_batches_tracked) == before[1] + 2
+    finally:
+        dist.destroy_process_group()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat import pipeline_stage_fixed
 from ..errors import PipelineError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
@@ -58,7 +59,7 @@ class RankPipeline:
         self.indices = stage_indices(schedule, self.rank, self.world, len(stage_modules))
         self.total = len(stage_modules)
         self.modules = [stage_modules[i].to(self.device) for i in self.indices]
-        self.stages = [_buffers_kept_by_shape_inference(PipelineStage(m, i, self.total, self.device, group=group))
+        self.stages = [pipeline_stage_fixed(PipelineStage(m, i, self.total, self.device, group=group))
                        for m, i in zip(self.modules, self.indices)]
         self.schedule_name, self.chunks, self.loss_fn = schedule, chunks, loss_fn
         self._schedules: dict[bool, Any] = {}
@@ -109,29 +110,6 @@ class RankPipeline:
         args = (x.to(self.device),) if self.first else ()
         out = self._schedule(False).step(*args)  # a schedule of the same stages without a loss: forward only
         return out if self.last else None
-
-
-def _buffers_kept_by_shape_inference(stage: Any) -> Any:
-    """Make the stage's runtime shape inference leave BatchNorm statistics alone.
-
-    torch 2.11's `PipelineStage._shape_inference` runs the stage once on zeros, in training mode, on the real
-    buffers: every BatchNorm then counts one batch too many and pulls its running statistics towards zero.
-    Newer releases back the buffers up themselves (and have no `_shape_inference`); on those this does nothing."""
-    infer = getattr(stage, "_shape_inference", None)
-    if infer is None:
-        return stage
-
-    def inferred_without_side_effects(*args: Any, **kwargs: Any) -> Any:
-        saved = [(b, b.detach().clone()) for b in stage.submod.buffers()]
-        try:
-            return infer(*args, **kwargs)
-        finally:
-            with torch.no_grad():
-                for buffer, value in saved:
-                    buffer.copy_(value)
-
-    stage._shape_inference = inferred_without_side_effects
-    return stage
 
 
 def default_device() -> torch.device:
