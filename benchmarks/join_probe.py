@@ -46,7 +46,7 @@ def closed_loop(model: torch.nn.Module, clients: int, lengths: list[int], new: i
     end = time.perf_counter() + seconds
 
     def admit(free: int, longest: int, most: int) -> list[SlotRequest] | None:
-        if time.perf_counter() > end or any(r.max_new > most for r in queue):
+        if time.perf_counter() > end or any(r.max_new_tokens > most for r in queue):
             return None  # time is up, or a request no longer fits the cache: a new batch (as the engine does)
         chosen, tokens = [], 0
         for r in queue:

@@ -9,7 +9,9 @@ are spread over `--client-processes` processes (before the tenth session: one pr
 its own clocks at thousands of streamed chunks a second).
 Reported per server and client count: output tokens/s (all clients), time to first token p50/p99,
 time per output token p50/p99 (a request's time from its first text to its
-last, over its output tokens after the first), and devmap's ratio to transformers.
+last, over its output tokens after the first), the floor (a decode step of that load reading the weights and the
+running requests' KV cache once, at the HBM bandwidth measured on this GPU in the same run) and the share of the
+step it is, and devmap's ratio to transformers.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its
 release does not know are dropped one at a time, and the flags used are printed.
 """
@@ -83,7 +85,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     times: list[float] = []
-    tokens = None
+    tokens = prompt_tokens = None
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{response.status_code}: {(await response.aread()).decode()[:300]}")
@@ -93,12 +95,13 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
             choices = chunk.get("choices") or [{}]
             if (choices[0].get("delta") or {}).get("content"):
                 times.append(time.perf_counter())
     tokens = len(times) if tokens is None else tokens
     tpot = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None
-    return {"ttft": times[0] - start if times else None, "tokens": tokens, "tpot": tpot}
+    return {"ttft": times[0] - start if times else None, "tokens": tokens, "tpot": tpot, "prompt_tokens": prompt_tokens}
 
 
 async def _window(url: str, model: str, clients: int, seconds: float, new: int, rng: random.Random,
@@ -168,7 +171,9 @@ def load_test(url: str, model: str, clients: int, seconds: float, new: int, seed
     elapsed = max(end for _, end, _ in parts) - min(start for start, _, _ in parts)
     ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     tpots = sorted(r["tpot"] for r in results if r["tpot"] is not None)
+    prompts = [r["prompt_tokens"] for r in results if r["prompt_tokens"] is not None]
     return {"clients": clients, "requests": len(results), "seconds": elapsed, "first_call_s": first_call,
+            "mean_prompt_tokens": statistics.mean(prompts) if prompts else None,
             "client_processes": processes, "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
             "ttft_p50": _quantile(ttfts, 0.5), "ttft_p99": _quantile(ttfts, 0.99),
             "tpot_p50": _quantile(tpots, 0.5), "tpot_p99": _quantile(tpots, 0.99)}
@@ -180,6 +185,60 @@ def _quantile(values: list[float], q: float) -> float | None:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[min(int(q * 100), 99) - 1]
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """devmap's engine-loop seconds per phase and its decode steps so far, from /metrics."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("devmap_engine_seconds_total{"):
+            out[line.split('phase="')[1].split('"')[0]] = float(line.split()[-1])
+        elif line.startswith("devmap_decode_steps_total "):
+            out["steps"] = float(line.split()[-1])
+    return out
+
+
+def hbm_bandwidth() -> float:
+    """Bytes per second this GPU reads and writes, from a fresh process (the benchmark forks its clients and must
+    hold no GPU context): the best of 20 copies of 2 GiB (each reads and writes it once)."""
+    code = ("import torch\n"
+            "a = torch.empty(2 << 30, dtype=torch.uint8, device='cuda'); b = torch.empty_like(a)\n"
+            "best = float('inf')\n"
+            "for _ in range(20):\n"
+            "    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
+            "    s.record(); b.copy_(a); e.record(); e.synchronize(); best = min(best, s.elapsed_time(e) / 1000)\n"
+            "print(2 * a.numel() / best)\n")
+    return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+
+
+def model_bytes(path: Path) -> tuple[int, int]:
+    """(bytes a decode step reads of the weights: all but the input embedding, of which it reads a row each; KV
+    cache bytes per token of context) of a saved checkpoint."""
+    from safetensors import safe_open
+
+    weights = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                if "embed_tokens" not in name:
+                    piece = f.get_slice(name)
+                    count = 1
+                    for n in piece.get_shape():
+                        count *= n
+                    weights += count * 2  # bf16
+    config = json.loads((path / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 2
+    return weights, kv
+
+
+def floor_seconds(row: dict[str, Any], weights: int, kv_per_token: int, bandwidth: float, new: int) -> float | None:
+    """The least time a decode step of this load can take: the weights and every running request's KV cache
+    (mean prompt + half the new tokens) read once from HBM."""
+    if row.get("mean_prompt_tokens") is None:
+        return None
+    return (weights + row["clients"] * (row["mean_prompt_tokens"] + new / 2) * kv_per_token) / bandwidth
 
 
 def transformers_command(path: Path, port: int) -> list[str]:
@@ -207,9 +266,6 @@ def main() -> None:
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
     parser.add_argument("--devmap-args", default="--device-map balanced",
                         help="extra flags of devmap serve (e.g. add --compile: each new batch shape compiles)")
-    parser.add_argument("--rejoin-ms", type=float, default=100.0,
-                        help="--rejoin-after-ms of the system devmap+rejoin (dynamic batches that stop for waiting "
-                             "requests; add it to --systems; devmap-dynamic: dynamic batches that run whole)")
     parser.add_argument("--client-processes", type=int, default=4,
                         help="processes the clients are spread over (one event loop each)")
     parser.add_argument("--out", default=None)
@@ -220,23 +276,34 @@ def main() -> None:
         path = Path(folder) / args.model
         subprocess.run([sys.executable, "-m", "devmap", "save", args.model, str(path), "--dtype", "bfloat16"],
                        check=True, stdout=subprocess.DEVNULL)
+        bandwidth = hbm_bandwidth()
+        weights, kv_per_token = model_bytes(path)
+        print(f"HBM {bandwidth / 1e12:.2f} TB/s (copy, this GPU); weights read per step {weights / 1e9:.2f} GB; "
+              f"KV {kv_per_token / 1024:.0f} KiB per token", flush=True)
         for system in args.systems.split(","):
             port = free_port()
             if system.startswith("devmap"):
-                rejoin = {"devmap+rejoin": ["--no-continuous", "--rejoin-after-ms", str(args.rejoin_ms)],
-                          "devmap-dynamic": ["--no-continuous"]}.get(system, [])
                 command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype",
                            "bfloat16", "--log-level", "debug", "--max-queue", "4096",
-                           *args.devmap_args.split(), *rejoin]
+                           *args.devmap_args.split()]
                 model = path.name
             else:
                 command, model = transformers_command(path, port), str(path)
             with server(command, port, system) as (url, cold):
                 for clients in counts:
+                    before = engine_counters(url) if system.startswith("devmap") else {}
                     row = load_test(url, model, clients, args.seconds, args.new, seed=clients,
                                     lengths=[int(w) for w in args.prompt_words.split(",")], warmup=args.warmup,
                                     processes=args.client_processes)
-                    rows.setdefault(system, []).append({**row, "cold_start_s": cold})
+                    if before:  # where the engine loop's time went, per decode step (warm-up and first call too)
+                        after = engine_counters(url)
+                        steps = after.get("steps", 0) - before.get("steps", 0)
+                        row["engine_ms_per_step"] = {k: 1000 * (v - before.get(k, 0)) / steps
+                                                     for k, v in after.items() if k != "steps"} if steps else {}
+                        row["steps"] = steps
+                    floor = floor_seconds(row, weights, kv_per_token, bandwidth, args.new)
+                    rows.setdefault(system, []).append({**row, "cold_start_s": cold, "floor_s": floor,
+                                                        "hbm_bytes_per_s": bandwidth})
                     if args.out and system.startswith("devmap"):  # batch sizes and first-token times as the server saw them
                         Path(args.out).mkdir(parents=True, exist_ok=True)
                         (Path(args.out) / f"metrics_{system}_{args.model}_{clients}.txt").write_text(
@@ -249,8 +316,8 @@ def main() -> None:
 def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int], out: str | None) -> None:
     print(f"\nserving {model}, streaming chat completions, greedy")
     print("| system | clients | requests | first call s | output tok/s | TTFT p50 / p99 s | time per token p50 / p99 ms "
-          "| vs transformers |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| floor ms | floor ÷ step | vs transformers |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     peer = {r["clients"]: r["tokens_per_s"] for r in rows.get("transformers", [])}
     for system, results in rows.items():
         for r in results:
@@ -258,13 +325,22 @@ def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int],
             ttft = f"{_fmt(r['ttft_p50'])} / {_fmt(r['ttft_p99'])}"
             token = f"{_fmt(r['tpot_p50'], 1000)} / {_fmt(r['tpot_p99'], 1000)}"
             print(f"| {system} | {r['clients']} | {r['requests']} | {r['first_call_s']:.2f} | {r['tokens_per_s']:,.0f} "
-                  f"| {ttft} | {token} | "
+                  f"| {ttft} | {token} | {_fmt(r['floor_s'], 1000)} | {_share(r['floor_s'], r['tpot_p50'])} | "
                   f"{ratio} |")
+    for system, results in rows.items():
+        for r in results:
+            if r.get("engine_ms_per_step"):
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["engine_ms_per_step"].items()))
+                print(f"{system} {r['clients']} clients: engine loop ms per decode step ({r['steps']:.0f} steps): {parts}")
     cold = ", ".join(f"{system} {results[0]['cold_start_s']:.1f} s" for system, results in rows.items() if results)
     print(f"cold start (a fresh server process until it answers): {cold}")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"serve_{model}.json").write_text(json.dumps(rows, indent=2))
+
+
+def _share(floor: float | None, step: float | None) -> str:
+    return "-" if not floor or not step else f"{100 * floor / step:.0f}%"
 
 
 def _fmt(value: float | None, scale: float = 1.0) -> str:

@@ -21,28 +21,20 @@ from .options import load_options
 @click.option("--api-key", default=None, envvar="DEVMAP_API_KEY",
               help="Bearer key every request must send (or DEVMAP_API_KEY).")
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Most requests in one generate batch.")
+              help="Most requests in one continuous batch (its rows).")
 @click.option("--batch-wait-ms", default=5.0, show_default=True, type=click.FloatRange(min=0),
               help="A batch takes requests until none has come for this long.")
 @click.option("--max-batch-wait-ms", default=50.0, show_default=True, type=click.FloatRange(min=0),
               help="A batch starts at the latest this long after its oldest request arrived.")
-@click.option("--continuous/--no-continuous", default=True, show_default=True,
-              help="Continuous batching: between two decode steps, a running batch's free rows take waiting "
-                   "requests of the same model and sampling (not seeded sampling). Off: dynamic batches that "
-                   "run to their end.")
 @click.option("--join-wait-ms", default=10.0, show_default=True, type=click.FloatRange(min=0),
-              help="Continuous: requests that could join the running batch wait up to this long for others to join "
+              help="Requests that could join the running batch wait up to this long for others to join "
                    "with them (one prefill for all), unless they fill its free rows.")
 @click.option("--join-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
-              help="Continuous: prompt tokens that join the running batch at one step, at most (a larger first "
+              help="Prompt tokens that join the running batch at one step, at most (a larger first "
                    "request joins alone): a burst of requests joins over a few short steps instead of one long one.")
 @click.option("--preempt-after-ms", default=250.0, show_default=True, type=click.FloatRange(min=0),
-              help="Continuous: a request that cannot join the running batch (another model or sampling, no free "
+              help="A request that cannot join the running batch (another model or sampling, no free "
                    "row) stops it after waiting this long; its unfinished requests continue in a later batch.")
-@click.option("--rejoin-after-ms", default=None, type=click.FloatRange(min=0),
-              help="With --no-continuous: stop a running batch between two steps once a request that could join it "
-                   "has waited this long (and the batch has run as long): its unfinished requests continue with the "
-                   "waiting ones, their tokens so far prefilled again. Default: off (a batch runs to its end).")
 @click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=1),
               help="Most waiting requests; more get 429.")
 @click.option("--max-prompt-tokens", default=4096, show_default=True, type=click.IntRange(min=1))
@@ -60,10 +52,8 @@ from .options import load_options
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
           quantize: str | None,
           model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int, batch_wait_ms: float,
-          max_batch_wait_ms: float, continuous: bool, join_wait_ms: float, join_tokens: int,
-          preempt_after_ms: float,
-          rejoin_after_ms: float | None,
-          max_queue: int,
+          max_batch_wait_ms: float, join_wait_ms: float, join_tokens: int,
+          preempt_after_ms: float, max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
           lanes: int | None, compile_steps: bool, log_level: str) -> None:
     """Serve models on their devices over an OpenAI-compatible HTTP API.
@@ -97,11 +87,9 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
                    f"{', '.join(sorted({str(v) for v in resident.model.hf_device_map.values()}))}", err=True)
     limits = EngineLimits(max_batch=max_batch, batch_wait=batch_wait_ms / 1000,
                           max_batch_wait=max(max_batch_wait_ms, batch_wait_ms) / 1000, max_queue=max_queue,
-                          continuous=continuous, join_wait=join_wait_ms / 1000, join_tokens=join_tokens,
-                          preempt_after=preempt_after_ms / 1000,
-                          rejoin_after=None if rejoin_after_ms is None else rejoin_after_ms / 1000,
-                          max_prompt_tokens=max_prompt_tokens,
-                          max_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
+                          join_wait=join_wait_ms / 1000, join_tokens=join_tokens,
+                          preempt_after=preempt_after_ms / 1000, max_prompt_tokens=max_prompt_tokens,
+                          max_new_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
                           lanes=lanes, compile=compile_steps)
     app = create_app(Engine(registry, limits), api_key=api_key)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

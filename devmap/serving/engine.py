@@ -1,6 +1,7 @@
-"""The serving engine: requests queue up, a worker thread batches those for the same model and sampling into one
-`devmap.generate` call (dynamic batching: whatever arrived while the previous batch ran goes together), and
-each request's tokens stream back to its own asyncio queue as the lanes produce them.
+"""The serving engine: requests queue up; one worker thread owns the models and time, and runs continuous batches
+as vLLM's engine core does: each turn of its loop asks the scheduler (`scheduler.py`, pure policy) who runs next,
+issues one step of the batch (`devmap.generation.continuous`), and hands the tokens that came back to their
+requests (`text_stream.py`), whose text streams to each request's asyncio queue.
 
 The HTTP app is a thin layer over `Engine`; Python code can use it directly.
 """
@@ -15,51 +16,45 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-import torch
-
+from ..generation.continuous import ContinuousBatch, SlotRequest, continuous_batch
+from ..generation.sampling import Sampling
 from ..generation.step_cache import keep_shapes
 from .errors import GenerationFailed, QueueFull, RequestTimeout, ServiceError, ShuttingDown
 from .gc_pauses import watch_gc_pauses
 from .metrics import ServiceMetrics
 from .jobs import Completion, GenerationParams, Job
-from .text_stream import eos_ids, finish_job, take_token
+from .text_stream import eos_ids, take_token
 from .registry import ModelRegistry, ResidentModel
-from .slots import continuous_possible, round_up, serve_continuous
+from .scheduler import RunningBatch, Scheduler, SchedulerLimits, Start, batch_shape, grown, key_of
 
 log = logging.getLogger("devmap.serving")
+SLOW_FIRST_TOKEN = 0.25  # seconds: a request slower than this to its first token is logged with its phases (debug)
 
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """Bounds of the service: batch and queue sizes, prompt and output caps, per-request timeout."""
+    """Bounds of the service (batch and queue sizes, prompt length, token budget, timeouts) and its scheduling
+    knobs (see `SchedulerLimits`)."""
 
     max_batch: int = 64
     max_queue: int = 256
     max_prompt_tokens: int = 4096
-    max_tokens: int = 1024
+    max_new_tokens: int = 1024  # the largest token budget a request may ask for (HTTP's max_tokens)
     request_timeout: float = 600.0
     idle_timeout: float | None = None  # unload models unused this long (seconds)
     lanes: int | None = None
     compile: bool = False
-    batch_wait: float = 0.005  # a batch takes requests until none came for this long (seconds): clients that just
-    # got their answers come back together, spread over tens of milliseconds, and without it the next batch would
-    # start with the first few of them while the rest wait for its whole length
-    max_batch_wait: float = 0.05  # but starts at the latest this long after its oldest request or the last batch
-    length_bucket: int = 32  # prompts are left-padded to a multiple of this, new tokens rounded up to one
     graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
-    continuous: bool = True  # a running batch's free rows take waiting requests of the same model and sampling
-    # between two decode steps (greedy and unseeded sampling); False: batches run whole, as dynamic batches
-    join_wait: float = 0.01  # continuous: requests that could join wait up to this long (seconds) for more to join
-    # with them, unless they fill every free row or the step's join_tokens
-    join_tokens: int = 2048  # continuous: prompt tokens that join the running batch at one step, at most (beyond
-    # the first request): a burst of requests joins over a few steps, each step's prefill short, so the first ones
-    # answer sooner and the burst's requests end (and come back) spread out rather than all at once
-    preempt_after: float = 0.25  # continuous: a request that cannot join (another model or sampling, no free row)
-    # stops the running batch once it has waited this long (seconds); its unfinished requests continue later
-    rejoin_after: float | None = None  # dynamic batches (continuous=False): when a request that could join the
-    # running batch has waited this long (seconds) and the batch has run as long, the batch stops between two
-    # steps and its unfinished requests continue in the next one together with the waiting ones (their prompt + tokens so far prefilled again:
-    # recompute, as vLLM's preemption does). None: a batch runs to its end. Seeded sampling never rejoins.
+    batch_wait: float = 0.005
+    max_batch_wait: float = 0.05
+    length_bucket: int = 32
+    join_wait: float = 0.01
+    join_tokens: int = 2048
+    preempt_after: float = 0.25
+
+    def scheduling(self) -> SchedulerLimits:
+        return SchedulerLimits(self.max_batch, self.batch_wait, self.max_batch_wait, self.length_bucket,
+                               self.join_wait, self.join_tokens, self.preempt_after)
 
 
 class Engine:
@@ -70,14 +65,13 @@ class Engine:
         self.limits = limits or EngineLimits()
         self.metrics = ServiceMetrics()
         self._queue: queue.Queue[Job] = queue.Queue()
-        self._waiting: list[Job] = []  # taken off the queue, not yet batched (another model or sampling)
-        self._pending = 0
+        self.scheduler = Scheduler(self.limits.scheduling())  # the worker's: requests taken off the queue
+        self._pending = 0  # requests submitted and not yet in a batch (the queue's bound)
         self._count = threading.Lock()
         self._closing = threading.Event()
         self._worker: threading.Thread | None = None
         self._unwatch_gc: Callable[[], None] = lambda: None  # set while the worker runs
-        self._last_start = self._last_done = 0.0  # perf_counter when the last batch started and finished
-        self._last_size = 0  # and how many requests it held
+        self._last_done = 0.0  # perf_counter when the last batch ended
 
     def start(self) -> None:
         if self._worker is None:
@@ -103,11 +97,12 @@ class Engine:
         if len(prompt_ids) > limits.max_prompt_tokens:
             raise ServiceError(f"the prompt has {len(prompt_ids)} tokens; this service takes at most "
                                f"{limits.max_prompt_tokens}", param="prompt")
-        if params.max_tokens < 1 or params.max_tokens > limits.max_tokens:
-            raise ServiceError(f"max_tokens must be between 1 and {limits.max_tokens}, got {params.max_tokens}",
+        budget = params.max_new_tokens  # HTTP's max_tokens: errors name it so
+        if budget < 1 or budget > limits.max_new_tokens:
+            raise ServiceError(f"max_tokens must be between 1 and {limits.max_new_tokens}, got {budget}",
                                param="max_tokens")
-        if resident.context and len(prompt_ids) + params.max_tokens > resident.context:
-            raise ServiceError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+        if resident.context and len(prompt_ids) + budget > resident.context:
+            raise ServiceError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({budget}) is "
                                f"more than the model's context of {resident.context} tokens", param="max_tokens")
 
     def submit(self, model_id: str, prompt_ids: list[int], params: GenerationParams) -> Job:
@@ -157,99 +152,52 @@ class Engine:
     def _run(self) -> None:
         last_idle_check = time.monotonic()
         while True:
-            batch = self._next_batch()
-            if batch:
-                self._serve(batch)
-            elif self._closing.is_set() and not self._waiting and self._queue.empty():
+            self._pull(0.0)
+            decision = self.scheduler.start(time.perf_counter(), self._last_done)
+            if isinstance(decision, Start):
+                self._serve(decision)
+            elif self._closing.is_set() and not self.scheduler.waiting and self._queue.empty():
                 return
+            else:
+                until = decision.until if decision.until is not None else time.perf_counter() + 0.05
+                self._pull(until - time.perf_counter())
             if self.limits.idle_timeout is not None and time.monotonic() - last_idle_check > 1.0:
                 last_idle_check = time.monotonic()
                 for model_id in self.registry.idle(self.limits.idle_timeout):
                     self.registry.unload(model_id)
                 self.metrics.models.set(len(self.registry.all()))
 
-    def _next_batch(self) -> list[Job]:
-        """The oldest waiting request and every other waiting one of the same model and sampling (up to max_batch)."""
-        if not self._waiting:
-            try:
-                self._waiting.append(self._queue.get(timeout=0.05))
-            except queue.Empty:
-                return []
-        # A batch that just finished sends its clients their answers; in a busy service they come back within
-        # tens of milliseconds. Until as many requests as it held have arrived since it started, the next batch
-        # waits for them (at most max_batch_wait after the later of its oldest request and that finish); then
-        # it takes requests until none has come for batch_wait.
-        latest = max(self._waiting[0].arrived, self._last_done) + self.limits.max_batch_wait
-        if any(j.resumed for j in self._waiting):  # a batch stopped for the waiting ones: go on at once
-            latest = 0.0
-        while len(self._waiting) < self.limits.max_batch:
-            left = latest - time.perf_counter()
-            back = sum(j.arrived > self._last_start for j in self._waiting)
-            # continuous batches take late requests as they come: they never wait for the whole last batch
-            enough = back >= self._last_size or self.limits.continuous
-            wait = min(self.limits.batch_wait, left) if enough else left
-            try:
-                self._waiting.append(self._queue.get(timeout=max(wait, 0.0)))
-            except queue.Empty:
-                break
-        first = self._waiting[0]
-        key = (first.model_id, first.params.batch_key())
-        batch = [j for j in self._waiting if (j.model_id, j.params.batch_key()) == key][: self.limits.max_batch]
-        self.take(batch)
-        return [j for j in batch if not j.cancelled.is_set()]
-
-    def drain_queue(self) -> None:
-        """Move every queued request to the waiting list (worker thread only)."""
-        while True:
-            try:
-                self._waiting.append(self._queue.get_nowait())
-            except queue.Empty:
-                return
-
-    def await_request(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for a queued request and move it to the waiting list (worker thread only);
-        False if none came."""
+    def _pull(self, timeout: float) -> bool:
+        """Move queued requests to the scheduler, waiting up to `timeout` seconds for the first; False if none came.
+        Requests whose clients went away while waiting leave here."""
+        got = False
         try:
-            self._waiting.append(self._queue.get(timeout=max(timeout, 0.0)))
+            if timeout > 0:
+                self.scheduler.add(self._queue.get(timeout=timeout))
+                got = True
+            while True:
+                self.scheduler.add(self._queue.get_nowait())
+                got = True
         except queue.Empty:
-            return False
-        return True
+            pass
+        gone = self.scheduler.cancelled()
+        if gone:
+            self._taken(gone)
+        return got
 
-    @property
-    def waiting(self) -> list[Job]:
-        """Requests taken off the queue and not yet in a batch, oldest first (worker thread only)."""
-        return self._waiting
-
-    def take(self, batch: list[Job]) -> None:
-        """These waiting requests go into a batch now (worker thread only)."""
-        chosen = {id(j) for j in batch}
-        self._waiting = [j for j in self._waiting if id(j) not in chosen]
-        fresh = sum(not j.resumed for j in batch)
+    def _taken(self, jobs: list[Job]) -> None:
+        """These waiting requests leave the waiting list (into a batch, or gone): out of the queue's count."""
+        self.scheduler.take(jobs)
+        fresh = sum(not j.resumed for j in jobs)
         with self._count:
             self._pending -= fresh
         self.metrics.queue_depth.dec(fresh)
-        for job in batch:
+        for job in jobs:
             job.resumed = False
 
-    def _rejoin_check(self, jobs: list[Job]) -> Any:
-        """For a batch of `jobs`: a function of the batch's start time that says whether to stop it now, so that
-        a request of the same model and sampling which waited `rejoin_after` joins (None: this batch never stops)."""
-        wait = self.limits.rejoin_after
-        key = (jobs[0].model_id, jobs[0].params.batch_key())
-        if wait is None or (jobs[0].params.temperature != 0 and jobs[0].params.seed is not None):
-            return None
-
-        def check(started: float) -> bool:
-            now = time.perf_counter()
-            if now - started < wait:
-                return False
-            self.drain_queue()
-            return any(now - j.arrived >= wait and (j.model_id, j.params.batch_key()) == key
-                       and not j.cancelled.is_set() for j in self._waiting)
-
-        return check
-
-    def _serve(self, jobs: list[Job]) -> None:
+    def _serve(self, start: Start) -> None:
+        jobs = start.jobs
+        self._taken(jobs)
         try:
             resident = self.registry.get(jobs[0].model_id)
         except ServiceError as exc:
@@ -257,28 +205,17 @@ class Engine:
                 job.emit("error", exc)
             return
         self.metrics.batch_size.observe(len(jobs))
-        self._last_start, self._last_size = time.perf_counter(), len(jobs)
         self.metrics.running.set(len(jobs))
         try:
             with resident.busy:
                 resident.last_used = time.monotonic()
                 keep_shapes(resident.model, self.limits.graph_shapes)
-                if self.limits.continuous and continuous_possible(jobs[0].params):
-                    going_on = serve_continuous(self, resident, jobs)  # joiners are appended to `jobs`
-                    stopped = bool(going_on)
-                else:
-                    stopped = _generate(resident, jobs, self.limits, self.metrics, self._rejoin_check(jobs))
-                    going_on = [j for j in jobs if not j.finished and not j.cancelled.is_set()] if stopped else []
+                left = self._run_batch(resident, jobs, start.takes_joiners)
                 resident.last_used = time.monotonic()
-            if stopped:  # its unfinished requests continue in a later batch, prefilled again
-                now = time.perf_counter()
-                for job in going_on:
-                    job.resumed, job.waiting_since = True, now
-                # a dynamic batch stopped for requests that join them: first; a continuous one stopped for
-                # requests that could not join (another model, no row): after those
-                self._waiting = self._waiting + going_on if self.limits.continuous else going_on + self._waiting
-                self.metrics.rejoins.inc()
-                log.debug("batch stopped for waiting requests: %d continue", len(going_on))
+            if left:  # stopped for requests that could not join: its unfinished ones continue after those
+                self.scheduler.put_back(left, time.perf_counter())
+                self.metrics.preemptions.inc()
+                log.debug("batch stopped for waiting requests: %d continue", len(left))
         except Exception as exc:  # the batch failed: every request in it gets the reason, the service goes on
             failure = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
             for job in jobs:
@@ -289,59 +226,123 @@ class Engine:
             self.metrics.running.set(0)
             self._last_done = time.perf_counter()
 
+    def _run_batch(self, resident: ResidentModel, jobs: list[Job], joiners: bool) -> list[Job]:
+        """One continuous batch on the model, starting with `jobs` (requests that join are appended to it), step by
+        step until it drains or the scheduler stops it; returns the unfinished requests when it was stopped."""
+        limits = self.limits
+        shape = batch_shape(jobs, limits.scheduling(), resident.context, resident.batch_shape, joiners)
+        if joiners:  # the model's batches settle on one shape (a seeded batch's own shape is not kept)
+            resident.batch_shape = grown(resident.batch_shape, shape)
+        params = jobs[0].params
+        sampling = Sampling(params.temperature != 0, params.temperature or 1.0, params.top_k, params.top_p,
+                            params.seed or 0)
+        running = RunningBatch(key_of(jobs[0]), shape, joiners)
+        eos = eos_ids(resident)
+        trace = _BatchTrace(time.perf_counter(), shape.rows)
+        stopped = False
+        with continuous_batch(resident.model, rows=shape.rows, first_slot=shape.first_slot,
+                              cache_len=shape.cache_len, lanes=limits.lanes, sampling=sampling,
+                              compile=limits.compile) as batch:
+            joining = list(jobs)
+            clock = _PhaseClock(self.metrics)
+            while batch.step([_slot_request(job) for job in joining]):
+                clock.mark("issue")
+                self.metrics.decode_steps.inc()
+                tokens = batch.collect()
+                clock.mark("collect")
+                self._hand_back(batch, tokens, resident, eos, trace)
+                clock.mark("hand_back")
+                joining = []
+                while True:
+                    self._pull(0.0)
+                    free = len(batch.free_rows())
+                    admission = self.scheduler.admit(running, free, time.perf_counter())
+                    if admission.wait_until is None:
+                        break
+                    # every row is free: their clients get their last tokens, and are likely on their way back;
+                    # waiting a little for them keeps the batch and its captured steps instead of starting anew
+                    self._hand_back(batch, batch.collect(everything=True), resident, eos, trace)
+                    clock.mark("hand_back")
+                    self._pull(admission.wait_until - time.perf_counter())
+                    clock.mark("idle")
+                if admission.stop:
+                    stopped = True
+                    break
+                joining = admission.joining
+                if joining:
+                    self._taken(joining)
+                    now = time.perf_counter()
+                    for job in joining:
+                        trace.admitted[id(job)] = (now, free)
+                    jobs.extend(joining)
+                    self.metrics.joined.inc(len(joining))
+                self.metrics.running.set(shape.rows - free + len(joining))
+                clock.mark("schedule")
+            self._hand_back(batch, batch.collect(everything=True), resident, eos, trace)
+            unfinished = {id(owner) for owner in batch.unfinished()}
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("continuous batch (rows %d, first slot %d, cache %d): %d requests, %d joined (issued in %.0f "
+                      "ms), slowest first token %.0f ms, %s after %d steps, %.0f ms", shape.rows, shape.first_slot,
+                      shape.cache_len, len(jobs), batch.stats["joined"], 1000 * batch.stats["join_seconds"],
+                      1000 * trace.slowest, "stopped" if stopped else "drained", batch.stats["steps"],
+                      1000 * (time.perf_counter() - trace.started))
+        if not stopped:
+            return []
+        return [job for job in jobs if id(job) in unfinished and not job.finished and not job.cancelled.is_set()]
 
-def _generate(resident: ResidentModel, jobs: list[Job], limits: EngineLimits, metrics: ServiceMetrics,
-              stop_for_waiting: Any = None) -> bool:
-    """One devmap.generate call for the batch; tokens go to each job as the lanes produce them. A job that
-    continues a stopped batch starts from its prompt and the tokens it has. True when `stop_for_waiting(start)`
-    stopped the batch before its end (its unfinished jobs are left unfinished)."""
-    from ..generation.api import generate
+    def _hand_back(self, batch: ContinuousBatch, tokens: list[tuple[Any, int]], resident: ResidentModel,
+                   eos: list[int], trace: "_BatchTrace") -> None:
+        """Each token to its request (text out, the stop rule applied); the rows of requests that ended or whose
+        clients went away are released for joiners."""
+        for job, token in tokens:
+            if job.finished or job.cancelled.is_set():
+                batch.release(job)
+                continue
+            if not job.generated:
+                trace.first_token(job)
+            take_token(job, token, resident, eos, self.metrics)
+            if job.finished:
+                batch.release(job)
 
-    tokenizer = resident.tokenizer
-    eos = eos_ids(resident)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    # batch shapes in buckets (rows: powers of two; lengths: multiples of length_bucket), so that a service
-    # sees few shapes and replays their captured steps instead of capturing (or compiling) each new one
-    rows = min(1 << (len(jobs) - 1).bit_length(), max(limits.max_batch, len(jobs)))
-    prompts = [j.prompt_ids + j.generated for j in jobs]
-    longest = max(len(p) for p in prompts)
-    most = max(j.params.max_tokens - len(j.generated) for j in jobs)
-    length, new = round_up(longest, limits.length_bucket), round_up(most, limits.length_bucket)
-    if resident.context:  # the bucket never costs a request its tokens (check() made longest + most fit)
-        if length + most > resident.context:
-            length = longest
-        new = min(new, resident.context - length)
-    ids = torch.full((rows, length), pad, dtype=torch.long)
-    mask = torch.zeros((rows, length), dtype=torch.long)
-    for row in range(rows):  # left padding: every row continues from its last column; extra rows repeat the first
-        prompt = prompts[row] if row < len(jobs) else prompts[0]
-        ids[row, length - len(prompt):] = torch.tensor(prompt)
-        mask[row, length - len(prompt):] = 1
-    params = jobs[0].params
 
-    started, first, stopped = time.perf_counter(), [], []
+class _PhaseClock:
+    """Adds the time since the last mark to the engine's per-phase seconds (one counter per phase)."""
 
-    def on_tokens(lane_rows: slice, step: int, tokens: torch.Tensor) -> bool:
-        if not first:
-            first.append(time.perf_counter())
-        if not stopped and stop_for_waiting is not None and stop_for_waiting(started):
-            stopped.append(step)  # this step's tokens still count; the next ones are not asked for
-        for offset, row in enumerate(range(lane_rows.start, min(lane_rows.stop, len(jobs)))):
-            job = jobs[row]
-            if not job.finished and not job.cancelled.is_set():
-                take_token(job, int(tokens[offset]), resident, eos, metrics)
-        return not stopped and any(not j.finished and not j.cancelled.is_set() for j in jobs)
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.counters = {phase: metrics.engine_seconds.labels(phase=phase)
+                         for phase in ("issue", "collect", "hand_back", "schedule", "idle")}
+        self.last = time.perf_counter()
 
-    generate(resident.model, ids, mask, max_new_tokens=new, lanes=limits.lanes,
-             do_sample=params.temperature != 0, temperature=params.temperature or 1.0, top_k=params.top_k,
-             top_p=params.top_p, seed=params.seed or 0, eos_token_id=eos, pad_token_id=pad,
-             compile=limits.compile, on_tokens=on_tokens)
-    for job in jobs if not stopped else ():  # ran into the context's end
-        if not job.finished:
-            finish_job(job, "length", resident, metrics)
-    if log.isEnabledFor(logging.DEBUG):
-        done = time.perf_counter()
-        log.debug("batch of %d (rows %d, prompt %d, new %d): oldest waited %.0f ms, first tokens %.0f ms, "
-                  "done %.0f ms", len(jobs), rows, length, new, 1000 * (started - min(j.arrived for j in jobs)),
-                  1000 * ((first[0] if first else done) - started), 1000 * (done - started))
-    return bool(stopped)
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.counters[phase].inc(now - self.last)
+        self.last = now
+
+
+@dataclass
+class _BatchTrace:
+    """A batch's timings for the debug log: when it started, when each joiner was taken in (and how many rows were
+    free then), the slowest wait for a first token."""
+
+    started: float
+    rows: int
+    slowest: float = 0.0
+    admitted: dict[int, tuple[float, int]] = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.admitted = {}
+
+    def first_token(self, job: Job) -> None:
+        now = time.perf_counter()
+        self.slowest = max(self.slowest, now - job.arrived)
+        taken, free = self.admitted.pop(id(job), (self.started, self.rows))
+        if now - job.arrived > SLOW_FIRST_TOKEN and log.isEnabledFor(logging.DEBUG):
+            log.debug("slow first token (%.0f ms): a %d-token prompt waited %.0f ms to join (%d rows free then; "
+                      "%.0f ms into the batch), then %.0f ms to its first token", 1000 * (now - job.arrived),
+                      len(job.prompt_ids) + len(job.generated), 1000 * (taken - job.arrived), free,
+                      1000 * (taken - self.started), 1000 * (now - taken))
+
+
+def _slot_request(job: Job) -> SlotRequest:
+    """The job as a row's request: its prompt and the tokens it already has (a stopped batch's), its budget left."""
+    return SlotRequest(job.prompt_ids + job.generated, job.budget_left, job)

@@ -11,9 +11,10 @@ from typing import Any
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """What a request asks for: temperature 0 is greedy decoding (transformers' tokens)."""
+    """What a request asks for: at most `max_new_tokens` tokens (its token budget; HTTP's `max_tokens`), temperature 0
+    is greedy decoding (transformers' tokens)."""
 
-    max_tokens: int = 16
+    max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -57,6 +58,11 @@ class Job:
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
     stopped: bool = False  # a stop string ended it
     resumed: bool = False  # a batch stopped before it ended, and it waits to continue (counted out of the queue)
+
+    @property
+    def budget_left(self) -> int:
+        """Tokens it may still generate."""
+        return self.params.max_new_tokens - len(self.generated)
 
     def emit(self, *event: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)

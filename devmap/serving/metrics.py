@@ -24,10 +24,16 @@ class ServiceMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.first_token = Histogram("devmap_time_to_first_token_seconds", "Arrival to the first generated token",
                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("devmap_batch_size", "Requests per generate batch",
+        self.batch_size = Histogram("devmap_batch_size", "Requests a continuous batch started with",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
-        self.rejoins = Counter("devmap_batch_rejoins", "Batches stopped between steps for waiting requests, their "
-                               "unfinished ones continuing in a later batch", registry=r)
+        self.preemptions = Counter("devmap_preemptions", "Batches stopped between steps for requests that could not "
+                                   "join them, their unfinished ones continuing in a later batch", registry=r)
+        self.engine_seconds = Counter("devmap_engine_seconds", "The engine loop's time by phase: issue (joins and a "
+                                      "decode step launched), collect (waiting for tokens to come back: the GPUs' "
+                                      "time the host could not hide), hand_back (text out to the requests), "
+                                      "schedule (the queue and the scheduler), idle (every row free, waiting for "
+                                      "requests)", ["phase"], registry=r)
+        self.decode_steps = Counter("devmap_decode_steps", "Decode steps issued by continuous batches", registry=r)
         self.joined = Counter("devmap_joined_requests", "Requests that took a free row of a running batch "
                               "(continuous batching)", registry=r)
         self.gc_pauses = Histogram("devmap_gc_pause_seconds", "Python garbage collections (each holds every thread, "

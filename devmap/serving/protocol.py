@@ -24,9 +24,14 @@ class _Request(BaseModel):
     stop: Union[str, list[str], None] = None
     seed: int | None = None
 
-    def params(self, default_max: int = 16) -> GenerationParams:
+    def budget(self) -> int | None:
+        """The request's token budget as sent (None: the service's default)."""
+        return self.max_tokens
+
+    def params(self, default_budget: int = 16) -> GenerationParams:
+        """The generation parameters below HTTP: `max_tokens` becomes the token budget `max_new_tokens`."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return GenerationParams(max_tokens=self.max_tokens or default_max, temperature=self.temperature,
+        return GenerationParams(max_new_tokens=self.budget() or default_budget, temperature=self.temperature,
                                 top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                                 stop=tuple(s for s in stops if s))
 
@@ -60,11 +65,9 @@ class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
-    def params(self, default_max: int = 16) -> GenerationParams:
-        params = super().params(default_max)
-        if self.max_completion_tokens is not None and self.max_tokens is None:
-            params = GenerationParams(**{**params.__dict__, "max_tokens": self.max_completion_tokens})
-        return params
+    def budget(self) -> int | None:
+        """`max_tokens`, or the newer `max_completion_tokens` when only that is sent."""
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
 
 class LoadRequest(BaseModel):

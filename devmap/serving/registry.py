@@ -20,6 +20,7 @@ from torch import nn
 from ..errors import DevmapError, DoesNotFitError
 from ..planning.budget import resolve_budget
 from .errors import DoesNotFit, ModelNotFound, ServiceError
+from .scheduler import BatchShape
 
 
 @dataclass
@@ -36,9 +37,8 @@ class ResidentModel:
     report: dict[str, Any]
     last_used: float = field(default_factory=time.monotonic)
     busy: threading.Lock = field(default_factory=threading.Lock)
-    batch_rows: int = 0  # the largest continuous batch so far (rows, first slot, cache length): later ones reuse
-    batch_slot: int = 0  # its shape
-    batch_cache: int = 0
+    batch_shape: BatchShape = field(default_factory=BatchShape)  # the largest continuous batch so far: later
+    # ones reuse its shape (and its captured steps)
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "devmap",

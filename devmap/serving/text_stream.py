@@ -65,7 +65,8 @@ def eos_ids(resident: ResidentModel) -> list[int]:
 
 
 def take_token(job: Job, token: int, resident: ResidentModel, eos: list[int], metrics: ServiceMetrics) -> None:
-    """One more generated token for the job: its text goes out; EOS, a stop string or max_tokens ends it."""
+    """One more generated token for the job: its text goes out. The one stop rule of serving: EOS, a stop string or
+    the token budget (`max_new_tokens`) ends a request."""
     if token in eos:
         finish_job(job, "stop", resident, metrics)
         return
@@ -74,5 +75,5 @@ def take_token(job: Job, token: int, resident: ResidentModel, eos: list[int], me
         metrics.first_token.observe(time.perf_counter() - job.arrived)
     if send_text(job, resident.tokenizer):
         finish_job(job, "stop", resident, metrics)
-    elif len(job.generated) >= job.params.max_tokens:
+    elif job.budget_left <= 0:
         finish_job(job, "length", resident, metrics)

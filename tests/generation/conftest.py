@@ -33,14 +33,14 @@ def _run_continuous(model: torch.nn.Module, first: list, later: list, *, togethe
     many as fit at once, or one per step with `together=False`; None from the `stop_after`+1-th call on). Returns
     the tokens each owner got, the owners left unfinished and the requests never started."""
     got: dict = {r.owner: [] for r in first + later}
-    budget = {r.owner: r.max_new for r in first + later}
+    budget = {r.owner: r.max_new_tokens for r in first + later}
     queue, calls = list(later), []
 
     def admit(free: int, longest: int, most: int) -> list | None:
         calls.append(free)
         if stop_after is not None and len(calls) > stop_after:
             return None
-        fits = [r for r in queue if len(r.prompt) <= longest and r.max_new <= most][:free if together else 1]
+        fits = [r for r in queue if len(r.prompt) <= longest and r.max_new_tokens <= most][:free if together else 1]
         for r in fits:
             queue.remove(r)
         return fits
@@ -76,7 +76,7 @@ def _requests_and_their_tokens(reference: torch.nn.Module, seed: int, count: int
     reqs = [SlotRequest(torch.randint(3, 1000, (n,), generator=g).tolist(), m, i)
             for i, (n, m) in enumerate(zip(lengths, news))]
     device = next(reference.parameters()).device
-    expected = {r.owner: reference.generate(torch.tensor([r.prompt], device=device), max_new_tokens=r.max_new,
+    expected = {r.owner: reference.generate(torch.tensor([r.prompt], device=device), max_new_tokens=r.max_new_tokens,
                                             do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
                 .tolist() for r in reqs}
     return reqs, expected

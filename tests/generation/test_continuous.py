@@ -39,7 +39,7 @@ def test_joined_requests_get_the_tokens_of_generating_alone(model, run, together
     got, left, queue = run(model, reqs[:3], reqs[3:], rows=6, together=together)
     assert not left and not queue
     for r in reqs:
-        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
 def test_a_request_joins_while_others_still_decode(model, run):
@@ -49,7 +49,7 @@ def test_a_request_joins_while_others_still_decode(model, run):
     got, left, _ = run(model, [long, short], [late], rows=2, lanes=1)
     assert not left
     for r in (long, short, late):
-        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
 def test_a_later_first_slot_lets_longer_prompts_join_at_once(model, run):
@@ -59,7 +59,7 @@ def test_a_later_first_slot_lets_longer_prompts_join_at_once(model, run):
     got, left, queue = run(model, short, [long], rows=2, first_slot=20, cache_len=40)
     assert not left and not queue
     for r in (*short, long):
-        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
 def test_joiners_of_mixed_lengths_go_in_sub_groups_and_get_their_own_tokens(model, run, monkeypatch):
@@ -73,7 +73,7 @@ def test_joiners_of_mixed_lengths_go_in_sub_groups_and_get_their_own_tokens(mode
     got, left, queue = run(model, reqs[:1], reqs[1:], rows=12, first_slot=160, cache_len=176)
     assert not left and not queue
     for r in reqs:
-        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
 def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypatch):
@@ -94,7 +94,7 @@ def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypa
     assert shapes == set(joins.join_shapes(12, 4))
     assert not left and not queue
     for r in reqs:
-        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
 def test_join_groups_cover_every_joiner_once_in_few_shapes():
@@ -125,9 +125,9 @@ def test_a_batch_runs_past_its_cache_length_reusing_columns(model, run):
     reqs = requests(14, seed=7)
     got, left, queue = run(model, reqs[:2], reqs[2:], rows=2, lanes=1, first_slot=12, cache_len=20)
     assert not left and not queue
-    assert sum(r.max_new for r in reqs) > 3 * 20
+    assert sum(r.max_new_tokens for r in reqs) > 3 * 20
     for r in reqs:
-        assert got[r.owner] == alone(model, r.prompt, r.max_new), r.owner
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
 def test_stopping_returns_the_unfinished_owners(model, run):
@@ -142,7 +142,7 @@ def test_sampling_and_bad_arguments(model):
     got = []
     generate_continuous(model, reqs, lambda *a: [], lambda o, t: got.append(t) or False, rows=2, first_slot=12,
                         cache_len=20, sampling=Sampling(do_sample=True, temperature=0.8, seed=3))
-    assert len(got) == sum(r.max_new for r in reqs)  # a row stops at its request's max_new
+    assert len(got) == sum(r.max_new_tokens for r in reqs)  # a row stops at its request's max_new
     with pytest.raises(UsageError, match="1 to rows=1"):
         generate_continuous(model, reqs, lambda *a: [], lambda o, t: True, rows=1, first_slot=12, cache_len=20)
     with pytest.raises(UsageError, match="do not hold"):
@@ -174,7 +174,7 @@ def test_any_arrival_pattern_gives_each_request_its_own_tokens(model):
         waits = {r.owner: holds[i % len(holds)] for i, r in enumerate(later)}
 
         def admit(free, longest, most):
-            ready = [r for r in later if waits[r.owner] == 0 and len(r.prompt) <= longest and r.max_new <= most]
+            ready = [r for r in later if waits[r.owner] == 0 and len(r.prompt) <= longest and r.max_new_tokens <= most]
             for r in later:
                 waits[r.owner] = max(waits[r.owner] - 1, 0)
             for r in ready[:free]:
@@ -183,7 +183,7 @@ def test_any_arrival_pattern_gives_each_request_its_own_tokens(model):
 
         def emit(owner, token):
             got[owner].append(token)
-            return len(got[owner]) >= items[owner].max_new
+            return len(got[owner]) >= items[owner].max_new_tokens
 
         left = generate_continuous(model, start, admit, emit, rows=rows, first_slot=10, cache_len=20,
                                    lanes=lanes, split_layers=[2])  # a small cache: its columns wrap around
@@ -192,7 +192,7 @@ def test_any_arrival_pattern_gives_each_request_its_own_tokens(model):
             if r in later:  # never started: the batch drained while it was held back
                 assert got[r.owner] == []
             else:
-                assert got[r.owner] == alone_cached(r.prompt, r.max_new), r.owner
+                assert got[r.owner] == alone_cached(r.prompt, r.max_new_tokens), r.owner
 
     check()
 
@@ -214,7 +214,7 @@ def test_compiled_steps_join_like_eager_ones_and_compile_once(model, run, monkey
         for round in range(2):
             got, left, queue = run(model, reqs[:2], reqs[2:], rows=4, compile=True)
             assert not left and not queue
-            assert got == {r.owner: alone(model, r.prompt, r.max_new) for r in reqs}
+            assert got == {r.owner: alone(model, r.prompt, r.max_new_tokens) for r in reqs}
             if round == 0:
                 graphs = counters["stats"]["unique_graphs"]
         assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]

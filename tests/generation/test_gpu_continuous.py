@@ -24,7 +24,7 @@ def test_continuous_batch_on_one_gpu_wraps_its_cache_and_gives_each_request_its_
     placed = dispatch(AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval(), {"": 0})
     placed.load_state_dict(reference.state_dict())
     reqs, expected = requests_and_their_tokens(reference, 6, 36, 60, 12)
-    news = [r.max_new for r in reqs]
+    news = [r.max_new_tokens for r in reqs]
     for _ in range(2):  # capture, then replay
         got, left, queue = run_continuous(placed, reqs[:3], reqs[3:], rows=6, first_slot=60, cache_len=72)
         assert not left and not queue

@@ -163,7 +163,7 @@ def test_continuous_batching_over_two_gpus_gives_each_request_its_own_tokens(mon
     reqs = [SlotRequest(torch.randint(3, 1000, (int(n),), generator=g).tolist(), int(m), i)
             for i, (n, m) in enumerate(zip(torch.randint(3, 20, (14,), generator=g),
                                            torch.randint(1, 16, (14,), generator=g)))]
-    expected = {r.owner: reference.generate(torch.tensor([r.prompt], device="cuda:0"), max_new_tokens=r.max_new,
+    expected = {r.owner: reference.generate(torch.tensor([r.prompt], device="cuda:0"), max_new_tokens=r.max_new_tokens,
                                             do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
                 .tolist() for r in reqs}
     for _ in range(2):

@@ -20,9 +20,9 @@ def test_a_full_queue_refuses_with_429(registry):
 
     async def fill() -> None:
         for _ in range(2):
-            engine.submit("tiny", [5, 6, 7], GenerationParams(max_tokens=2))
+            engine.submit("tiny", [5, 6, 7], GenerationParams(max_new_tokens=2))
         with pytest.raises(QueueFull) as refused:
-            engine.submit("tiny", [5, 6, 7], GenerationParams(max_tokens=2))
+            engine.submit("tiny", [5, 6, 7], GenerationParams(max_new_tokens=2))
         assert refused.value.status == 429
 
     asyncio.run(fill())
@@ -33,7 +33,7 @@ def test_a_client_that_leaves_mid_stream_stops_its_batch(registry):
     engine.start()
 
     async def leave_early() -> int:
-        job = engine.submit("tiny", [5, 6, 7], GenerationParams(max_tokens=200, temperature=0))
+        job = engine.submit("tiny", [5, 6, 7], GenerationParams(max_new_tokens=200, temperature=0))
         stream = engine.stream(job)
         await stream.__anext__()
         await stream.aclose()  # what the server does when the client disconnects
@@ -56,7 +56,7 @@ def test_the_request_timeout_gives_504_and_closing_refuses_new_work(registry):
 
     async def too_slow() -> None:
         with pytest.raises(RequestTimeout) as late:
-            await engine.complete("tiny", [5, 6, 7], GenerationParams(max_tokens=50))
+            await engine.complete("tiny", [5, 6, 7], GenerationParams(max_new_tokens=50))
         assert late.value.status == 504
 
     try:
@@ -76,11 +76,11 @@ def test_stop_strings_end_the_text_before_them(registry):
     engine.start()
 
     async def run() -> tuple:
-        free = await engine.complete("tiny", [5, 6, 7], GenerationParams(max_tokens=12, temperature=0))
+        free = await engine.complete("tiny", [5, 6, 7], GenerationParams(max_new_tokens=12, temperature=0))
         stop = free.text[3:5] if len(free.text) >= 5 else None
         stopped = None
         if stop:
-            stopped = await engine.complete("tiny", [5, 6, 7], GenerationParams(max_tokens=12, temperature=0,
+            stopped = await engine.complete("tiny", [5, 6, 7], GenerationParams(max_new_tokens=12, temperature=0,
                                                                                  stop=(stop,)))
         return free, stop, stopped
 
@@ -121,8 +121,8 @@ def test_shape_buckets_never_cost_a_request_its_tokens(registry):
 
     async def at_the_edge() -> tuple:
         prompt = [5 + i % 300 for i in range(200)]  # 200 + 56 = the model's whole context of 256
-        done = await engine.complete("tiny", prompt, GenerationParams(max_tokens=56, temperature=0))
-        small = await asyncio.gather(*(engine.complete("tiny", [5, 6, 7][: k + 1], GenerationParams(max_tokens=3,
+        done = await engine.complete("tiny", prompt, GenerationParams(max_new_tokens=56, temperature=0))
+        small = await asyncio.gather(*(engine.complete("tiny", [5, 6, 7][: k + 1], GenerationParams(max_new_tokens=3,
                                                                                                      temperature=0))
                                        for k in range(3)))
         return done, small
@@ -134,7 +134,7 @@ def test_shape_buckets_never_cost_a_request_its_tokens(registry):
     assert done.finish_reason == "stop" or done.completion_tokens == 56
     assert all(s.finish_reason == "stop" or s.completion_tokens == 3 for s in small)
     with pytest.raises(ServiceError, match="context"):
-        engine.check(registry.get("tiny"), [5] * 200, GenerationParams(max_tokens=57))
+        engine.check(registry.get("tiny"), [5] * 200, GenerationParams(max_new_tokens=57))
 
 
 def test_incremental_decoding_gives_the_whole_decode(registry):
@@ -157,13 +157,10 @@ def test_incremental_decoding_gives_the_whole_decode(registry):
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
 
 
-@pytest.mark.parametrize("continuous, join_tokens", [(True, 2048), (True, 8), (False, 2048)])
-def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generate(registry, continuous, join_tokens):
+@pytest.mark.parametrize("join_tokens", [2048, 8])
+def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generate(registry, join_tokens):
     """Continuous batching: requests that come while a long batch runs take its free rows between two steps (with
-    join_tokens=8, about one per step).
-    Dynamic batches with rejoin_after: the batch stops between steps for them; its unfinished request continues
-    from its tokens so far (prefilled again) beside them. Either way every answer is the one devmap.generate gives
-    alone."""
+    join_tokens=8, about one per step); every answer is the one devmap.generate gives alone."""
     import torch
 
     import devmap
@@ -180,15 +177,15 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
         return resident.tokenizer.decode([t for t in out[:next((k for k, t in enumerate(out) if t in eos), len(out))]],
                                          skip_special_tokens=True)
 
-    engine = Engine(registry, EngineLimits(continuous=continuous, rejoin_after=1e-3, max_batch=4,
+    engine = Engine(registry, EngineLimits(max_batch=4,
                                            join_tokens=join_tokens))
     engine.start()
 
     async def staggered() -> list:
-        long = engine.submit("tiny", prompts[0], GenerationParams(max_tokens=lengths[0], temperature=0))
+        long = engine.submit("tiny", prompts[0], GenerationParams(max_new_tokens=lengths[0], temperature=0))
         stream = engine.stream(long)
         text = await stream.__anext__()  # the long batch runs now: the others arrive while it does
-        others = [asyncio.ensure_future(engine.complete("tiny", p, GenerationParams(max_tokens=n, temperature=0)))
+        others = [asyncio.ensure_future(engine.complete("tiny", p, GenerationParams(max_new_tokens=n, temperature=0)))
                   for p, n in zip(prompts[1:], lengths[1:])]
         text += "".join([piece async for piece in stream])
         return [text, *[c.text for c in await asyncio.gather(*others)]]
@@ -198,10 +195,7 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
     finally:
         engine.close(timeout=60)
     assert answers == [alone(p, n) for p, n in zip(prompts, lengths)]
-    if continuous:
-        assert engine.metrics.joined._value.get() >= 1
-    else:
-        assert engine.metrics.rejoins._value.get() >= 1
+    assert engine.metrics.joined._value.get() >= 1
 
 
 def test_a_request_that_cannot_join_stops_a_continuous_batch(registry):
@@ -222,10 +216,10 @@ def test_a_request_that_cannot_join_stops_a_continuous_batch(registry):
     engine.start()
 
     async def interleaved() -> tuple:
-        long = engine.submit("tiny", prompt, GenerationParams(max_tokens=120, temperature=0))
+        long = engine.submit("tiny", prompt, GenerationParams(max_new_tokens=120, temperature=0))
         stream = engine.stream(long)
         text = await stream.__anext__()
-        sampled = await engine.complete("tiny", [7, 8, 9], GenerationParams(max_tokens=4, temperature=0.7, seed=1))
+        sampled = await engine.complete("tiny", [7, 8, 9], GenerationParams(max_new_tokens=4, temperature=0.7, seed=1))
         text += "".join([piece async for piece in stream])
         return text, sampled, long
 
@@ -236,7 +230,7 @@ def test_a_request_that_cannot_join_stops_a_continuous_batch(registry):
     assert text == resident.tokenizer.decode(out, skip_special_tokens=True)
     assert sampled.finish_reason in ("stop", "length")
     assert len(out) > 40  # long enough to be running when the sampled request came: it was stopped for it
-    assert engine.metrics.rejoins._value.get() >= 1
+    assert engine.metrics.preemptions._value.get() >= 1
 
 
 def test_unseeded_sampling_runs_in_a_continuous_batch(registry):
@@ -245,7 +239,7 @@ def test_unseeded_sampling_runs_in_a_continuous_batch(registry):
     engine.start()
 
     async def sampled() -> list:
-        params = [GenerationParams(max_tokens=3 + i, temperature=0.8, top_p=0.9, top_k=50) for i in range(6)]
+        params = [GenerationParams(max_new_tokens=3 + i, temperature=0.8, top_p=0.9, top_k=50) for i in range(6)]
         return await asyncio.gather(*(engine.complete("tiny", [5 + i, 6, 7], p) for i, p in enumerate(params)))
 
     try:
@@ -258,14 +252,14 @@ def test_unseeded_sampling_runs_in_a_continuous_batch(registry):
 
 
 def test_the_debug_log_says_where_a_slow_first_token_waited(registry, monkeypatch, caplog):
-    from devmap.serving import slots
+    from devmap.serving import engine as engine_module
 
-    monkeypatch.setattr(slots, "SLOW_FIRST_TOKEN", 0.0)  # every first token counts as slow
+    monkeypatch.setattr(engine_module, "SLOW_FIRST_TOKEN", 0.0)  # every first token counts as slow
     engine = Engine(registry)
     engine.start()
 
     async def ask() -> None:
-        job = engine.submit("tiny", [5, 6, 7, 8], GenerationParams(max_tokens=3, temperature=0))
+        job = engine.submit("tiny", [5, 6, 7, 8], GenerationParams(max_new_tokens=3, temperature=0))
         async for _ in engine.stream(job):
             pass
 
@@ -313,3 +307,23 @@ def test_an_unloaded_model_is_freed_though_loads_freeze_the_collector(model_root
     del resident, cycle
     registry.unload("frozen")
     assert model() is None
+
+
+def test_a_seeded_request_gives_the_same_text_whatever_ran_before(registry):
+    """A seeded batch's shape depends on its requests alone, not on the larger batches the model ran before."""
+    engine = Engine(registry, EngineLimits(max_batch=8))
+    engine.start()
+    seeded = GenerationParams(max_new_tokens=6, temperature=0.9, seed=11)
+
+    async def ask() -> list:
+        first = await engine.complete("tiny", [5, 6, 7], seeded)
+        await asyncio.gather(*(engine.complete("tiny", [9 + i, 8, 7], GenerationParams(max_new_tokens=40))
+                               for i in range(8)))  # unseeded: a batch of 8 rows and a longer cache
+        again = await engine.complete("tiny", [5, 6, 7], seeded)
+        return [first.text, again.text]
+
+    try:
+        first, again = asyncio.run(ask())
+    finally:
+        engine.close(timeout=60)
+    assert first == again

@@ -1,0 +1,156 @@
+"""The serving scheduler's policy, without a model, a thread or a clock: who starts a batch, who joins a running
+one, when a batch stops for others, waits for clients coming back, or drains; and the shapes batches get."""
+
+import pytest
+
+from devmap.serving.jobs import GenerationParams, Job
+from devmap.serving.scheduler import (MIN_ROWS, Admission, BatchShape, RunningBatch, Scheduler, SchedulerLimits,
+                                      Start, Wait, batch_shape, grown, key_of)
+
+LIMITS = SchedulerLimits(max_batch=8, batch_wait=0.005, max_batch_wait=0.05, length_bucket=32, join_wait=0.01,
+                         join_tokens=20, preempt_after=0.25)
+GREEDY = GenerationParams(max_new_tokens=8, temperature=0)
+
+
+def job(at: float, prompt: int = 4, params: GenerationParams = GREEDY, model: str = "m") -> Job:
+    return Job(model, list(range(5, 5 + prompt)), params, loop=None, arrived=at, waiting_since=at)  # type: ignore[arg-type]
+
+
+def scheduler(*jobs: Job) -> Scheduler:
+    s = Scheduler(LIMITS)
+    for j in jobs:
+        s.add(j)
+    return s
+
+
+def running(first: Job, rows: int = 4, slot: int = 32, cache: int = 128, joiners: bool = True) -> RunningBatch:
+    return RunningBatch(key_of(first), BatchShape(rows, slot, cache), joiners)
+
+
+def test_a_batch_starts_once_requests_stop_coming_with_the_oldest_requests_key():
+    a, b, other = job(1.0), job(1.002), job(1.001, model="n")
+    s = scheduler(a, other, b)
+    assert s.start(1.003, last_done=0.0) == Wait(1.002 + LIMITS.batch_wait)
+    started = s.start(1.0071, last_done=0.0)
+    assert isinstance(started, Start) and started.jobs == [a, b] and started.takes_joiners
+    assert s.start(0.5, last_done=0.0) == Wait(1.002 + LIMITS.batch_wait)  # nothing is taken until the engine says
+
+
+def test_a_batch_waits_at_most_max_batch_wait_and_starts_at_once_when_full_or_continuing():
+    steady = [job(1.0 + 0.004 * k) for k in range(5)]  # one every 4 ms: never quiet for batch_wait
+    s = scheduler(*steady)
+    assert isinstance(s.start(1.0161, last_done=0.0), Wait)
+    assert isinstance(s.start(1.0 + LIMITS.max_batch_wait, last_done=0.0), Start)
+    assert isinstance(s.start(1.0161, last_done=1.02), Wait)  # the bound counts from the last batch's end too
+    full = scheduler(*[job(1.0) for _ in range(LIMITS.max_batch + 2)])
+    started = full.start(1.0, last_done=0.0)
+    assert isinstance(started, Start) and len(started.jobs) == LIMITS.max_batch
+    back = scheduler(job(1.0))
+    back.put_back([job(0.5)], now=1.0)
+    assert isinstance(back.start(1.0, last_done=0.0), Start)
+
+
+def test_cancelled_requests_never_start():
+    gone, kept = job(1.0), job(1.0)
+    gone.cancelled.set()
+    s = scheduler(gone, kept)
+    assert s.cancelled() == [gone]
+    started = s.start(2.0, last_done=0.0)
+    assert isinstance(started, Start) and started.jobs == [kept]
+
+
+def test_joiners_take_free_rows_within_the_join_token_budget():
+    first = job(0.0)
+    waiting = [job(1.0, prompt=8) for _ in range(4)]
+    s = scheduler(*waiting)
+    admission = s.admit(running(first), free=3, now=2.0)
+    assert admission.joining == waiting[:2]  # 8 + 8 tokens; a third would pass join_tokens=20
+    assert s.admit(running(first), free=1, now=1.1).joining == waiting[:1]
+    huge = job(1.0, prompt=30)
+    assert scheduler(huge).admit(running(first), free=2, now=2.0).joining == [huge]  # the first always joins
+
+
+def test_a_lone_joiner_waits_join_wait_for_company_unless_it_fills_the_free_rows():
+    first = job(0.0)
+    alone = job(1.0)
+    assert scheduler(alone).admit(running(first), free=2, now=1.005) == Admission([])
+    assert scheduler(alone).admit(running(first), free=2, now=1.0101).joining == [alone]
+    assert scheduler(alone).admit(running(first), free=1, now=1.001).joining == [alone]
+
+
+def test_a_request_that_cannot_join_stops_the_batch_after_preempt_after():
+    first = job(0.0)
+    for blocked in (job(1.0, model="n"), job(1.0, params=GenerationParams(max_new_tokens=8, temperature=0.5)),
+                    job(1.0, prompt=40)):  # another model, another sampling, a prompt past the first slot
+        assert scheduler(blocked).admit(running(first), free=2, now=1.1) == Admission([])
+        assert scheduler(blocked).admit(running(first), free=2, now=1.0 + LIMITS.preempt_after).stop
+    no_row = job(1.0)  # no free row while the batch could be larger
+    assert scheduler(no_row).admit(running(first, rows=4), free=0, now=1.3).stop
+    assert not scheduler(no_row).admit(running(first, rows=8), free=0, now=1.3).stop  # max_batch rows: it waits
+    too_long = job(1.0, params=GenerationParams(max_new_tokens=200, temperature=0))
+    assert scheduler(too_long).admit(running(first, cache=128), free=2, now=1.0).stop  # never fits: at once
+
+
+def test_an_idle_batch_waits_for_its_clients_then_drains():
+    first = job(0.0)
+    batch = running(first)
+    s = scheduler()
+    assert s.admit(batch, free=4, now=5.0) == Admission([], wait_until=5.0 + LIMITS.max_batch_wait)
+    assert s.admit(batch, free=4, now=5.02).wait_until == 5.0 + LIMITS.max_batch_wait  # idle since 5.0
+    assert s.admit(batch, free=4, now=5.06) == Admission([])  # nobody came: it drains
+    back = job(5.01)
+    s.add(back)
+    assert s.admit(running(first), free=4, now=5.012).wait_until == 5.01 + LIMITS.batch_wait  # more may follow
+    assert s.admit(running(first), free=4, now=5.016).joining == [back]
+    assert scheduler(job(5.0, model="n")).admit(running(first), free=4, now=5.0) == Admission([])  # others wait
+
+
+def test_a_seeded_batch_takes_no_joiners_and_never_stops():
+    seeded = GenerationParams(max_new_tokens=8, temperature=0.7, seed=3)
+    first = job(0.0, params=seeded)
+    s = scheduler(job(1.0, params=seeded), job(1.0, model="n"))
+    assert s.admit(running(first, joiners=False), free=2, now=9.0) == Admission([])
+    assert not scheduler().admit(running(first, joiners=False), free=4, now=9.0).wait_until
+
+
+def test_batch_shapes_hold_every_request_and_settle_on_the_largest():
+    jobs = [job(0.0, prompt=10), job(0.0, prompt=40, params=GenerationParams(max_new_tokens=100, temperature=0))]
+    shape = batch_shape(jobs, LIMITS, context=0, kept=BatchShape())
+    assert shape.rows == MIN_ROWS and shape.first_slot % 32 == 0 and shape.cache_len % 128 == 0
+    assert shape.first_slot >= 40 + 100 - 1 and shape.cache_len >= shape.first_slot + 100
+    again = batch_shape(jobs[:1], LIMITS, context=0, kept=grown(BatchShape(), shape))
+    assert again == shape  # a later, smaller batch keeps the model's shape (and its captured steps)
+    assert batch_shape(jobs, LIMITS, context=0, kept=BatchShape(), takes_joiners=False).rows == 2
+    tight = batch_shape(jobs, LIMITS, context=160, kept=BatchShape())
+    assert tight.cache_len <= 160 and tight.first_slot >= 40 and tight.cache_len - tight.first_slot + 1 >= 100
+
+
+def test_any_requests_fit_the_shape_they_get():
+    """Property: whatever the prompts, budgets, progress, context and kept shape, each request's prompt so far fits
+    the first slot and its budget left fits the cache after it (what the continuous batch checks)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=200, deadline=None, derandomize=True)
+    @hypothesis.given(items=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300), st.integers(0, 299)),
+                                     min_size=1, max_size=9),
+                      context=st.sampled_from([0, 700, 1024]), kept=st.tuples(st.integers(0, 16),
+                                                                              st.integers(0, 400),
+                                                                              st.integers(0, 900)))
+    def check(items, context, kept):
+        jobs = []
+        for prompt, budget, done in items:
+            j = job(0.0, prompt=prompt, params=GenerationParams(max_new_tokens=budget, temperature=0))
+            j.generated = [7] * min(done, budget - 1)
+            if context and prompt + budget > context:
+                continue  # the engine refuses these at the door
+            jobs.append(j)
+        hypothesis.assume(jobs)
+        shape = batch_shape(jobs, LIMITS, context, BatchShape(*kept))
+        for j in jobs:
+            length = len(j.prompt_ids) + len(j.generated)
+            assert length <= shape.first_slot and j.budget_left <= shape.cache_len - length + 1
+        assert not context or shape.cache_len <= max(context, shape.first_slot + max(j.budget_left for j in jobs) - 1)
+        assert shape.rows >= len(jobs)
+
+    check()
