@@ -63,7 +63,9 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     # holds decode finite garbage; every request, the first ones too, comes in through a joining group's prefill
     ids = torch.zeros((rows, 1), dtype=torch.long)
     lane_list = split_lanes(stages, ids, torch.ones_like(ids), lanes, default=len(stages.stages))
-    run = LaneRunner(stages, lane_list, graphs, compile)
+    # compile=True compiles the decode steps only: a batch meets one decode shape but many joining sub-group shapes,
+    # whose prefills are long enough for captured eager kernels (and would each cost a compile on first use)
+    run = LaneRunner(stages, lane_list, graphs, compile, compile_prefill=False)
     cache = step_cache(model, "continuous", KEPT_SHAPES) if run.graphs and keep_graphs else StepCache()
     entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),
                         weight_pointers(model))

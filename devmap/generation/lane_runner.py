@@ -47,11 +47,13 @@ class Lane:
 class LaneRunner:
     """One generate() or forward() call: every lane-step issued from this thread, stages on their own streams."""
 
-    def __init__(self, stages: CausalLMStages, lanes: list[Lane], graphs: bool, compile: bool = False) -> None:
+    def __init__(self, stages: CausalLMStages, lanes: list[Lane], graphs: bool, compile: bool = False,
+                 compile_prefill: bool | None = None) -> None:
         self.s, self.lanes = stages, lanes
         self.streams = StreamSet()
         self.graphs = graphs and graphs_possible(stages.devices)
-        self.compile = compile
+        self.compile = compile  # decode steps through torch.compile
+        self.compile_prefill = compile if compile_prefill is None else compile_prefill
         self._plain: dict[tuple[int, int], dict[str, Any]] = {}
 
     def _capture_stream(self, j: int) -> Any:
@@ -218,7 +220,8 @@ class LaneRunner:
                        "position_embeddings": self.s.rotary(hidden, static_positions)}
             return self.s.run(j, hidden, context, lane_cache)
 
-        step = GraphedStep(self._compiled(body), static_in, True, cache.pool(device, j), self._capture_stream(j))
+        body = compile_step(body) if self.compile_prefill else body
+        step = GraphedStep(body, static_in, True, cache.pool(device, j), self._capture_stream(j))
         return step, static_positions, static_mask
 
     def _compiled(self, body: Any) -> Any:
