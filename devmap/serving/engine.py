@@ -22,7 +22,7 @@ from ..generation.step_cache import keep_shapes
 from .errors import GenerationFailed, QueueFull, RequestTimeout, ServiceError, ShuttingDown
 from .gc_pauses import watch_gc_pauses
 from .metrics import ServiceMetrics
-from .jobs import Completion, GenerationParams, Job
+from .jobs import Completion, GenerationParams, Job, Outbox
 from .text_stream import eos_ids, take_token
 from .registry import ModelRegistry, ResidentModel
 from .scheduler import RunningBatch, Scheduler, SchedulerLimits, Start, batch_shape, grown, key_of
@@ -72,6 +72,7 @@ class Engine:
         self._worker: threading.Thread | None = None
         self._unwatch_gc: Callable[[], None] = lambda: None  # set while the worker runs
         self._last_done = 0.0  # perf_counter when the last batch ended
+        self._outbox = Outbox()  # the worker's events for the requests' streams, flushed once per step
 
     def start(self) -> None:
         if self._worker is None:
@@ -117,23 +118,34 @@ class Engine:
             self._pending += 1
         self.metrics.queue_depth.inc()
         self.metrics.prompt_tokens.labels(model=model_id).inc(len(prompt_ids))
-        job = Job(model_id, list(prompt_ids), params, asyncio.get_running_loop())
+        job = Job(model_id, list(prompt_ids), params, asyncio.get_running_loop(), outbox=self._outbox)
         self._queue.put(job)
         return job
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """The request's text as it is generated; ends when the request finishes (see `job.finish_reason`)."""
         deadline = job.arrived + self.limits.request_timeout
+        held: tuple | None = None  # an event read while gathering text, handled next
         try:
             while True:
-                left = deadline - time.perf_counter()
-                try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=max(left, 0.0))
-                except asyncio.TimeoutError:
-                    raise RequestTimeout(f"the request ran past the service's timeout of "
-                                         f"{self.limits.request_timeout:g} s") from None
+                if held is not None:
+                    event, held = held, None
+                else:
+                    left = deadline - time.perf_counter()
+                    try:
+                        event = await asyncio.wait_for(job.events.get(), timeout=max(left, 0.0))
+                    except asyncio.TimeoutError:
+                        raise RequestTimeout(f"the request ran past the service's timeout of "
+                                             f"{self.limits.request_timeout:g} s") from None
                 if event[0] == "text":
-                    yield event[1]
+                    text = event[1]
+                    while not job.events.empty():  # what came while the client was slower goes as one chunk
+                        more = job.events.get_nowait()
+                        if more[0] != "text":
+                            held = more
+                            break
+                        text += more[1]
+                    yield text
                 elif event[0] == "done":
                     job.finish_reason = event[1]
                     return
@@ -203,6 +215,7 @@ class Engine:
         except ServiceError as exc:
             for job in jobs:
                 job.emit("error", exc)
+            self._outbox.flush()
             return
         self.metrics.batch_size.observe(len(jobs))
         self.metrics.running.set(len(jobs))
@@ -223,6 +236,7 @@ class Engine:
                     job.finished = True
                     job.emit("error", failure)
         finally:
+            self._outbox.flush()
             self.metrics.running.set(0)
             self._last_done = time.perf_counter()
 
@@ -303,6 +317,7 @@ class Engine:
             take_token(job, token, resident, eos, self.metrics)
             if job.finished:
                 batch.release(job)
+        self._outbox.flush()
 
 
 class _PhaseClock:

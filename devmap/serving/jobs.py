@@ -64,5 +64,41 @@ class Job:
         """Tokens it may still generate."""
         return self.params.max_new_tokens - len(self.generated)
 
+    outbox: "Outbox | None" = None  # the engine's: events leave in one wake-up of the event loop per step
+
     def emit(self, *event: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        """An event for the request's stream: ("text", str), ("done", finish reason) or ("error", exception)."""
+        if self.outbox is not None:
+            self.outbox.put(self, event)
+        else:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Outbox:
+    """Events of many requests, handed to their event loops together: one thread-safe wake-up per loop per
+    `flush` (the engine flushes after each step's tokens) instead of one per token."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Job, tuple]] = []
+        self._lock = threading.Lock()
+
+    def put(self, job: Job, event: tuple) -> None:
+        with self._lock:
+            self._items.append((job, event))
+
+    def flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        by_loop: dict[Any, list[tuple[asyncio.Queue, tuple]]] = {}
+        for job, event in items:
+            by_loop.setdefault(job.loop, []).append((job.events, event))
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, events)
+            except RuntimeError:  # the loop has closed: its clients are gone
+                pass
+
+
+def _put_all(events: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)
