@@ -72,7 +72,10 @@ class DevmapGroup(click.Group):
 def _fail(message: str, code: int, debug: bool) -> None:
     if debug and sys.exc_info()[0] is not None:
         traceback.print_exc()
-    click.echo(f"Error: {message}", err=True)
+    from .rank_launch import report_rank_error
+
+    if not report_rank_error(message, code):  # a rank of `devmap train --nproc-per-node`: its launcher prints it
+        click.echo(f"Error: {message}", err=True)
     sys.exit(code)
 
 

@@ -14,7 +14,7 @@ from .output import echo_json, table
 @click.option("--offload-folder", default=None, help="Folder for disk offload (adds a disk budget).")
 @click.option("--layers", is_flag=True, help="Also print a per-layer table (type, output shape, params, device).")
 @click.option("--input-shape", default=None, help="Input shape for --layers, e.g. 1,3,224,224 or 1,128 (tokens).")
-@click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4"]),
+@click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4"], case_sensitive=False),
               help="Count the blocks' Linear weights quantized (int8: torchao, int4: torchao, nf4: bitsandbytes); "
                    "embeddings, norms and lm_head stay at --dtype.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
@@ -76,6 +76,10 @@ def render_plan(result) -> str:  # type: ignore[no-untyped-def]
                      f"{format_bytes(result.unquantized_bytes)} in {dtype_name(result.dtype)} "
                      f"({', '.join(result.quantization.skip_modules)}, embeddings and norms stay in "
                      f"{dtype_name(result.dtype)})")
+        if result.total_bytes > result.unquantized_bytes:
+            from devmap.planning.quantization import larger_than_unquantized
+
+            lines.append(larger_than_unquantized(result.quantization))
     lines += ["", table(["device", "blocks", "params", "size", "budget", "use"], rows, right=(1, 2, 3, 4, 5)),
              "", "Map:"]
     lines += [f"  {run}" for run in result.runs]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import click
 
@@ -22,7 +23,7 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
               help="A JSON file {module: stage} (a devmap plan's map: its devices are the stages, in order).")
 @click.option("--stages", default=None, type=click.IntRange(min=1),
               help="Cut into this many FLOP-balanced stages (default: one per rank, two for interleaved and zb).")
-@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(SCHEDULE_NAMES))
+@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(SCHEDULE_NAMES, case_sensitive=False))
 @click.option("--chunks", default=4, show_default=True, type=click.IntRange(min=1), help="Micro-batches per step.")
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--input-shape", default="3,224,224", show_default=True, help="One sample's shape.")
@@ -33,16 +34,25 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
               help="After training, this many batches in eval mode; their mean loss is reported.")
 @click.option("--out", default=None, type=click.Path(file_okay=False),
               help="Directory for losses.json, each rank's final stage tensors and the eval outputs.")
+@click.option("--nproc-per-node", default=None, type=click.IntRange(min=1),
+              help="Start this many ranks on this machine and wait for them (as torchrun --standalone does), "
+                   "with devmap's exit codes (2: bad input). Not needed under torchrun.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line (from the last stage's rank).")
-def train(as_json: bool, **options: Any) -> None:
-    """Train a model cut into pipeline stages over the ranks torchrun starts (gloo on CPUs, NCCL on GPUs).
+def train(as_json: bool, nproc_per_node: int | None, **options: Any) -> None:
+    """Train a model cut into pipeline stages over several ranks (gloo on CPUs, NCCL on GPUs).
 
-    Run as `torchrun --nproc-per-node N -m devmap train ...` (several machines: --nnodes and a rendezvous
-    endpoint). The data is the PyTorch tutorial's: random images, one-hot labels, MSE.
+    Run as `devmap train --nproc-per-node N ...` on one machine, or under torchrun
+    (`torchrun --nproc-per-node N -m devmap train ...`; several machines: --nnodes and a rendezvous endpoint).
+    Rank 0 shows each step's progress on a terminal; the last stage's rank prints the losses.
+    The data is the PyTorch tutorial's: random images, one-hot labels, MSE.
     """
+    config = config_from(options)  # bad options are refused here, before any rank starts
     if "RANK" not in os.environ:
-        raise click.UsageError("run under torchrun, e.g. torchrun --nproc-per-node 2 -m devmap train ...")
-    config = config_from(options)
+        if nproc_per_node is None:
+            raise click.UsageError("give --nproc-per-node N (ranks on this machine), or run under torchrun: "
+                                   "torchrun --nproc-per-node 2 -m devmap train ...")
+        _launch_ranks(nproc_per_node)
+        return
     import torch
     import torch.distributed as dist
 
@@ -50,7 +60,8 @@ def train(as_json: bool, **options: Any) -> None:
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        result = run_training(config)
+        with _step_progress(config.steps, quiet=as_json or dist.get_rank() != 0) as on_step:
+            result = run_training(config, on_step)
     finally:
         dist.destroy_process_group()
     if result is None:
@@ -58,9 +69,52 @@ def train(as_json: bool, **options: Any) -> None:
     if as_json:
         click.echo(json.dumps(result))
         return
-    best = f"; step {min(result['step_seconds']):.3f} s (best)" if result["step_seconds"] else ""
-    click.echo(f"{result['ranks']} ranks, {result['stages']} stages, {config.schedule}: losses "
-               + ", ".join(f"{x:.6f}" for x in result["losses"]) + best)
+    click.echo(render_result(result, config.schedule))
+
+
+def _launch_ranks(processes: int) -> None:
+    import sys
+
+    from .rank_launch import launch, worker_arguments
+
+    argv = sys.argv[1:]
+    if "train" not in argv:
+        raise click.UsageError("--nproc-per-node starts ranks from the command line: devmap train --nproc-per-node "
+                               "N ...")
+    code = launch(processes, worker_arguments(argv), debug="--debug" in argv)
+    if code:
+        sys.exit(code)  # the ranks' error line is printed already
+
+
+@contextlib.contextmanager
+def _step_progress(steps: int, quiet: bool) -> Iterator[Callable[[int, float], None]]:
+    """A progress bar of the steps on a terminal (rank 0; none with --json or off a terminal)."""
+    import sys
+
+    from tqdm import tqdm
+
+    with tqdm(total=steps, desc="train", unit="step", file=sys.stderr, leave=False,
+              disable=quiet or not sys.stderr.isatty()) as bar:
+        def on_step(step: int, seconds: float) -> None:
+            bar.set_postfix_str(f"{seconds:.3f} s/step")
+            bar.update(1)
+
+        yield on_step
+
+
+def render_result(result: dict[str, Any], schedule: str) -> str:
+    """The run's summary line and a table of its steps (and its eval losses)."""
+    from .output import table
+
+    best = f"; best step {min(result['step_seconds']):.3f} s" if result["step_seconds"] else ""
+    lines = [f"{result['ranks']} ranks, {result['stages']} stages, {schedule}{best}"]
+    rows = [[step + 1, f"{loss:.6f}", f"{seconds:.3f}"]
+            for step, (loss, seconds) in enumerate(zip(result["losses"], result["step_seconds"]))]
+    if rows:
+        lines += ["", table(["step", "loss", "seconds"], rows, right=(0, 1, 2))]
+    if result.get("eval_losses"):
+        lines += ["", "eval losses: " + ", ".join(f"{x:.6f}" for x in result["eval_losses"])]
+    return "\n".join(lines)
 
 
 def config_from(options: dict[str, Any]) -> Any:

@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -73,8 +73,9 @@ def stages_wanted(args: TrainConfig, world: int) -> int:
     return args.stages or world * (1 if args.schedule in ("gpipe", "1f1b") else 2)
 
 
-def train(args: TrainConfig) -> dict[str, Any] | None:
-    """Run the steps on this rank (inside an initialized process group); the result on the last stage's rank."""
+def train(args: TrainConfig, on_step: Callable[[int, float], None] | None = None) -> dict[str, Any] | None:
+    """Run the steps on this rank (inside an initialized process group); the result on the last stage's rank.
+    `on_step(step, seconds)` is called on every rank after each step (all ranks are through it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.eval_batches and args.schedule == "zb":
         raise UsageError("--eval-batches runs forward-only schedules; the zero-bubble V schedule only trains: "
@@ -106,6 +107,8 @@ def train(args: TrainConfig) -> dict[str, Any] | None:
         dist.barrier()
         seconds.append(time.perf_counter() - start)
         losses.append(loss)
+        if on_step is not None:
+            on_step(step + 1, seconds[-1])
     eval_losses, outputs = [], {}
     for k in range(args.eval_batches):
         x, target = batch(args, args.steps + k, shape)

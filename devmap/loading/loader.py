@@ -31,6 +31,7 @@ from ..planning.models import resolve_source
 from ..planning.placement import _quiet
 from ..planning.planner import DeviceMapSpec, Plan, check_could_fit, owner_of, plan_model
 from ..planning.quantization import quantized_weights, resolve_quantization
+from ..compat import stored_tensors
 from .quantize import check_library, load_quantized
 from .transfer import CopyJob, copy_into
 
@@ -119,7 +120,7 @@ def load(
     plan = plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized)
     shrink = set(quantized_weights(model, quantized)) if quantized is not None else set()
     if quantized is not None:
-        check_library(quantized, {_target(plan, name) for name in shrink})
+        check_library(quantized)
     with _undo_offload_on_failure(folder):
         _check_devices(plan, folder)
         from accelerate.utils import find_tied_parameters
@@ -299,10 +300,25 @@ def _materialize(
         gpu = int(label.split(":")[1]) if label.startswith("cuda:") else None
         devices[label] = DeviceLoad(
             device=label, blocks=len(usage.modules), planned_bytes=usage.bytes,
-            allocated_bytes=torch.cuda.memory_allocated(gpu) - before[gpu] if gpu in before else None,
+            allocated_bytes=(torch.cuda.memory_allocated(gpu) - before[gpu] if gpu in before
+                             else _host_bytes(model) if label == "cpu" else None),
             seconds=finished.get(label, 0.0),
         )
     return {"devices": devices, "bytes_read": sum(e.nbytes for e in entries.values()) if entries else 0}
+
+
+def _host_bytes(model: nn.Module) -> int:
+    """Bytes of the model's tensors in host memory (quantized ones as their library stores them; shared ones once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type != "cpu":
+            continue
+        for stored in stored_tensors(tensor):
+            if stored.data_ptr() not in seen:
+                seen.add(stored.data_ptr())
+                total += stored.numel() * stored.element_size()
+    return total
 
 
 def _offload(model: nn.Module, tensors: list[_Deferred], folder: str | None, std: float, seed: int,

@@ -25,17 +25,9 @@ from .checkpoint import TensorEntry
 from .transfer import CHUNK_BYTES, CopyJob, copy_into
 
 
-def check_library(quantization: Quantization, devices: set[Any]) -> None:
-    """Refuse, before anything is allocated, a scheme its library cannot run where the plan puts it."""
-    if "disk" in devices:
-        raise UsageError(f"{quantization.scheme} blocks cannot be offloaded to disk (accelerate's offload writes "
-                         "plain tensors, not the library's quantized ones): give the GPUs or the CPU more "
-                         "--max-memory")
-    needs_gpu = quantization.scheme in ("int4", "nf4")
-    if needs_gpu and "cpu" in devices:
-        raise UsageError(f"{quantization.scheme} runs on GPUs only ({quantization.library}'s 4-bit kernels are CUDA "
-                         "kernels), and the plan puts quantized blocks on the CPU: give the GPUs more memory, or "
-                         "use --quantize int8 (torchao runs it on the CPU too)")
+def check_library(quantization: Quantization) -> None:
+    """Refuse, before anything is allocated, a scheme whose library is not installed (where blocks go is the
+    planner's check: `devmap.planning.quantization.check_placement`)."""
     module = "torchao" if quantization.library == "torchao" else "bitsandbytes"
     try:
         __import__(module)

@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from ..errors import PipelineError
+from ..errors import PipelineError, UsageError
 from .stages import merge_units, split_units
 
 Block = tuple[str, nn.Module]
@@ -75,7 +75,8 @@ def partition(times: list[float], stages: int, sizes: list[int] | None = None,
     """Stage index of each block: contiguous, minimizing the slowest stage, each stage within its byte budget."""
     n = len(times)
     if stages > n:
-        raise PipelineError(f"cannot make {stages} stages out of {n} blocks")
+        raise UsageError(f"cannot make {stages} stages out of {n} blocks: ask for at most {n} stages (fewer ranks, "
+                         "or --stages / --split-points with fewer cuts)")
     sizes = sizes or [0] * n
     prefix_t, prefix_s = [0.0], [0]
     for t, s in zip(times, sizes):

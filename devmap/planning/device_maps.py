@@ -19,8 +19,8 @@ MAX_MAP_FILE_BYTES = 16 * 2**20
 def normalize_device_map(spec: DeviceMapSpec) -> str | dict[str, DeviceKey | int | str | torch.device]:
     """A strategy name stays a name; a device (0, "cuda:1", "cpu", torch.device) becomes {"": device}, as in
     transformers; a path ending in .json is read as a {module: device} file; a mapping is returned as given."""
-    if isinstance(spec, str) and spec in STRATEGIES:
-        return spec
+    if isinstance(spec, str) and spec.strip().lower() in STRATEGIES:  # "Balanced" as users type it
+        return spec.strip().lower()
     if isinstance(spec, (str, Path)) and str(spec).endswith(".json"):
         return read_device_map_file(Path(spec))
     if isinstance(spec, (str, int, torch.device)) and not isinstance(spec, bool):

@@ -63,6 +63,18 @@ def module_sizes(model: nn.Module, dtype: torch.dtype, special: dict[str, Any] |
     return sizes
 
 
+def kept_precision(model: nn.Module) -> dict[str, torch.dtype]:
+    """{buffer name: its dtype} of the floating buffers a load leaves at their own precision, whatever the model's
+    dtype: the non-persistent ones (not in checkpoints; rotary `inv_freq` and `original_inv_freq` stay float32)."""
+    kept: dict[str, torch.dtype] = {}
+    for module_name, module in model.named_modules():
+        for name in getattr(module, "_non_persistent_buffers_set", ()):
+            buffer = module._buffers.get(name)
+            if buffer is not None and buffer.is_floating_point():
+                kept[f"{module_name}.{name}" if module_name else name] = buffer.dtype
+    return kept
+
+
 def usage(device_map: DeviceMap, sizes: dict[str, int]) -> dict[DeviceKey, int]:
     """Bytes each device holds under `device_map`."""
     used: dict[DeviceKey, int] = {}

@@ -22,8 +22,9 @@ from .memory import (
 )
 from .device_maps import DeviceMapSpec, normalize_device_map
 from .models import ModelSource, default_no_split, resolve_source
-from .placement import DeviceMap, module_sizes, place, usage
-from .quantization import Quantization, resolve_quantization, extra_bytes, special_dtypes
+from .placement import DeviceMap, kept_precision, module_sizes, place, usage
+from .quantization import (Quantization, check_placement, extra_bytes, quantized_weights, resolve_quantization,
+                           special_dtypes)
 
 
 
@@ -177,7 +178,8 @@ def plan_model(
     device_map = normalize_device_map(device_map)
     strategy = device_map if isinstance(device_map, str) else "explicit"
     no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model)
-    special = special_dtypes(model, quantization)
+    kept = kept_precision(model)
+    special = {**kept, **special_dtypes(model, quantization)}
     sizes = module_sizes(model, dtype, special, extra_bytes(model, quantization))
     if isinstance(device_map, str):
         if not budget.limits or not any(budget.limits.values()):
@@ -189,6 +191,8 @@ def plan_model(
         placed = validate_device_map(model, device_map, budget)
         warnings = _over_budget(placed, sizes, budget)
 
+    if quantization is not None:
+        check_placement(quantization, {placed[owner_of(name, placed)] for name in quantized_weights(model, quantization)})
     return Plan(
         source=model_source.name,
         strategy=strategy,
@@ -201,7 +205,7 @@ def plan_model(
         no_split_module_classes=no_split,
         warnings=warnings,
         quantization=quantization,
-        unquantized_bytes=module_sizes(model, dtype)[""] if special else None,
+        unquantized_bytes=module_sizes(model, dtype, kept)[""] if quantization is not None else None,
         model=model,
         model_source=model_source,
     )

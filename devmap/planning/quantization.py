@@ -124,6 +124,29 @@ def resolve_quantization(spec: Any, dtype: torch.dtype | None, source: Any) -> t
     return quantization, dtype
 
 
+def check_placement(quantization: Quantization, devices: set[Any]) -> None:
+    """Refuse a plan that puts quantized weights where their library cannot run them (what a load would refuse,
+    so a plan says it first): no quantized block on disk, no 4-bit block on the CPU."""
+    if "disk" in devices:
+        raise UsageError(f"{quantization.scheme} blocks cannot be offloaded to disk (accelerate's offload writes "
+                         "plain tensors, not the library's quantized ones): give the GPUs or the CPU more "
+                         "--max-memory")
+    if quantization.bits == 4 and "cpu" in devices:
+        raise UsageError(f"{quantization.scheme} runs on GPUs only ({quantization.library}'s 4-bit kernels are CUDA "
+                         "kernels), and the plan puts quantized blocks on the CPU: give the GPUs more memory, or "
+                         "use --quantize int8 (torchao runs it on the CPU too)")
+
+
+def larger_than_unquantized(quantization: Quantization) -> str:
+    """Why a quantized plan can be larger than the unquantized one (narrow layers)."""
+    if quantization.scheme == "int4":
+        return ("int4 is larger here: torchao's tinygemm layout pads each weight to a multiple of 1024 input "
+                "features and keeps a scale and zero point per group of 128; on layers this narrow the padding "
+                "costs more than 4 bits save")
+    return (f"{quantization.scheme} is larger here: its scales ({quantization.library}) cost more than the "
+            "smaller weights save on layers this narrow")
+
+
 def weight_extra_bytes(quantization: Quantization, out_features: int, in_features: int) -> int:
     """Bytes a library keeps for one quantized weight of shape (out, in) beyond 1 (int8) or ½ (4-bit) byte per
     weight: int8 (torchao and bitsandbytes) a float32 scale per output row; int4 (torchao's tinygemm layout)

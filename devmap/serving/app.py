@@ -174,8 +174,22 @@ class _Observed:
             self.engine.metrics.requests.labels(endpoint=endpoint, status="401").inc()
             await response(scope, receive, send)
             return
+        limit = self.engine.limits.max_body_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._too_large(scope, receive, send, endpoint, int(declared), limit)
+            return
         start = time.perf_counter()
         status = {"code": 500}
+        received = {"bytes": 0}
+
+        async def bounded() -> Message:  # a body sent without a length (chunked) is counted as it comes
+            message = await receive()
+            if message["type"] == "http.request":
+                received["bytes"] += len(message.get("body", b""))
+                if received["bytes"] > limit:  # the app's error handler answers it (413)
+                    raise StarletteHTTPException(413, self._too_large_message(received["bytes"], limit, True))
+            return message
 
         async def observed(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -185,9 +199,23 @@ class _Observed:
                 self.engine.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - start)
 
         try:
-            await self.app(scope, receive, observed)
+            await self.app(scope, bounded, observed)
         finally:
             self.engine.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, endpoint: str, size: int,
+                         limit: int) -> None:
+        """413 before the body is read."""
+        response = JSONResponse(error_body(self._too_large_message(size, limit), "invalid_request_error"),
+                                status_code=413)
+        self.engine.metrics.requests.labels(endpoint=endpoint, status="413").inc()
+        await response(scope, receive, send)
+
+    def _too_large_message(self, size: int, limit: int, at_least: bool = False) -> str:
+        tokens = self.engine.limits.max_prompt_tokens
+        return (f"the request body is {'more than ' if at_least else ''}{size:,} bytes; this service reads at most "
+                f"{limit:,} (1 MiB + 64 bytes for each of --max-prompt-tokens {tokens}): send a shorter prompt, or "
+                "start the service with a larger --max-prompt-tokens")
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope.get("headers") or [])

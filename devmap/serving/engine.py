@@ -52,6 +52,13 @@ class EngineLimits:
     join_tokens: int = 2048
     preempt_after: float = 0.25
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body read: room for `max_prompt_tokens` tokens of the longest kinds (64 bytes each,
+        JSON-escaped text or a list of ids) and 1 MiB for the rest of the body. Larger bodies are refused (413)
+        before they are read, parsed or tokenized."""
+        return (1 << 20) + 64 * self.max_prompt_tokens
+
     def scheduling(self) -> SchedulerLimits:
         return SchedulerLimits(self.max_batch, self.batch_wait, self.max_batch_wait, self.length_bucket,
                                self.join_wait, self.join_tokens, self.preempt_after)

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .jobs import GenerationParams
 
+MAX_STOPS = 4  # OpenAI's limit on `stop` sequences
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI fields devmap does not use (user, logit_bias...) pass
@@ -23,6 +25,13 @@ class _Request(BaseModel):
     stream: bool = False
     stop: Union[str, list[str], None] = None
     seed: int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def at_most_four_stops(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences (as OpenAI's API), got {len(value)}")
+        return value
 
     def budget(self) -> int | None:
         """The request's token budget as sent (None: the service's default)."""

@@ -224,3 +224,58 @@ def test_a_residual_block_cut_by_the_map_is_cut_the_same_way():
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(split.modules[1](split.modules[0](x)), model(x))
+
+
+def devmap_train(*args: str, timeout: int = 240, terminal: bool = False) -> tuple[int, str, str]:
+    """`python -m devmap train ARGS` (exit code, stdout, stderr); with `terminal`, stdout and stderr are one
+    pseudo-terminal (returned as stdout), as a user at a shell sees them."""
+    command = [sys.executable, "-m", "devmap", "train", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
+    if not terminal:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return done.returncode, done.stdout, done.stderr
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal has a width
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=follower,
+                               stderr=follower)
+    os.close(follower)
+    seen = bytearray()
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # the terminal closed: every process writing to it ended
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    return process.wait(timeout=timeout), seen.decode(errors="replace"), ""
+
+
+def test_bad_input_to_a_distributed_run_exits_2_with_one_line():
+    """Under torchrun a rank's usage error became torchrun's exit 1 and a report of every rank; `devmap train
+    --nproc-per-node` gives back exit 2 and the one line."""
+    code, out, err = devmap_train(*RESNET, "--stages", "99", "--nproc-per-node", "2")
+    assert code == 2, out + err
+    assert err.strip().splitlines() == [
+        "Error: cannot make 99 stages out of 15 blocks: ask for at most 15 stages (fewer ranks, or --stages / "
+        "--split-points with fewer cuts)"]
+    code, _, err = devmap_train(*RESNET)
+    assert code == 2 and "--nproc-per-node" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_distributed_run_shows_its_steps_and_a_final_table(tmp_path):
+    """A distributed run printed nothing until its end: rank 0 shows the steps on a terminal, the last stage's
+    rank a table of the losses; with --json, one JSON line and no progress."""
+    code, seen, _ = devmap_train(*RESNET, "--nproc-per-node", "2", terminal=True)
+    assert code == 0, seen
+    assert "train:" in seen and "s/step" in seen, seen  # tqdm's bar on rank 0
+    assert "2 ranks, 2 stages, 1f1b" in seen and "step" in seen and "loss" in seen and "seconds" in seen
+    code, out, err = devmap_train(*RESNET, "--nproc-per-node", "2", "--json", "--out", str(tmp_path))
+    assert code == 0, err
+    assert len(out.strip().splitlines()) == 1 and json.loads(out)["losses"] and "train:" not in err

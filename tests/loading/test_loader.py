@@ -1,6 +1,7 @@
 """Loading and dispatch on CPU and disk: same logits as transformers / torchvision, offload, training, bad input."""
 
 import json
+import re
 import os
 import struct
 
@@ -236,3 +237,16 @@ def test_random_init_straight_to_disk_keeps_ties(tmp_path):
     with torch.no_grad():
         logits = model(tokens()).logits
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_load_on_the_cpu_shows_the_bytes_it_allocated(llama_dir):
+    """`devmap load` on a CPU printed `allocated -`: it shows the bytes now, equal to the plan's."""
+    result = CliRunner().invoke(main, ["load", str(llama_dir), "--max-memory", "cpu=1GiB", "--json"])
+    assert result.exit_code == 0, result.output
+    cpu = json.loads(result.stdout)["load"]["devices"]["cpu"]
+    assert cpu["allocated_bytes"] == cpu["planned_bytes"] > 0
+    table = CliRunner().invoke(main, ["load", str(llama_dir), "--max-memory", "cpu=1GiB"])
+    lines = table.output.splitlines()
+    at = next(k for k, line in enumerate(lines) if line.split()[:1] == ["device"] and "allocated" in line)
+    header, row = lines[at].split(), re.split(r"\s{2,}", lines[at + 2].strip())
+    assert row[header.index("allocated")] == row[header.index("planned")] != "-"

@@ -44,10 +44,14 @@ def test_int8_logits_stay_near_the_bfloat16_model(tiny, int8_model):
     assert (want - got).abs().max() <= 0.02 * want.abs().max()
 
 
-def test_plan_bytes_are_the_bytes_allocated(tiny, int8_model):
+def test_plans_count_the_rotary_buffers_a_load_allocates(tiny, int8_model):
+    """Plan bytes are the bytes a load allocates, buffers included: the rotary embedding's inv_freq and
+    original_inv_freq stay float32 in a bfloat16 model, and the plan counts them so."""
     plain = devmap.load(tiny, device_map="cpu", dtype="bfloat16")
-    buffers = plain.devmap_plan.total_bytes - sum(p.numel() * p.element_size() for p in plain.parameters())
-    assert int8_model.devmap_plan.total_bytes == quantized_nbytes(int8_model) + buffers  # buffers as accelerate counts
+    buffers = sum(b.numel() * b.element_size() for b in plain.buffers())
+    assert plain.model.rotary_emb.original_inv_freq.dtype == torch.float32
+    assert plain.devmap_plan.total_bytes == sum(p.numel() * p.element_size() for p in plain.parameters()) + buffers
+    assert int8_model.devmap_plan.total_bytes == quantized_nbytes(int8_model) + buffers
 
 
 def test_greedy_lanes_equal_transformers_generate_on_the_quantized_model(int8_model):

@@ -86,3 +86,30 @@ def test_balanced_splits_quantized_blocks_evenly(scheme):
     plan = devmap.plan("llama-2-7b", "balanced", gpus=2, gpu_memory="141GB", quantization=scheme)
     used = [plan.devices[d].bytes for d in ("cuda:0", "cuda:1")]
     assert min(used) > 0.85 * max(used)
+
+
+def test_plan_refuses_int4_on_the_cpu_as_load_does():
+    """A plan says what the load will say: 4-bit blocks cannot run on the CPU (exit 2, one line)."""
+    result = CliRunner().invoke(main, ["plan", "llama-tiny", "--quantize", "int4", "--max-memory", "cpu=1GiB"])
+    assert result.exit_code == 2 and "int4 runs on GPUs only" in result.output, result.output
+    with pytest.raises(UsageError, match="int4 runs on GPUs only"):
+        devmap.load("llama-tiny", "auto", "cpu=1GiB", quantization="int4")
+    int8 = CliRunner().invoke(main, ["plan", "llama-tiny", "--quantize", "int8", "--max-memory", "cpu=1GiB"])
+    assert int8.exit_code == 0, int8.output
+
+
+def test_an_int4_plan_larger_than_bfloat16_says_why():
+    result = CliRunner().invoke(main, ["plan", "llama-tiny", "--quantize", "int4", "--gpus", "1", "--gpu-memory",
+                                       "1GiB"])
+    assert result.exit_code == 0, result.output
+    plan = devmap.plan("llama-tiny", "auto", gpus=1, gpu_memory="1GiB", quantization="int4")
+    assert plan.total_bytes > plan.unquantized_bytes  # tiny layers: tinygemm's padding outweighs 4 bits
+    assert "int4 is larger here" in result.output and "1024 input features" in result.output
+
+
+def test_choices_are_case_insensitive_as_users_type_them():
+    result = CliRunner().invoke(main, ["plan", "llama-tiny", "--quantize", "INT8", "--device-map", "Balanced",
+                                       "--gpus", "2", "--gpu-memory", "1GiB", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["quantization"]["scheme"] == "int8" and data["strategy"] == "balanced"

@@ -168,3 +168,33 @@ def test_a_request_that_ends_early_is_counted(server):
                                                               "temperature": 0, "stop": ["\n"]}, timeout=30)
     assert response.status_code == 200 and time.perf_counter() - started < 30
     assert response.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_a_ten_megabyte_prompt_is_refused_before_it_is_read_or_tokenized(server):
+    """413 from the declared length, at once; a body sent without a length is cut off as it passes the limit."""
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"word " * 2_000_000 + b'"}]}'
+    start = time.perf_counter()
+    refused = httpx.post(server + "/v1/chat/completions", content=body, timeout=30,
+                         headers={"content-type": "application/json"})
+    assert refused.status_code == 413 and time.perf_counter() - start < 5
+    error = refused.json()["error"]
+    assert "--max-prompt-tokens" in error["message"] and error["type"] == "invalid_request_error"
+
+    def chunks():
+        for k in range(0, len(body), 1 << 16):
+            yield body[k:k + (1 << 16)]
+
+    streamed = httpx.post(server + "/v1/chat/completions", content=chunks(), timeout=30,
+                          headers={"content-type": "application/json"})
+    assert streamed.status_code == 413 and "more than" in streamed.json()["error"]["message"]
+    assert httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                      timeout=30).status_code == 200  # the service goes on
+
+
+def test_more_than_four_stop_strings_are_refused_as_openai_does(server):
+    response = httpx.post(server + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "x", "stop": [f"s{k}" for k in range(5)]})
+    assert response.status_code == 400 and "at most 4 stop sequences" in response.json()["error"]["message"]
+    four = httpx.post(server + "/v1/completions", timeout=30,
+                      json={"model": "tiny", "prompt": "x", "max_tokens": 2, "stop": ["a", "b", "c", "d"]})
+    assert four.status_code == 200
