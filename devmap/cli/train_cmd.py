@@ -138,4 +138,5 @@ def parse(argv: list[str]) -> Any:
     with train.make_context("train", list(argv)) as ctx:
         options = dict(ctx.params)
     options.pop("as_json", None)
+    options.pop("nproc_per_node", None)
     return config_from(options)

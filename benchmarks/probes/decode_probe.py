@@ -1,6 +1,6 @@
 """Where a devmap generate call's time goes: host issue time against the whole call, per lane count.
 
-Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/decode_probe.py --lanes 2,3,4 [--compile]
+Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/probes/decode_probe.py --lanes 2,3,4 [--compile]
 The call returns after a GPU sync; `issue` is the time until the host has issued every lane-step (the
 LaneRunner never waits for a GPU on the way), so issue close to the whole call means the host is the bound.
 """

@@ -1,7 +1,7 @@
 """Repeat the two-GPU generate test's calls and say which rows differ from transformers' greedy tokens (a probe).
 
-Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/generate_race_probe.py
-                   and  CUDA_LAUNCH_BLOCKING=1 PYTHONPATH=. python3 benchmarks/generate_race_probe.py
+Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/probes/generate_race_probe.py
+                   and  CUDA_LAUNCH_BLOCKING=1 PYTHONPATH=. python3 benchmarks/probes/generate_race_probe.py
 The tiny fp32 LLaMA of tests/generation/test_gpu_generation.py, split over two GPUs; the same batch of 8 prompts
 (left-padded) and two others of that shape, through devmap.generate with cached graphs, graphs released before each
 call, keep_graphs=False, graphs=False and 1 or 2 lanes. Each line: OK, or the rows that differ and the first column

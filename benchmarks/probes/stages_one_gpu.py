@@ -1,6 +1,6 @@
 """W3 and W4 with several pipeline stages on one GPU (`split_layers`): what the stream rules cost, same run.
 
-Run on one GPU:  PYTHONPATH=. python3 benchmarks/stages_one_gpu.py --model tinyllama-1.1b
+Run on one GPU:  PYTHONPATH=. python3 benchmarks/probes/stages_one_gpu.py --model tinyllama-1.1b
 W3: forward of batch 32 x 512 tokens (lanes 8); W4: greedy, batch 32, prompt 64, 32 new tokens (lanes 3 over the
 stages, more lanes than stages: the hand-offs of every lane-step cross streams). Random bf16 weights, CUDA graphs.
 Steady state = best of --repeat calls after the first; the first call (eager run, capture) beside it. One JSON line

@@ -1,6 +1,6 @@
 """Where a continuous batch's time to first token goes: closed-loop clients on `generate_continuous`, no HTTP.
 
-Run on a GPU machine:  PYTHONPATH=. python3 benchmarks/join_probe.py --model llama-2-13b [--profile]
+Run on a GPU machine:  PYTHONPATH=. python3 benchmarks/probes/join_probe.py --model llama-2-13b [--profile]
 Each of `--clients` clients sends its next request the moment its last one ends (prompt lengths drawn from
 --lengths, in tokens), as `benchmarks/serve.py`'s clients do over HTTP. Prints tokens/s, time to first token
 p50/p99, the host time spent issuing joins, and the GPU time of one join of every client at once, padded as one

@@ -1,7 +1,7 @@
 """Where a cold `devmap.load` spends its time: one fresh process, each phase of the load timed on the host clock.
 
 Run on nvidia-h200-x2 (after benchmarks/load.py wrote the checkpoint):
-  PYTHONPATH=. python3 benchmarks/load_phases.py --dir /tmp/devmap-bench/llama-2-7b
+  PYTHONPATH=. python3 benchmarks/probes/load_phases.py --dir /tmp/devmap-bench/llama-2-7b
 Prints seconds since the interpreter started for the imports, then each wrapped phase of the load (a phase
 that contains another counts it too), then the time until both GPUs synchronize.
 """

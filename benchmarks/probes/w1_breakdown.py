@@ -1,12 +1,14 @@
 """Where the tutorial's train() spends its time, phase by phase on the host: Single GPU vs devmap's pipeline.
 
-Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/w1_breakdown.py
+Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/probes/w1_breakdown.py
 Each phase is timed with perf_counter around the harness's own statements (3 batches x 10 calls);
 a phase that blocks on the GPU (a pageable copy, a synchronize) shows the GPU work it waited for.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from functools import partial
 
 import torch
@@ -15,6 +17,7 @@ from devmap.comparison import tutorial_models as tm
 from devmap.comparison.compare_systems import devmap_systems
 from devmap.comparison.timing import HarnessConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import PHASES, phases
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """W1 up close: devmap's pipeline in the tutorial's step (batch 120 at 128x128, 2 GPUs): host milliseconds per
 statement, the GPU timeline of one forward (when each stage works on each micro-batch), a CPU profile.
 
-Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/w1_timeline.py CHUNKS [LAST_BLOCK_OF_STAGE_0]
+Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/probes/w1_timeline.py CHUNKS [LAST_BLOCK_OF_STAGE_0]
 """
+from pathlib import Path
 import cProfile
 import io
 import pstats
@@ -18,6 +19,7 @@ import devmap.pipelining as P
 from devmap.comparison.compare_systems import stages_from_names
 from devmap.pipelining.stages import blocks_of
 from devmap.comparison.timing import HarnessConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import phases  # host time per statement of the tutorial's train()
 
 D0, D1 = torch.device("cuda:0"), torch.device("cuda:1")

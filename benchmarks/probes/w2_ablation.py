@@ -6,9 +6,10 @@ per micro-batch) or `split` (input and weight halves; `-kN` defers the weight ha
 `-kall` of all). `-prio` gives later stages higher CUDA stream priority.
 
 Run on nvidia-h200-x2:
-  PYTHONPATH=. python3 benchmarks/w2_ablation.py 1024 16 two-whole,two-split-k1,two-split-k4,two-split-kall
-  PYTHONPATH=. python3 benchmarks/w2_ablation.py 1024 16 four-whole,four-split-kall,four-split-kall-prio --profile
+  PYTHONPATH=. python3 benchmarks/probes/w2_ablation.py 1024 16 two-whole,two-split-k1,two-split-k4,two-split-kall
+  PYTHONPATH=. python3 benchmarks/probes/w2_ablation.py 1024 16 four-whole,four-split-kall,four-split-kall-prio --profile
 """
+from pathlib import Path
 import sys
 
 import torch
@@ -21,6 +22,7 @@ import devmap.pipelining.streams as S
 from devmap.pipelining.balance import partition, profile_blocks
 from devmap.comparison.compare_systems import stages_from_names
 from devmap.pipelining.stages import blocks_of, group_stages, merge_units, split_units
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import time_steps, training_step  # the W2 step, as the benchmark times it
 
 NAMES = [n for n, _ in blocks_of(torchvision.models.resnet50())]

@@ -1,6 +1,6 @@
 """How close one pipeline stage's decode step comes to reading its weights once: the floor of pipelined decoding.
 
-Run on nvidia-h200 (one GPU):  PYTHONPATH=. python3 benchmarks/decode_floor.py --model llama-2-70b --layers 40
+Run on nvidia-h200 (one GPU):  PYTHONPATH=. python3 benchmarks/probes/decode_floor.py --model llama-2-70b --layers 40
 A 2-GPU pipeline of llama-2-70b holds 40 blocks (~69 GB) per GPU. Decoding is bound by reading weights: each
 lane-step of a stage reads the whole stage once. With L >= 2 lanes each GPU runs L lane-steps per token of
 the batch; with 1 lane the two GPUs take turns: either way a token of the batch costs at least 2 stage reads

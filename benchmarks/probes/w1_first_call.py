@@ -3,7 +3,7 @@
 Per-step milliseconds (3 steps, then the final synchronize) of the first and second call, for one GPU and for
 devmap's pipeline with and without one more replay of every captured graph after prepare (a graph's first
 launch uploads it; `Pipeline.prepare` now does that replay itself, so both devmap rows should match).
-Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/w1_first_call.py
+Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/probes/w1_first_call.py
 """
 import time
 import warnings
