@@ -1,4 +1,4 @@
-"""Issue 18, W2 on torch.distributed.pipelining: devmap's split under torchrun (each schedule) against devmap's
+"""W2 on torch.distributed.pipelining: devmap's split under torchrun (each schedule) against devmap's
 single-process pipeline, one GPU and DistributedDataParallel, same run.
 
 Run on nvidia-h200-x2 and nvidia-h200-x4 (all visible GPUs):

@@ -1,4 +1,4 @@
-"""Issue 19: quantized loading and W4 generation, devmap vs transformers `from_pretrained(quantization_config=...)`.
+"""Quantized loading and W4 generation, devmap vs transformers `from_pretrained(quantization_config=...)`.
 
 Run on nvidia-h200-x2 (torchao and bitsandbytes travel as wheels):
     PYTHONPATH=/tmp/site:. python3 benchmarks/quantized.py --model llama-2-7b --out $OUT

@@ -1,4 +1,4 @@
-"""Issue 7, scaling on N GPUs: W2 (ResNet50 training at 224x224) and W3 (LLaMA prefill, 7B shape), devmap vs one GPU.
+"""Scaling on N GPUs: W2 (ResNet50 training at 224x224) and W3 (LLaMA prefill, 7B shape), devmap vs one GPU.
 
 Run on nvidia-h200-x4 or nvidia-h200-x8 (all visible GPUs are used unless --gpus says fewer):
   PYTHONPATH=. python3 benchmarks/scaling.py --out $OUT

@@ -5,8 +5,8 @@ Run on nvidia-h200-x2 (the wheels of fastapi, uvicorn, pydantic and openai trave
 The checkpoint is `devmap save MODEL` (random bf16 weights and devmap's offline tokenizer), written once to
 a temporary directory. Each server runs as its own process on 127.0.0.1; each client sends streaming chat
 completions of mixed prompt lengths (greedy, `max_tokens` new tokens) back to back for `--seconds`; the clients
-are spread over `--client-processes` processes (before the tenth session: one process, whose event loop delayed
-its own clocks at thousands of streamed chunks a second).
+are spread over `--client-processes` processes (one process's event loop delays its own clocks at thousands of
+streamed chunks a second).
 Reported per server and client count: output tokens/s (all clients), time to first token p50/p99,
 time per output token p50/p99 (a request's time from its first text to its
 last, over its output tokens after the first), the floor (a decode step of that load reading the weights and the

@@ -10,7 +10,7 @@ the batch; with 1 lane the two GPUs take turns: either way a token of the batch 
   devmap  devmap's decode step on the same stage (lanes 1, the rows of one lane), eager graphs and compiled,
           from the gaps between its streamed steps; and its prefill of the same rows
 and prints the 2-GPU W4 (batch 32 = 2 lanes x 16, prompt 64, 32 new) that these imply, beside the
-accelerate figure measured on 2 GPUs (RESULTS.md, issue 15), so the best reachable ratio is explicit.
+accelerate figure measured on 2 GPUs (RESULTS.md, W3 / W4), so the best reachable ratio is explicit.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--accelerate-s", type=float, default=2.327,
-                        help="accelerate's W4 on 2 GPUs for the whole model (RESULTS.md, issue 15, 70B)")
+                        help="accelerate's W4 on 2 GPUs for the whole model (RESULTS.md, W3 / W4, 70B)")
     parser.add_argument("--device", default="cuda:0")
     args = parser.parse_args()
     preset = f"{args.model}-{args.layers}-blocks"

@@ -1,6 +1,6 @@
 """Pipelined inference for a placed LLaMA-style model: batched forward and generation in lanes, stages concurrent.
 
-The public entry points; the lanes, streams and captured steps behind them are in lane_runner.py. Greedy
+The public entry points; the lanes, streams and captured steps behind them are in lane_runner.py (lanes.py, lane_prefill.py, lane_decode.py). Greedy
 decoding gives transformers' tokens; sampling applies temperature, then top-k, then top-p, with a seeded
 generator.
 """

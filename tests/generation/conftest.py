@@ -15,7 +15,7 @@ def _tiny_llama(attn_implementation: str | None = None, **overrides) -> torch.nn
     return AutoModelForCausalLM.from_config(LlamaConfig(**{**CONFIG, **overrides}), **extra).eval()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_llama():
     """A factory: tiny_llama(**config overrides, attn_implementation=...) -> a fresh random tiny LLaMA."""
     return _tiny_llama
@@ -53,13 +53,13 @@ def _run_continuous(model: torch.nn.Module, first: list, later: list, *, togethe
     return got, left, queue
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def run_continuous():
     """A continuous batch with requests handed in as rows free up (see `_run_continuous`)."""
     return _run_continuous
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def requests_and_their_tokens():
     """A factory: requests_and_their_tokens(reference, seed, count, longest, most_new) -> (requests, tokens)."""
     return _requests_and_their_tokens

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from devmap import generate
 from devmap.errors import PipelineError, UsageError
-from devmap.generation import compiled, forward, lane_runner
+from devmap.generation import compiled, forward, lanes
 
 SIZES = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -33,7 +33,7 @@ def build(config):
 
 def test_compiled_steps_give_the_same_tokens_and_compile_once(monkeypatch):
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)  # the cached-step paths
+    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)  # the cached-step paths
     torch._dynamo.reset()
     counters.clear()
     model = build(LlamaConfig(**SIZES))
@@ -92,7 +92,7 @@ def test_accelerate_device_hooks_are_bypassed_during_a_call_and_put_back(monkeyp
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)
+    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
     model = build(LlamaConfig(**SIZES))
     ids, mask = prompts()
     want = expected(model, ids, mask)

@@ -79,10 +79,10 @@ def test_joiners_of_mixed_lengths_go_in_sub_groups_and_get_their_own_tokens(mode
 def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypatch):
     """With captured steps (here: the cached-step path on CPU, eager), a batch prepares the prefill of every
     sub-group shape up front, and joins still give each request its tokens."""
-    from devmap.generation import lane_runner
+    from devmap.generation import lanes
     from devmap.generation.step_cache import release_graphs, step_cache
 
-    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)
+    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
     release_graphs(model)
     reqs = requests(8, seed=2)
     try:
@@ -202,11 +202,11 @@ def test_compiled_steps_join_like_eager_ones_and_compile_once(model, run, monkey
     prefills and the decode steps give the eager tokens, trace whole, and a second batch compiles nothing."""
     from torch._dynamo.utils import counters
 
-    from devmap.generation import compiled, lane_runner
+    from devmap.generation import compiled, lanes
     from devmap.generation.step_cache import release_graphs
 
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)
+    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
     torch._dynamo.reset()
     counters.clear()
     reqs = requests(7, seed=5)

@@ -141,9 +141,9 @@ def test_unsupported_attention_is_refused(model, monkeypatch):
 def test_cached_steps_are_reused_across_calls_and_dropped_on_change(model, monkeypatch):
     """The paths that keep fixed-buffer steps on the model between calls (graphs on GPUs; eager here)."""
     from devmap import release_graphs
-    from devmap.generation import lane_runner
+    from devmap.generation import lanes
 
-    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)
+    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
     ids, mask = prompts()
     kwargs = dict(max_new_tokens=6, lanes=2, split_layers=[2], eos_token_id=[])
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
@@ -231,10 +231,10 @@ def test_streamed_tokens_are_the_returned_ones_and_a_false_stops(model):
 
 def test_keep_shapes_replays_alternating_shapes(model, monkeypatch):
     from devmap import release_graphs
-    from devmap.generation import lane_runner
+    from devmap.generation import lanes
     from devmap.generation.step_cache import keep_shapes
 
-    monkeypatch.setattr(lane_runner, "graphs_possible", lambda devices: True)
+    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
     ids, mask = prompts()
     kwargs = dict(max_new_tokens=4, lanes=2, split_layers=[2], eos_token_id=[])
     keep_shapes(model, 2)

@@ -238,7 +238,7 @@ def test_stage_boundary_inside_a_residual_block(arch, cut):
 
 @pytest.mark.parametrize("n", [4, 8])
 def test_resnet_over_n_stages_trains_like_the_model(n):
-    """Any number of stages (issue 7's 4 and 8 GPUs, as n CPU stages): same outputs and gradients."""
+    """Any number of stages (4 and 8 GPUs' layouts, as n CPU stages): same outputs and gradients."""
     torch.manual_seed(0)
     plain = torchvision.models.resnet18(num_classes=10)
     ref = copy.deepcopy(plain)

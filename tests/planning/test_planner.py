@@ -72,7 +72,7 @@ def accelerate_map(result, low_zero=False):
 
 
 def test_balanced_is_at_least_as_even_as_accelerate():
-    # ../shared/ANCHORS.md: accelerate splits a 1.1B LLaMA on 2 x 20 GiB as 11 / 15 entries.
+    # accelerate's own infer_auto_device_map splits a 1.1B LLaMA on 2 x 20 GiB as 11 / 15 entries.
     result = plan("tinyllama-1.1b", "balanced", max_memory={0: "20GiB", 1: "20GiB"}, dtype="bf16")
     sizes = module_sizes(result.model, torch.bfloat16)
     ours = max(gpu_bytes(result).values())

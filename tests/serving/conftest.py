@@ -17,7 +17,7 @@ import devmap
 START_TIMEOUT = 90  # seconds for a fresh process to import torch, load llama-tiny and bind
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     devmap.save("llama-tiny", root / "tiny")

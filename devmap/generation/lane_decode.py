@@ -1,0 +1,147 @@
+"""The decode half of the lane runner: each lane's static decode steps on every stage, the token loop that
+issues them lane after lane without waiting for a GPU, and the hand-back of tokens to the host a few steps late.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .lane_cache import DecodeInputs, LaneCache
+from .graphed_step import GraphedStep
+from .lanes import EOS_CHECK_LAG, Lane, LaneStreams, OnTokens, record_event
+from .sampling import Sampling, choose
+from .step_cache import StepCache
+from ..pipelining.streams import copy_into, copy_later, to_host
+
+
+class LaneDecode(LaneStreams):
+    """Decode steps per (stage, lane), replayed as CUDA graphs, and the generate loop over them."""
+
+    def prepare_decode(self, k: int, lane: Lane, max_len: int, entries: dict | None, cache: StepCache | None) -> None:
+        """The lane's static caches and decode steps on every stage (kept from an earlier call of the same
+        shapes when `entries` has them)."""
+        if entries is not None and k in entries:
+            lane.caches, lane.steps, lane.inputs = entries[k]
+            for item in lane.inputs:
+                item.reset(lane.mask)
+            return
+        float_mask = self.s.float_mask_dtype()
+        rows = lane.ids.shape[0]
+        inputs = []
+        for j, stage in enumerate(self.s.stages):
+            lane_cache = LaneCache(rows, max_len, stage.device)
+            layout = self.s.kv_layout(j)
+            if layout is not None:
+                lane_cache.allocate(*layout, self.s.dtype)
+            inputs.append(DecodeInputs(lane_cache, lane.mask, float_mask))
+            if j == 0:
+                static_in = torch.zeros(rows, 1, dtype=torch.long, device=self.s.embed_device)
+            else:
+                static_in = torch.zeros(rows, 1, self.s.config.hidden_size, dtype=self.s.dtype, device=stage.device)
+            # the last stage's step ends in the head: a copy to another device can't be captured (and a failed
+            # capture leaves the graph pool unusable), so that step stays eager when the head lives elsewhere
+            graphed = self.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
+            pool = cache.pool(stage.device, j) if cache is not None and graphed else None
+            capture = self._capture_stream(j) if graphed else None
+            lane.caches.append(lane_cache)
+            body = self._compiled(lambda x, j=j, item=inputs[-1]: self.s.decode(j, x, item))
+            lane.steps.append(GraphedStep(body, static_in, graphed, pool, capture))
+        lane.inputs = inputs
+        if entries is not None:
+            entries[k] = (lane.caches, lane.steps, inputs)
+
+    def generate(self, max_new_tokens: int, sampling: Sampling, eos: list[int], pad: int,
+                 entries: dict | None, cache: StepCache | None, on_tokens: OnTokens | None = None) -> None:
+        head_device = self.s.head_device
+        eos_ids = torch.tensor(eos, device=head_device) if eos else None
+        generator = torch.Generator(device=head_device).manual_seed(sampling.seed) if sampling.do_sample else None
+        last = len(self.s.stages) - 1
+        self.start()
+        self.prompts()
+
+        def finish(lane: Lane, logits: torch.Tensor, compute: Any, step: int) -> None:
+            """The lane's next token from its logits, on the last stage; sent to stage 0 if another step follows."""
+            token = choose(logits, sampling, generator)
+            if lane.unfinished:
+                token = token.masked_fill(~lane.unfinished[-1], pad)
+                unfinished = lane.unfinished[-1]
+            else:
+                unfinished = torch.ones_like(token, dtype=torch.bool)
+            if eos_ids is not None:
+                unfinished = unfinished & ~torch.isin(token, eos_ids)
+                flag = torch.empty((), dtype=torch.bool, pin_memory=token.is_cuda)
+                flag.copy_(~unfinished.any(), non_blocking=True)
+                lane.ended.append((record_event(compute), flag))
+            lane.tokens.append(token)
+            lane.unfinished.append(unfinished)
+            if on_tokens is not None:  # the host reads them EOS_CHECK_LAG steps later, when they surely are there
+                lane.undelivered.append((step, record_event(compute), to_host(token)))
+            if step + 1 < max_new_tokens:  # stage 0 waits for it only right before the lane's next step
+                lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, record_event(compute), 0,
+                                              self.streams)
+
+        for k, lane in enumerate(self.lanes):  # prefill, lane after lane: the stages overlap on different lanes
+            if entries is None:
+                hidden = self.through(lane, caches=True)
+            else:
+                hidden = self.through_graphed(k, lane, entries, cache, caches=True)
+            for j, lane_cache in enumerate(lane.caches):
+                with self.on(j):
+                    lane_cache.start_decoding(lane.ids.shape[1])
+            with self.on(last) as compute:
+                finish(lane, self.s.head(hidden[:, -1:, :])[:, -1].float(), compute, 0)
+        for step in range(1, max_new_tokens):
+            if on_tokens is not None and not self.deliver(on_tokens, step - 1):
+                return
+            for lane in self.lanes:
+                if lane.done or _ended(lane, step):
+                    lane.done = True
+                    continue
+                out = self.decode_step(lane)
+                with self.on(last) as compute:
+                    finish(lane, out, compute, step)
+        if on_tokens is not None:
+            self.deliver(on_tokens, max_new_tokens, lag=0)
+
+    def decode_step(self, lane: Lane) -> torch.Tensor:
+        """One decode step of the lane through every stage (stage 0 reads its token once it is there); the last
+        stage's output (float logits)."""
+        out = event = None
+        for j in range(len(self.s.stages)):
+            with self.on(j) as compute:
+                if j > 0:
+                    copy_into(lane.steps[j].static_in, out, event, j, self.streams, compute)
+                elif lane.token_ready is not None:
+                    compute.wait_event(lane.token_ready)
+                out = lane.steps[j].handed_on(lane.steps[j](), j < len(self.s.stages) - 1)
+                event = record_event(compute)
+        return out
+
+    def deliver(self, on_tokens: OnTokens, step: int, lag: int | None = None) -> bool:
+        """Hand the host every lane's tokens up to `step - lag` (lag: EOS_CHECK_LAG on GPUs, so the host waits
+        for work issued steps ago, never for the step in flight); False when `on_tokens` asks to stop."""
+        lag = (EOS_CHECK_LAG if self.s.head_device.type == "cuda" else 0) if lag is None else lag
+        go_on = True
+        for lane in self.lanes:
+            while lane.undelivered and lane.undelivered[0][0] <= step - lag:
+                index, event, host = lane.undelivered.pop(0)
+                if event is not None:
+                    event.synchronize()
+                go_on = on_tokens(lane.rows, index, host) and go_on
+        return go_on
+
+
+def _ended(lane: Lane, step: int) -> bool:
+    """Whether every row of the lane had ended EOS_CHECK_LAG steps ago (so the host rarely waits for the GPU;
+    the extra steps of an ended lane only produce padding, trimmed at the end)."""
+    index = step - 1 - (EOS_CHECK_LAG if lane.tokens[0].is_cuda else 0)
+    if not lane.ended or index < 0:
+        return False
+    event, flag = lane.ended[index]
+    if event is not None:
+        event.synchronize()
+    return bool(flag)
+
+

@@ -1,0 +1,131 @@
+"""Lanes: the micro-batches of a pipelined LLaMA call, each with a static KV cache on every stage, and what the
+prefill and decode halves of the lane runner share: the stage streams (`LaneStreams`), events, hand-offs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .causal_lm import CausalLMStages
+from ..errors import UsageError
+from .compiled import compile_step
+from .graphed_step import GraphedStep
+from .lane_cache import DecodeInputs, LaneCache
+from ..pipelining.streams import StreamSet, hand_off
+
+EOS_CHECK_LAG = 2  # steps between a lane's last token and the host reading whether its rows all ended
+
+
+@dataclass
+class Lane:
+    rows: slice
+    ids: torch.Tensor  # the prompt, on the embedding device
+    mask: torch.Tensor  # its attention mask, on the embedding device
+    padded: bool
+    caches: list[LaneCache] = field(default_factory=list)  # per stage
+    steps: list[GraphedStep] = field(default_factory=list)  # decode step per stage
+    inputs: list[DecodeInputs] = field(default_factory=list)  # decode-step inputs per stage
+    tokens: list[torch.Tensor] = field(default_factory=list)
+    unfinished: list[torch.Tensor] = field(default_factory=list)  # after each token: rows still generating
+    ended: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # (event, host flag "all rows ended")
+    done: bool = False
+    prompt: dict[str, Any] = field(default_factory=dict)  # mask, position ids (stage 0's device), ready event
+    token_ready: Any = None  # event: the lane's last token is in stage 0's input buffer
+    undelivered: list[tuple[int, Any, torch.Tensor]] = field(default_factory=list)  # (step, event, host tokens)
+
+
+OnTokens = Callable[[slice, int, torch.Tensor], bool]
+"""Called with (the lane's rows of the batch, the step, those rows' tokens on the CPU); False stops generation."""
+
+
+
+class LaneStreams:
+    """The stages of one generate() or forward() call and their streams: every lane-step is issued from one
+    thread, each stage on its own stream."""
+
+    def __init__(self, stages: CausalLMStages, lanes: list[Lane], graphs: bool, compile: bool = False,
+                 compile_prefill: bool | None = None) -> None:
+        self.s, self.lanes = stages, lanes
+        self.streams = StreamSet()
+        self.graphs = graphs and graphs_possible(stages.devices)
+        self.compile = compile  # decode steps through torch.compile
+        self.compile_prefill = compile if compile_prefill is None else compile_prefill
+        self._plain: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def _capture_stream(self, j: int) -> Any:
+        device = self.s.stages[j].device
+        return self.streams.get("capture", j, device) if device.type == "cuda" else None
+
+    def layout(self) -> tuple:
+        """What identifies the stages for cached steps."""
+        return tuple((str(st.device), id(st.layers[0]), len(st.layers)) for st in self.s.stages)
+
+    def start(self) -> None:
+        """Every stage's stream waits for the caller's work so far (inputs, fresh buffers)."""
+        for j, stage in enumerate(self.s.stages):
+            if stage.device.type == "cuda":
+                self.streams.get("compute", j, stage.device).wait_stream(torch.cuda.current_stream(stage.device))
+        if self.s.embed_device.type == "cuda":
+            self.streams.get("compute", 0, self.s.stages[0].device).wait_stream(
+                torch.cuda.current_stream(self.s.embed_device))
+
+    @contextlib.contextmanager
+    def on(self, j: int, kind: str = "compute") -> Iterator[Any]:
+        """Stage j's device and its stream of this kind (None on a CPU)."""
+        device = self.s.stages[j].device
+        if device.type != "cuda":
+            yield None
+            return
+        stream = self.streams.get(kind, j, device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield stream
+
+    def _compiled(self, body: Any) -> Any:
+        return compile_step(body) if self.compile else body
+
+def graphs_possible(devices: list[torch.device]) -> bool:
+    """CUDA graphs need every stage on a GPU (tests make this True on a CPU to run the cached-step paths,
+    whose steps then stay eager)."""
+    return all(d.type == "cuda" for d in devices)
+
+
+def record_event(stream: Any) -> Any:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _move(value: Any, event: Any, device: torch.device, j: int, streams: StreamSet, compute: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return hand_off(value, event, device, j, streams, compute) if compute is not None else value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_move(v, event, device, j, streams, compute) for v in value)
+    return value
+
+
+def split_lanes(stages: CausalLMStages, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+           lanes: int | None, default: int) -> list[Lane]:
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise UsageError(f"input_ids must be a non-empty (batch, length) tensor, got shape {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise UsageError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
+    batch = input_ids.shape[0]
+    count = lanes if lanes is not None else default
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise UsageError(f"invalid lanes={lanes!r}: it must be a positive integer")
+    count = min(count, batch)
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    padded = (mask == 0).any(dim=1).cpu().tolist() if attention_mask is not None else [False] * batch
+    size = -(-batch // count)
+    out = []
+    for start in range(0, batch, size):
+        rows = slice(start, min(batch, start + size))
+        out.append(Lane(rows, input_ids[rows].to(stages.embed_device), mask[rows].to(stages.embed_device),
+                         padded=any(padded[rows])))
+    return out
