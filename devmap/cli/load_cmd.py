@@ -80,8 +80,10 @@ def _run(model, prompt: str | None, batch_size: int) -> dict:  # type: ignore[no
 
     plan = model.devmap_plan
     source = plan.model_source
-    gpus = [d for d in plan.device_map.values() if isinstance(d, int)]
-    device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
+    from devmap.planning.devices import is_gpu, torch_device
+
+    gpus = [d for d in plan.device_map.values() if is_gpu(d)]
+    device = torch_device(gpus[0] if gpus else "cpu")
     if prompt is not None:
         if source.kind != "hf-dir":
             raise click.UsageError("--prompt needs a model directory with a tokenizer")

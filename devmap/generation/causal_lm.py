@@ -18,6 +18,7 @@ from torch import nn
 from ..compat import (attention_implementation, cache_keyword, call_decoder_layer, device_hooks_bypassed,
                       hook_execution_device, own_forward, transformers_causal_mask)
 from ..errors import PipelineError, UsageError
+from ..planning.devices import offloaded, parse_device_key
 from .masks import prompt_mask
 
 # model types whose base model's forward is LLaMA's glue (embed, one rotary, causal mask, layers, norm): the glue
@@ -60,8 +61,7 @@ class CausalLMStages:
                 f"pipelined inference runs {', '.join(SAME_GLUE)} models; this one is {model_type!r}, whose layers "
                 "need glue devmap does not redo: run it with model(...) or model.generate(...)"
             )
-        devices_used = set(getattr(model, "hf_device_map", {}).values())
-        if "disk" in devices_used or ("cpu" in devices_used and any(isinstance(d, int) for d in devices_used)):
+        if offloaded(parse_device_key(d) for d in getattr(model, "hf_device_map", {}).values()):
             raise PipelineError("the model has offloaded blocks (cpu or disk beside GPUs): pipelined inference "
                                 "needs every block on a device; load it with enough GPU memory")
         starts = set(split_layers or ())

@@ -26,7 +26,8 @@ from ..planning.budget import resolve_budget
 from .checkpoint import TensorEntry, index_checkpoint, match_state
 from ..errors import CheckpointError, UsageError
 from .initialization import init_module_
-from ..planning.memory import DeviceKey, Size, device_label, dtype_name, parse_dtype
+from ..planning.devices import DeviceKey, device_label, is_gpu, torch_device
+from ..planning.memory import Size, dtype_name, parse_dtype
 from ..planning.models import resolve_source
 from ..planning.placement import _quiet
 from ..planning.planner import DeviceMapSpec, Plan, check_could_fit, owner_of, plan_model
@@ -257,7 +258,7 @@ def _materialize(
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     for name, tensor in named:
         key = _target(plan, name)
-        device = torch.device("cpu") if key in ("cpu", "disk") else torch.device("cuda", key)
+        device = torch_device(key, disk_as_cpu=True)  # disk blocks are made in host memory, then written
         if id(tensor) in deferred:  # a tied alias of a parameter bound for disk: its own index entry
             deferred[id(tensor)].aliases.append(name)
             continue
@@ -297,11 +298,11 @@ def _materialize(
         finished["disk"] = _offload(model, list(deferred.values()), folder, std, seed, progress)
     devices = {}
     for label, usage in plan.devices.items():
-        gpu = int(label.split(":")[1]) if label.startswith("cuda:") else None
+        key = usage.key
         devices[label] = DeviceLoad(
             device=label, blocks=len(usage.modules), planned_bytes=usage.bytes,
-            allocated_bytes=(torch.cuda.memory_allocated(gpu) - before[gpu] if gpu in before
-                             else _host_bytes(model) if label == "cpu" else None),
+            allocated_bytes=(torch.cuda.memory_allocated(key) - before[key] if is_gpu(key) and key in before
+                             else _host_bytes(model) if key == "cpu" else None),
             seconds=finished.get(label, 0.0),
         )
     return {"devices": devices, "bytes_read": sum(e.nbytes for e in entries.values()) if entries else 0}

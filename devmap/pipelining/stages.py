@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..errors import PipelineError
-from ..planning.memory import parse_device_key
+from ..planning.devices import parse_device_key, torch_device
 
 Block = tuple[str, nn.Module]
 StageSpec = tuple[nn.Module, Union[str, int, torch.device]]
@@ -22,7 +22,7 @@ def as_device(device: Union[str, int, torch.device]) -> torch.device:
     key = parse_device_key(device)
     if key == "disk":
         raise PipelineError("a pipeline stage cannot run on disk: offloaded blocks cannot be pipelined")
-    return torch.device("cpu") if key == "cpu" else torch.device("cuda", key)
+    return torch_device(key)
 
 
 def blocks_of(model: nn.Module) -> list[Block]:

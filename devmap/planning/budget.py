@@ -8,7 +8,8 @@ from typing import Mapping
 
 from . import hardware
 from ..errors import UsageError
-from .memory import DeviceKey, Size, device_label, parse_max_memory, parse_size
+from .devices import DeviceKey, device_label
+from .memory import Size, parse_max_memory, parse_size
 
 # Like transformers, keep 10% of each real GPU's free memory for activations when the user sets no budget.
 REAL_GPU_FRACTION = 0.9

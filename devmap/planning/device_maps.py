@@ -9,7 +9,7 @@ from typing import Mapping, Union
 import torch
 
 from ..errors import UsageError
-from .memory import DeviceKey, parse_device_key
+from .devices import DeviceKey, parse_device_key
 from .placement import STRATEGIES
 
 DeviceMapSpec = Union[str, int, torch.device, Mapping[str, Union[int, str, torch.device]]]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from .memory import device_label
+from .devices import device_label
 from .planner import Plan, owner_of
 from .quantization import quantized_weights, weight_extra_bytes
 

@@ -1,4 +1,4 @@
-"""Sizes and dtypes: parse "24GiB" / "80GB" / "90%", format byte counts, and name dtypes."""
+"""Sizes and dtypes: parse "24GiB" / "80GB" / "90%" and max_memory specs, format byte counts, and name dtypes."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Mapping, Union
 import torch
 
 from ..errors import UsageError
+from .devices import DeviceKey, parse_device_key
 
 Size = Union[int, str]
-DeviceKey = Union[int, str]
 
 _UNITS = {
     "B": 1,
@@ -72,28 +72,6 @@ def parse_size(value: Size | float, *, total: int | None = None, what: str = "si
     return int(number * _UNITS[unit])
 
 
-def parse_device_key(key: DeviceKey) -> DeviceKey:
-    """Normalize a budget key: 0, "0", "cuda:0" -> 0; "cpu" and "disk" stay."""
-    if isinstance(key, bool):
-        raise UsageError(f"unknown device {key!r}: use a GPU index (0, 1, ...), cuda:N, cpu or disk")
-    if isinstance(key, int):
-        if key < 0:
-            raise UsageError(f"unknown device {key!r}: a GPU index cannot be negative")
-        return key
-    if isinstance(key, torch.device):
-        key = str(key)
-    text = str(key).strip().lower()
-    if text in ("cpu", "disk"):
-        return text
-    if text == "cuda":
-        return 0
-    if text.startswith("cuda:"):
-        text = text[5:]
-    if text.isascii() and text.isdigit():  # "²".isdigit() is true, and int() refuses it
-        return int(text)
-    raise UsageError(f"unknown device {key!r}: use a GPU index (0, 1, ...), cuda:N, cpu or disk")
-
-
 def parse_max_memory(spec: str | Mapping[DeviceKey, Size] | None) -> dict[DeviceKey, Size]:
     """Read "0=20GiB,1=20GiB,cpu=64GiB" or a dict into {device key: raw size} (sizes are parsed later)."""
     if spec is None:
@@ -152,6 +130,3 @@ def format_count(num: int) -> str:
     return str(num)
 
 
-def device_label(key: DeviceKey) -> str:
-    """Budget key -> torch device string: 0 -> "cuda:0", "cpu" -> "cpu"."""
-    return f"cuda:{key}" if isinstance(key, int) else str(key)

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .memory import DeviceKey
+from .devices import DeviceKey
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 DeviceMap = dict[str, DeviceKey]

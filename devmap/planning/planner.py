@@ -11,15 +11,8 @@ from torch import nn
 
 from .budget import Budget, resolve_budget
 from ..errors import DoesNotFitError, UsageError
-from .memory import (
-    DeviceKey,
-    Size,
-    device_label,
-    dtype_name,
-    format_bytes,
-    parse_device_key,
-    parse_dtype,
-)
+from .devices import DeviceKey, device_label, parse_device_key
+from .memory import Size, dtype_name, format_bytes, parse_dtype
 from .device_maps import DeviceMapSpec, normalize_device_map
 from .models import ModelSource, default_no_split, resolve_source
 from .placement import DeviceMap, kept_precision, module_sizes, place, usage
@@ -30,13 +23,14 @@ from .quantization import (Quantization, check_placement, extra_bytes, quantized
 
 @dataclass
 class DeviceUsage:
-    """What one device holds under a plan."""
+    """What one device holds under a plan: `key` is the device key (`devmap.planning.devices`), `device` its label."""
 
     device: str
     modules: list[str]
     params: int
     bytes: int
     budget: int | None
+    key: DeviceKey = "cpu"
 
     @property
     def share(self) -> float | None:
@@ -312,5 +306,6 @@ def _device_usage(
             params=sum(counts.get(n, 0) for n in names),
             bytes=sum(sizes.get(n, 0) for n in names),
             budget=budget.limits.get(key),
+            key=key,
         )
     return report

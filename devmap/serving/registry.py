@@ -101,7 +101,7 @@ class ModelRegistry:
             resident = ResidentModel(
                 id=model_id, path=path, model=model, tokenizer=tokenizer, created=int(time.time()),
                 context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
-                planned={_budget_key(k): d.planned_bytes for k, d in model.devmap_load_report.devices.items()},
+                planned={usage.key: usage.bytes for usage in model.devmap_plan.devices.values()},
                 report=report,
             )
             with self._lock:
@@ -162,11 +162,6 @@ def _tokenizer(path: Path) -> Any:
                            "text, so the directory needs tokenizer files (devmap save writes them)") from None
     tokenizer.padding_side = "left"
     return tokenizer
-
-
-def _budget_key(device: str) -> Any:
-    name = device.removeprefix("cuda:")
-    return int(name) if name.isdigit() else name
 
 
 def _free(model: nn.Module) -> None:

@@ -19,7 +19,8 @@ from devmap.planning.budget import resolve_budget
 from devmap.cli import main
 from devmap.planning.device_maps import normalize_device_map
 from devmap.errors import CheckpointError, DevmapError, UsageError
-from devmap.planning.memory import _UNITS, parse_device_key, parse_max_memory, parse_size
+from devmap.planning.devices import parse_device_key
+from devmap.planning.memory import _UNITS, parse_max_memory, parse_size
 from devmap.planning.planner import validate_device_map
 from devmap.testing import ToyModel
 
