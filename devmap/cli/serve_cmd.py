@@ -46,8 +46,8 @@ from .options import load_options
               help="Unload a model unused for this many seconds.")
 @click.option("--lanes", default=None, type=click.IntRange(min=1), help="Micro-batches in flight (default: stages).")
 @click.option("--compile", "compile_steps", is_flag=True,
-              help="torch.compile each stage's decode steps: ~1.5-1.7x the tokens/s of a 1.1B model on one GPU; "
-                   "the first batch of each new shape compiles (~45 s for 1.1B; inductor caches it on disk).")
+              help="torch.compile each stage's decode steps (fused kernels: see docs/serving.md); the first batch "
+                   "of each new shape compiles (inductor caches it on disk).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,

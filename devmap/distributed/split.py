@@ -16,7 +16,7 @@ from torch import nn
 from ..errors import PipelineError
 from ..pipelining.residual_parts import parse_unit
 from ..pipelining.stages import blocks_of, group_stages, placed_units, stage_module
-from ..planning.planner import owner_of
+from ..planning.device_maps import owner_of
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Generation: LLaMA-style causal LMs run through their stages in lanes, for prefill and token-by-token decoding.
 
 Owns the causal-LM stage view (embedding, layers, norm and head per device), lanes with static KV caches
-on every stage, captured decode and prefill steps and their cache on the model, and sampling. Imports
-`devmap.pipelining` (its streams), `devmap.planning` and `devmap.errors`. `generate`, `forward`, `timed`
+on every stage (their prefill and decode halves), captured steps and their cache on the model, sampling, and
+continuous batches (rows that requests join between steps, driven step by step by their caller). Imports
+`devmap.pipelining` (its streams), `devmap.planning`, `devmap.compat` and `devmap.errors`. `generate`, `forward`, `timed`
 and `check_length` are re-exported here.
 """
 

@@ -18,7 +18,8 @@ from torch import nn
 from .api import check_length
 from .causal_lm import CausalLMStages
 from ..errors import UsageError
-from .continuous_rows import ContinuousBatch, Row, SlotRequest
+from .continuous_rows import ContinuousBatch
+from .row_types import Row, SlotRequest
 from .lane_runner import LaneRunner, split_lanes
 from .sampling import Sampling
 from .step_cache import StepCache, step_cache, weight_pointers

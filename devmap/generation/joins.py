@@ -1,8 +1,8 @@
 """Requests joining a continuous batch together: prefills of a step's joiners in sub-groups, each left-padded to a
 bucketed shape, their causal mask built on the device (no host reads).
 
-An eager prefill of a LLaMA stage costs the same few hundred small kernels for one row as for thirty: tens of
-milliseconds of host time at 1B (transformers' Python), during which the host issues nothing else. So each group
+An eager prefill of a LLaMA stage costs the same few hundred small kernels for one row as for thirty, much host
+time (transformers' Python) during which the host issues nothing else. So each group
 shape's prefill is a captured graph, replayed from its second use on; a step's joiners go in as few sub-groups of
 similar lengths (little padding), which the stages run at once, one sub-group behind the other.
 """

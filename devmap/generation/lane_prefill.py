@@ -13,7 +13,7 @@ from .causal_lm import FrontHead, positions
 from .compiled import compile_step
 from .graphed_step import GraphedStep
 from .lane_cache import LaneCache
-from .lanes import Lane, LaneStreams, _move, record_event
+from .lanes import Lane, LaneStreams, move_to_stage, record_event
 from .step_cache import StepCache, weight_pointers
 from ..pipelining.streams import copy_into, hand_off
 
@@ -59,10 +59,10 @@ class LanePrefill(LaneStreams):
                     context["position_embeddings"] = self.s.rotary(hidden, context["position_ids"])
                 elif compute is not None:
                     hidden = hand_off(hidden, event, stage.device, j, self.streams, compute)
-                    context = {k: _move(v, event, stage.device, j, self.streams, compute) for k, v in context.items()}
+                    context = {k: move_to_stage(v, event, stage.device, j, self.streams, compute) for k, v in context.items()}
                 else:
                     hidden = hidden.to(stage.device)
-                    context = {k: _move(v, None, stage.device, j, self.streams, None) for k, v in context.items()}
+                    context = {k: move_to_stage(v, None, stage.device, j, self.streams, None) for k, v in context.items()}
                 hidden = self.s.run(j, hidden, context, lane.caches[j] if caches else None)
                 event = record_event(compute)
         return hidden

@@ -101,11 +101,11 @@ def record_event(stream: Any) -> Any:
     return event
 
 
-def _move(value: Any, event: Any, device: torch.device, j: int, streams: StreamSet, compute: Any) -> Any:
+def move_to_stage(value: Any, event: Any, device: torch.device, j: int, streams: StreamSet, compute: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return hand_off(value, event, device, j, streams, compute) if compute is not None else value.to(device)
     if isinstance(value, tuple):
-        return tuple(_move(v, event, device, j, streams, compute) for v in value)
+        return tuple(move_to_stage(v, event, device, j, streams, compute) for v in value)
     return value
 
 

@@ -85,7 +85,7 @@ def keep_shapes(model: nn.Module, count: int) -> None:
 def weight_pointers(model: nn.Module) -> tuple[int, ...]:
     """Addresses of every parameter and buffer: a captured graph reads them, so they must not have moved.
 
-    Walking the module tree costs ~0.5 ms for a LLaMA; the (module, name) slots found by the first walk are
+    Walking the module tree costs host time on every call; the (module, name) slots found by the first walk are
     kept and re-read instead, and a slot whose tensor was replaced triggers a fresh walk. (Replacing a whole
     submodule is not seen: call `release_graphs(model)` after such surgery.)"""
     slots = model.__dict__.get("_devmap_weight_slots")

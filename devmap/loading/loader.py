@@ -8,15 +8,11 @@ backward runs through the blocks on their devices.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
-import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Union
+from typing import Any, Callable, Mapping, Union
 
 import torch
 from torch import nn
@@ -24,60 +20,20 @@ from torch import nn
 from ..planning import hardware
 from ..planning.budget import resolve_budget
 from .checkpoint import TensorEntry, index_checkpoint, match_state
-from ..errors import CheckpointError, UsageError
+from ..errors import UsageError
+from .disk_offload import Deferred, offload_deferred, set_tensor, undo_offload_on_failure
 from .initialization import init_module_
 from ..planning.devices import DeviceKey, device_label, is_gpu, torch_device
 from ..planning.memory import Size, dtype_name, parse_dtype
 from ..planning.models import resolve_source
-from ..planning.placement import _quiet
-from ..planning.planner import DeviceMapSpec, Plan, check_could_fit, owner_of, plan_model
+from ..planning.placement import accelerate_quietly
+from ..planning.device_maps import DeviceMapSpec, owner_of
+from ..planning.planner import Plan, check_could_fit, plan_model
 from ..planning.quantization import quantized_weights, resolve_quantization
 from ..compat import stored_tensors
+from .load_report import DeviceLoad, LoadReport
 from .quantize import check_library, load_quantized
 from .transfer import CopyJob, copy_into
-
-
-@dataclass
-class DeviceLoad:
-    """What loading put on one device."""
-
-    device: str
-    blocks: int
-    planned_bytes: int
-    allocated_bytes: int | None
-    seconds: float
-
-    @property
-    def gb_per_s(self) -> float | None:
-        return self.planned_bytes / self.seconds / 1e9 if self.seconds > 0 and self.planned_bytes else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"blocks": self.blocks, "planned_bytes": self.planned_bytes, "allocated_bytes": self.allocated_bytes,
-                "seconds": self.seconds, "gb_per_s": self.gb_per_s}
-
-
-@dataclass
-class LoadReport:
-    """How a load went: the checkpoint, the time, the bytes, and per device what landed there."""
-
-    source: str
-    checkpoint: str | None
-    random_init: bool
-    dtype: str
-    seconds: float
-    bytes_read: int
-    devices: dict[str, DeviceLoad]
-    initialized: list[str] = field(default_factory=list)
-    offload_folder: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source, "checkpoint": self.checkpoint, "random_init": self.random_init,
-            "dtype": self.dtype, "seconds": self.seconds, "bytes_read": self.bytes_read,
-            "gb_per_s": self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else None,
-            "devices": {k: v.to_dict() for k, v in self.devices.items()},
-            "initialized": self.initialized, "offload_folder": self.offload_folder,
-        }
 
 
 def load(
@@ -122,7 +78,7 @@ def load(
     shrink = set(quantized_weights(model, quantized)) if quantized is not None else set()
     if quantized is not None:
         check_library(quantized)
-    with _undo_offload_on_failure(folder):
+    with undo_offload_on_failure(folder):
         _check_devices(plan, folder)
         from accelerate.utils import find_tied_parameters
 
@@ -164,32 +120,10 @@ def dispatch(
     budget = resolve_budget(max_memory, offload_folder=folder)
     plan = plan_model(model, model_source, device_map, budget, torch_dtype or model_source.default_dtype,
                       no_split_module_classes)
-    with _undo_offload_on_failure(folder):
+    with undo_offload_on_failure(folder):
         _check_devices(plan, folder)
         _attach_hooks(model, plan, folder)
     return model
-
-
-@contextlib.contextmanager
-def _undo_offload_on_failure(folder: str | None) -> Iterator[None]:
-    """On failure (disk full, interrupt), remove what this load wrote into the offload folder: the folder itself
-    if the load created it, else only the files it added, so no half-written offload is left behind."""
-    path = Path(folder) if folder is not None else None
-    existed = path is not None and path.exists()
-    before = set(os.listdir(path)) if existed and path is not None else set()
-    try:
-        yield
-    except BaseException:
-        if path is not None and not existed:
-            shutil.rmtree(path, ignore_errors=True)
-        elif path is not None and path.is_dir():
-            for name in set(os.listdir(path)) - before:
-                target = path / name
-                if target.is_dir() and not target.is_symlink():
-                    shutil.rmtree(target, ignore_errors=True)
-                else:
-                    target.unlink(missing_ok=True)
-        raise
 
 
 def _check_devices(plan: Plan, folder: str | None) -> None:
@@ -216,30 +150,6 @@ def _target(plan: Plan, name: str) -> DeviceKey:
     return plan.device_map[owner_of(name, plan.device_map)]
 
 
-def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    if leaf in module._parameters:
-        old = module._parameters[leaf]
-        module._parameters[leaf] = value if isinstance(value, nn.Parameter) else nn.Parameter(
-            value, requires_grad=old.requires_grad if old is not None else True)
-    else:
-        module._buffers[leaf] = value
-
-
-@dataclass
-class _Deferred:
-    """A parameter bound for disk: allocated, filled and written only when its module's turn comes."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    entry: TensorEntry | None
-    init: bool
-    aliases: list[str] = field(default_factory=list)
-
-
 def _materialize(
     model: nn.Module, plan: Plan, entries: dict[str, TensorEntry], missing: set[str], std: float, seed: int,
     folder: str | None, workers: int | None, progress: Callable[[int], None] | None, shrink: set[str] = frozenset(),
@@ -252,7 +162,7 @@ def _materialize(
     persistent = set(model.state_dict(keep_vars=True))
     made: dict[int, torch.Tensor] = {}
     jobs: list[CopyJob] = []
-    deferred: dict[int, _Deferred] = {}
+    deferred: dict[int, Deferred] = {}
     to_init: dict[str, torch.device] = {}
     later: dict[str, tuple[torch.device, TensorEntry | None]] = {}  # quantized weights, block by block
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
@@ -263,7 +173,7 @@ def _materialize(
             deferred[id(tensor)].aliases.append(name)
             continue
         if id(tensor) in made:  # a tied alias: the same tensor
-            _set_tensor(model, name, made[id(tensor)])
+            set_tensor(model, name, made[id(tensor)])
             continue
         floating = tensor.is_floating_point() and name in persistent
         dtype = plan.dtype if floating else tensor.dtype
@@ -273,7 +183,7 @@ def _materialize(
             later[name] = (device, entry)
             continue
         if key == "disk" and isinstance(tensor, nn.Parameter):  # buffers stay in memory (accelerate moves them)
-            deferred[id(tensor)] = _Deferred(name, tuple(tensor.shape), dtype, tensor.requires_grad, entry, needs_init)
+            deferred[id(tensor)] = Deferred(name, tuple(tensor.shape), dtype, tensor.requires_grad, entry, needs_init)
             continue
         if tensor.device.type == "meta" or entry is not None:
             value = torch.empty(tensor.shape, dtype=dtype, device=device)
@@ -282,7 +192,7 @@ def _materialize(
         if isinstance(tensor, nn.Parameter):
             value = nn.Parameter(value, requires_grad=tensor.requires_grad)
         made[id(tensor)] = value
-        _set_tensor(model, name, value)
+        set_tensor(model, name, value)
         if needs_init:
             to_init[name.rpartition(".")[0]] = device
         if entry is not None:
@@ -295,7 +205,7 @@ def _materialize(
     if later:
         load_quantized(model, plan, later, std, seed, workers, progress)
     if deferred:
-        finished["disk"] = _offload(model, list(deferred.values()), folder, std, seed, progress)
+        finished["disk"] = offload_deferred(model, list(deferred.values()), folder, std, seed, progress)
     devices = {}
     for label, usage in plan.devices.items():
         key = usage.key
@@ -322,57 +232,13 @@ def _host_bytes(model: nn.Module) -> int:
     return total
 
 
-def _offload(model: nn.Module, tensors: list[_Deferred], folder: str | None, std: float, seed: int,
-             progress: Callable[[int], None] | None) -> float:
-    """Module by module: allocate its disk-bound parameters in host memory, fill them (checkpoint or random
-    init), write them in accelerate's offload format and drop them, so host memory holds one module at most."""
-    start = time.perf_counter()
-    generator = torch.Generator().manual_seed(seed)
-    by_module: dict[str, list[_Deferred]] = {}
-    for item in tensors:
-        by_module.setdefault(item.name.rpartition(".")[0], []).append(item)
-    try:
-        _offload_modules(model, by_module, folder, std, generator, progress)
-    except OSError as exc:  # disk full, folder removed: the caller removes what was written
-        raise CheckpointError(
-            f"could not write to the offload folder {folder}: {exc.strerror or exc}; free space there or choose "
-            "another --offload-folder"
-        ) from None
-    return time.perf_counter() - start
-
-
-def _offload_modules(model: nn.Module, by_module: dict[str, list[_Deferred]], folder: str | None, std: float,
-                     generator: torch.Generator, progress: Callable[[int], None] | None) -> None:
-    from accelerate.utils import offload_weight, save_offload_index
-
-    index: dict[str, Any] = {}
-    for module_name, items in by_module.items():
-        module = model.get_submodule(module_name)
-        values = {}
-        for item in items:
-            values[item.name] = nn.Parameter(torch.empty(item.shape, dtype=item.dtype), requires_grad=item.requires_grad)
-            _set_tensor(model, item.name, values[item.name])
-        if any(item.init for item in items):
-            init_module_(module, std=std, generator=generator)  # a module's own parameters share one device
-        copy_into([CopyJob(item.entry, values[item.name].data) for item in items if item.entry is not None],
-                  workers=1, progress=progress)
-        for item in items:
-            meta = nn.Parameter(torch.empty(item.shape, dtype=item.dtype, device="meta"),
-                                requires_grad=item.requires_grad)
-            for name in [item.name, *item.aliases]:
-                index = offload_weight(values[item.name].data, name, folder, index=index)
-                _set_tensor(model, name, meta)
-        del values
-    save_offload_index(index, folder)
-
-
 def _attach_hooks(model: nn.Module, plan: Plan, folder: str | None) -> None:
     """accelerate's hooks move inputs to each block's device and the output back to the input's device."""
     from accelerate import dispatch_model
 
     gpus = [d for d in plan.device_map.values() if isinstance(d, int)]
     main: DeviceKey = gpus[0] if gpus else "cpu"  # accelerate compares main_device with the string "cpu"
-    with _quiet():
+    with accelerate_quietly():
         # like transformers: the KV cache is not moved by the hooks (each layer keeps its own on its device)
         dispatch_model(model, device_map=dict(plan.device_map), main_device=main,
                        offload_dir=folder if "disk" in plan.device_map.values() else None, force_hooks=True,

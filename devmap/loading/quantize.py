@@ -19,7 +19,8 @@ from torch import nn
 
 from ..compat import stored_tensors, torchao_int8_rows
 from ..errors import UsageError
-from ..planning.planner import Plan, owner_of
+from ..planning.device_maps import owner_of
+from ..planning.planner import Plan
 from ..planning.quantization import INT4_GROUP, NF4_BLOCK, Quantization
 from .checkpoint import TensorEntry
 from .transfer import CHUNK_BYTES, CopyJob, copy_into

@@ -6,13 +6,10 @@ import contextlib
 import copy
 import ctypes
 import json
-import math
 import os
-import secrets
 import shutil
 import sys
-import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Union
 
@@ -20,14 +17,14 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, UsageError
+from .shards import INDEX_FILE, TensorToWrite, plan_shards, plan_tensors, shard_names
+from .atomic_dir import check_destination, install, make_temp, umask_now
 from .initialization import init_module_
 from .tokenizer import SPECIAL, write_tokenizer
-from ..planning.memory import Size, dtype_name, format_bytes, parse_dtype, parse_size
+from ..planning.memory import Size, dtype_name, parse_dtype, parse_size
 from ..planning.models import ModelSource, resolve_source
 
 Progress = Callable[[int, int], None]
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass
@@ -49,20 +46,6 @@ class SaveResult:
         return data
 
 
-@dataclass
-class _Entry:
-    """One tensor to write: its state_dict name, owning module, shape and the dtype it is written in."""
-
-    name: str
-    owner: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    nbytes: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
-
-
 def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch.dtype | None = None,
          max_shard_size: Size = "5GB", seed: int = 0, weights: Union[str, Path, None] = None,
          overwrite: bool = False, progress: Progress | None = None, quantization: Any = None,
@@ -79,7 +62,7 @@ def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch
     if limit <= 0:
         raise UsageError(f"invalid max shard size {max_shard_size!r}: it must be above 0, e.g. 5GB or 500MB")
     out = Path(out_dir).expanduser().absolute()
-    _check_destination(out, overwrite)
+    check_destination(out, overwrite)
     if quantization is not None:
         from ..planning.quantization import resolve_quantization
 
@@ -90,17 +73,17 @@ def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch
     target = parse_dtype(dtype) or src.default_dtype
 
     model = src.build("meta")
-    entries, aliases = _plan_tensors(model, target)
-    shards = _plan_shards(entries, limit)
+    entries, aliases = plan_tensors(model, target)
+    shards = plan_shards(entries, limit)
     total = sum(e.nbytes for e in entries)
-    names = _shard_names(len(shards))
+    names = shard_names(len(shards))
     with contextlib.ExitStack() as stack:
         if weights is not None:
             tensors = _file_tensors(stack, Path(weights).expanduser(), src.name, entries, aliases)
         else:
             std = float(getattr(src.config, "initializer_range", None) or 0.02)
             tensors = _random_tensors(model, entries, std, seed)
-        tmp = _make_temp(out, total)
+        tmp = make_temp(out, total)
         try:
             _write_config(src, model, target, tmp)
             _write_shards(tmp, shards, names, tensors, total, progress)
@@ -109,7 +92,7 @@ def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             files = sorted(p.name for p in tmp.iterdir())
-            _install(tmp, out)
+            install(tmp, out)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"could not write the checkpoint to {out}: {exc.strerror or exc}") from exc
@@ -129,20 +112,20 @@ def _save_quantized(src: ModelSource, out: Path, target: torch.dtype, max_shard_
     from .loader import load
     from .quantized_saver import write_quantized
 
-    plain = _make_temp(out, 0)
+    plain = make_temp(out, 0)
     tmp = None
     model = None
     try:
         save(src.name, plain, dtype=target, max_shard_size=max_shard_size, seed=seed, weights=weights,
              overwrite=True, progress=progress)
         model = load(plain, device_map, dtype=target, quantization=quantization)
-        tmp = _make_temp(out, model.devmap_plan.total_bytes)
+        tmp = make_temp(out, model.devmap_plan.total_bytes)
         names, num_tensors, total = write_quantized(model, tmp, limit)
         for extra in plain.iterdir():  # the tokenizer files
             if extra.is_file() and not (tmp / extra.name).exists() and not extra.name.startswith("model"):
                 shutil.copy2(extra, tmp / extra.name)
         files = sorted(p.name for p in tmp.iterdir())
-        _install(tmp, out)
+        install(tmp, out)
     except OSError as exc:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -173,58 +156,8 @@ def _preset(source: Union[str, Path]) -> ModelSource:
     return src
 
 
-def _check_destination(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out} exists and is a file; choose a directory to write the checkpoint into")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UsageError(f"{out} exists and is not empty; pass --overwrite or choose another directory")
-    ancestor = out.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write into {ancestor}: it is not a writable directory; choose another directory")
-
-
-def _plan_tensors(model: nn.Module, target: torch.dtype) -> tuple[list[_Entry], set[str]]:
-    """The state_dict entries to write, in order; tied aliases (lm_head.weight) are written once, under the
-    first name, and returned apart. Non-persistent buffers (rotary inv_freq) are not in the state_dict."""
-    entries: list[_Entry] = []
-    aliases: set[str] = set()
-    seen: set[int] = set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            aliases.add(name)
-            continue
-        seen.add(id(tensor))
-        out_dtype = target if tensor.is_floating_point() else tensor.dtype
-        entries.append(_Entry(name, name.rpartition(".")[0], tuple(tensor.shape), out_dtype))
-    return entries, aliases
-
-
-def _plan_shards(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
-    """Greedy in state_dict order, as save_pretrained does: a tensor larger than `limit` gets its own shard."""
-    shards: list[list[_Entry]] = []
-    current: list[_Entry] = []
-    size = 0
-    for entry in entries:
-        if current and size + entry.nbytes > limit:
-            shards.append(current)
-            current, size = [], 0
-        current.append(entry)
-        size += entry.nbytes
-    if current or not shards:
-        shards.append(current)
-    return shards
-
-
-def _shard_names(count: int) -> list[str]:
-    if count == 1:
-        return [SINGLE_FILE]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
 @torch.no_grad()
-def _random_tensors(model: nn.Module, entries: list[_Entry], std: float, seed: int) -> Iterator[torch.Tensor]:
+def _random_tensors(model: nn.Module, entries: list[TensorToWrite], std: float, seed: int) -> Iterator[torch.Tensor]:
     """Initialize one module's own tensors at a time on the CPU (init_module_ rules, one seeded generator),
     yield them cast to their output dtype, and send the module back to meta."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -243,7 +176,7 @@ def _random_tensors(model: nn.Module, entries: list[_Entry], std: float, seed: i
         module.to_empty(device="meta", recurse=False)
 
 
-def _file_tensors(stack: contextlib.ExitStack, path: Path, source: str, entries: list[_Entry],
+def _file_tensors(stack: contextlib.ExitStack, path: Path, source: str, entries: list[TensorToWrite],
                   aliases: set[str]) -> Iterator[torch.Tensor]:
     """Check `path` against the planned entries (keys, shapes), then yield its tensors one at a time."""
     from safetensors import safe_open
@@ -273,23 +206,6 @@ def _file_tensors(stack: contextlib.ExitStack, path: Path, source: str, entries:
     return tensors()
 
 
-def _make_temp(out: Path, total: int) -> Path:
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(out.parent).free
-        if free < total:
-            raise UsageError(f"{out.parent} has {format_bytes(free)} free and the checkpoint needs "
-                             f"{format_bytes(total)}; choose another directory")
-        for _ in range(100):
-            tmp = out.parent / f".{out.name}.devmap-tmp-{os.getpid()}-{secrets.token_hex(4)}"
-            with contextlib.suppress(FileExistsError):
-                tmp.mkdir()  # unlike mkdtemp, honours the umask: the renamed directory gets normal permissions
-                return tmp
-        raise FileExistsError(f"no free temporary name next to {out}")
-    except OSError as exc:
-        raise UsageError(f"cannot write into {out.parent}: {exc.strerror or exc}; choose another directory") from None
-
-
 def _write_config(src: ModelSource, model: nn.Module, target: torch.dtype, tmp: Path) -> None:
     if src.kind == "torchvision":
         config = {"torchvision_model": src.name, "num_classes": int(src.extra.get("num_classes", 1000)),
@@ -313,7 +229,7 @@ def _write_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def _write_shards(tmp: Path, shards: list[list[_Entry]], names: list[str], tensors: Iterator[torch.Tensor],
+def _write_shards(tmp: Path, shards: list[list[TensorToWrite]], names: list[str], tensors: Iterator[torch.Tensor],
                   total: int, progress: Progress | None) -> None:
     """Fill each planned shard from `tensors` and write it as soon as it is complete."""
     done = 0
@@ -328,7 +244,7 @@ def _write_shards(tmp: Path, shards: list[list[_Entry]], names: list[str], tenso
                 progress(done, total)
         _write_shard(buffer, tmp / name)
         del buffer
-        os.chmod(tmp / name, 0o666 & ~_umask())  # safetensors writes 0600; give the usual file permissions
+        os.chmod(tmp / name, 0o666 & ~umask_now())  # safetensors writes 0600; give the usual file permissions
         _trim_heap()
 
 
@@ -339,23 +255,3 @@ def _trim_heap() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _install(tmp: Path, out: Path) -> None:
-    """Rename the finished temporary directory to `out`; an existing `out` is moved aside, then removed."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.devmap-old-", dir=out.parent))
-    os.replace(out, old / "previous")
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old / "previous", out)
-        raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)

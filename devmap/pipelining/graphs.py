@@ -1,7 +1,7 @@
 """CUDA graphs for one pipeline stage and one micro-batch slot: forward, input half and weight half of backward.
 
-At small micro-batches a GPU spends longer launching kernels than running them (ResNet50, batch 20 on
-an H200: 19.5 ms eager vs 6.3 ms replayed). Each (stage, slot) gets its own graphs and memory pool, so
+At small micro-batches a GPU spends longer launching kernels than running them, and a replayed graph launches
+them all at once (benchmarks/RESULTS.md, W1 and W2). Each (stage, slot) gets its own graphs and memory pool, so
 the activations of every micro-batch in flight stay intact until its backward, in whatever order the
 autograd engine runs the backwards. Backward is captured in two halves where the stage allows it
 (devmap.pipelining.weight_grads): the input half (the gradient the previous stage waits for, plus the gradients of

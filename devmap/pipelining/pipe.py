@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import queue
-import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,46 +29,9 @@ from .grad_sums import GradSums, open_pass
 from .graphs import StageGraph
 from .stages import block_devices, group_stages, placed_units, stage_module
 from .streams import StreamSet, hand_off
+from .workers import StageWorkers
 
 GRAPH_MODES = ("auto", "on", "off")
-
-
-class _Workers:
-    """One thread per stage; tasks in, completions out; the first error is raised in the caller."""
-
-    def __init__(self, count: int) -> None:
-        self.inboxes: list[queue.Queue] = [queue.Queue() for _ in range(count)]
-        self.done: queue.Queue = queue.Queue()
-        self.threads = [threading.Thread(target=self._loop, args=(box,), daemon=True) for box in self.inboxes]
-
-    def _loop(self, inbox: queue.Queue) -> None:
-        while True:
-            task = inbox.get()
-            if task is None:
-                return
-            try:
-                task()
-                self.done.put(None)
-            except BaseException as exc:  # handed to the caller
-                self.done.put(exc)
-
-    def __enter__(self) -> "_Workers":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def run(self, tasks: list[tuple[int, Callable[[], None]]]) -> None:
-        for stage, task in tasks:
-            self.inboxes[stage].put(task)
-        errors = [e for e in (self.done.get() for _ in tasks) if e is not None]
-        if errors:
-            raise errors[0]
-
-    def __exit__(self, *exc: Any) -> None:
-        for box in self.inboxes:
-            box.put(None)
-        for t in self.threads:
-            t.join()
 
 
 class Pipeline(nn.Module):
@@ -98,8 +59,8 @@ class Pipeline(nn.Module):
         self.graph_failures: list[str] = []
         self._graphs: dict[tuple, list[list[StageGraph | None]]] = {}
         self._sums: dict[tuple, list[GradSums]] = {}  # per graph set: each stage's gradient sums
-        # micro-batches per stage whose backward's weight half waits for the end of the pass (None: all): on
-        # 2 H200s one is as fast as all of them (ResNet50, batch 1024 in 16) and costs 1/16 of the memory
+        # micro-batches per stage whose backward's weight half waits for the end of the pass (None: all): one
+        # fills the drain as well as all of them do, for a fraction of the memory (benchmarks/RESULTS.md, W2)
         self.deferred_weights = deferred_weights
         self._streams = StreamSet()
         self.trace: list[tuple[int, int, Any, Any]] | None = None  # (stage, micro-batch, start, end) events
@@ -152,7 +113,7 @@ class Pipeline(nn.Module):
             start.record(torch.cuda.current_stream(x.device))
         carry: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [(mb, start) for mb in micro]
         m, n = len(micro), len(self.partitions)
-        with _Workers(n) as workers:
+        with StageWorkers(n) as workers:
             for clock in range(m + n - 1):
                 tasks = [(j, self._task(clock - j, j, carry, runners, grad))
                          for j in range(n) if 0 <= clock - j < m]

@@ -31,10 +31,7 @@ def blocks_of(model: nn.Module) -> list[Block]:
     torchvision ResNets (whose forward flattens before `fc`) and nn.Sequential models are supported;
     anything else cannot be split without knowing its forward.
     """
-    try:
-        from torchvision.models import ResNet
-    except ImportError:  # pragma: no cover - torchvision is a dependency
-        ResNet = ()  # type: ignore[assignment,misc]
+    from torchvision.models import ResNet
     if isinstance(model, ResNet):
         blocks: list[Block] = [(n, getattr(model, n)) for n in ("conv1", "bn1", "relu", "maxpool")]
         for layer in ("layer1", "layer2", "layer3", "layer4"):
@@ -157,7 +154,7 @@ def block_devices(model: nn.Module, blocks: list[Block]) -> list[torch.device]:
             param = next(module.parameters())
             devices.append(param.device)
         elif device_map:
-            from ..planning.planner import owner_of
+            from ..planning.device_maps import owner_of
 
             owner = owner_of(name, device_map)
             if owner is None:

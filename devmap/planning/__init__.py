@@ -2,7 +2,8 @@
 
 Owns model sources (presets, local directories, modules), the sanity limits on their configs and the rule
 that file names in a checkpoint's metadata stay inside its directory, memory
-units and budgets (real, simulated or explicit), the placement strategies built on accelerate's
-`infer_auto_device_map`, device-map specs, per-device reports and per-layer tables. `hardware` is the one
-module that asks torch.cuda about the machine. Imports only `devmap.errors`; everything else imports it.
+units and budgets (real, simulated or explicit), the device key (`devices`), the placement strategies built on
+accelerate's `infer_auto_device_map`, device-map specs and their checks, quantized sizes, per-device reports and
+per-layer tables. `hardware` is the one
+module that asks torch.cuda about the machine. Imports only `devmap.releases` and `devmap.errors`; everything else imports it.
 """

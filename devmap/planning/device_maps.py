@@ -1,4 +1,5 @@
-"""What a user may pass as a device map: a strategy, one device for the whole model, a mapping, or a JSON file."""
+"""What a user may pass as a device map (a strategy, one device for the whole model, a mapping, or a JSON file), and
+the checks of an explicit map against the model: names, devices, every tensor placed, tied weights together."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from pathlib import Path
 from typing import Mapping, Union
 
 import torch
+from torch import nn
 
 from ..errors import UsageError
-from .devices import DeviceKey, parse_device_key
-from .placement import STRATEGIES
+from .budget import Budget
+from .devices import DeviceKey, device_label, parse_device_key
+from .placement import STRATEGIES, DeviceMap
 
 DeviceMapSpec = Union[str, int, torch.device, Mapping[str, Union[int, str, torch.device]]]
 MAX_MAP_FILE_BYTES = 16 * 2**20
@@ -59,3 +62,63 @@ def read_device_map_file(path: Path) -> dict[str, int | str]:
         if isinstance(device, bool) or not isinstance(device, (int, str)):
             raise UsageError(f"device map file {path} puts {name!r} on {device!r}: use a GPU index, cuda:N, cpu or disk")
     return data
+
+
+def validate_device_map(
+    model: nn.Module, device_map: Mapping[str, Union[int, str, torch.device]], budget: Budget | None = None
+) -> DeviceMap:
+    """Check an explicit map: known module names, known devices, every parameter and buffer placed, ties together."""
+    modules = dict(model.named_modules())
+    tensors = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    params = dict(model.named_parameters())
+    known_devices = set(budget.limits) if budget is not None and budget.limits else None
+    placed: DeviceMap = {}
+    for name, device in device_map.items():
+        if name not in modules and name not in params:
+            close = [m for m in modules if m and m.split(".")[-1] == name.split(".")[-1]][:3]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UsageError(f"device map names {name!r}, which is not a module or parameter of the model{hint}")
+        key = parse_device_key(device)
+        if known_devices is not None and key not in known_devices and key != "disk":
+            raise UsageError(
+                f"device map puts {name!r} on {device_label(key)}, which does not exist here "
+                f"(devices: {', '.join(device_label(d) for d in known_devices)})"
+            )
+        placed[name] = key
+    placed = in_model_order(model, placed)
+    missing = [t for t in tensors if owner_of(t, placed) is None]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise UsageError(f"device map leaves {len(missing)} tensors unplaced: {shown}; map their modules to a device")
+    _check_ties(model, placed)
+    return placed
+
+
+def in_model_order(model: nn.Module, device_map: DeviceMap) -> DeviceMap:
+    """The same map with its entries sorted in the order the model registers its modules and tensors."""
+    names = [n for n, _ in model.named_modules()]
+    names += [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    order = {n: i for i, n in reversed(list(enumerate(names)))}
+    return dict(sorted(device_map.items(), key=lambda item: order.get(item[0], len(order))))
+
+
+def owner_of(tensor_name: str, placed: DeviceMap) -> str | None:
+    """The device-map entry that places `tensor_name` (longest matching prefix)."""
+    parts = tensor_name.split(".")
+    for i in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in placed:
+            return prefix
+    return None
+
+
+def _check_ties(model: nn.Module, placed: DeviceMap) -> None:
+    from accelerate.utils import find_tied_parameters
+
+    for group in find_tied_parameters(model):
+        devices = {placed[owner_of(n, placed)] for n in group}
+        if len(devices) > 1:
+            raise UsageError(
+                f"tied parameters {' and '.join(group)} are mapped to different devices "
+                f"({', '.join(device_label(d) for d in devices)}); put them on one device"
+            )

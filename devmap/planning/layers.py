@@ -10,7 +10,8 @@ from torch import nn
 
 from ..errors import UsageError
 from .devices import device_label
-from .planner import Plan, owner_of
+from .device_maps import owner_of
+from .planner import Plan
 from .quantization import quantized_weights, weight_extra_bytes
 
 

@@ -34,7 +34,7 @@ DeviceMap = dict[str, DeviceKey]
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def accelerate_quietly() -> Iterator[None]:
     """accelerate warns about simulated GPU indices and logs its 90% advice; planning output is ours to give."""
     logger = logging.getLogger("accelerate")
     level = logger.level
@@ -87,7 +87,7 @@ def _infer(model: nn.Module, caps: dict[DeviceKey, int], no_split: list[str], dt
            special: dict[str, Any] | None = None) -> DeviceMap:
     from accelerate import infer_auto_device_map
 
-    with _quiet():
+    with accelerate_quietly():
         return dict(infer_auto_device_map(model, max_memory=dict(caps), no_split_module_classes=no_split, dtype=dtype,
                                           special_dtypes=special or None))
 

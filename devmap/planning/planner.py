@@ -11,9 +11,9 @@ from torch import nn
 
 from .budget import Budget, resolve_budget
 from ..errors import DoesNotFitError, UsageError
-from .devices import DeviceKey, device_label, parse_device_key
+from .devices import DeviceKey, device_label
 from .memory import Size, dtype_name, format_bytes, parse_dtype
-from .device_maps import DeviceMapSpec, normalize_device_map
+from .device_maps import DeviceMapSpec, in_model_order, normalize_device_map, owner_of, validate_device_map
 from .models import ModelSource, default_no_split, resolve_source
 from .placement import DeviceMap, kept_precision, module_sizes, place, usage
 from .quantization import (Quantization, check_placement, extra_bytes, quantized_weights, resolve_quantization,
@@ -226,66 +226,6 @@ def _over_budget(placed: DeviceMap, sizes: dict[str, int], budget: Budget) -> li
         for d, b in used.items()
         if d in budget.limits and b > budget.limits[d]
     ]
-
-
-def validate_device_map(
-    model: nn.Module, device_map: Mapping[str, Union[int, str, torch.device]], budget: Budget | None = None
-) -> DeviceMap:
-    """Check an explicit map: known module names, known devices, every parameter and buffer placed, ties together."""
-    modules = dict(model.named_modules())
-    tensors = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    params = dict(model.named_parameters())
-    known_devices = set(budget.limits) if budget is not None and budget.limits else None
-    placed: DeviceMap = {}
-    for name, device in device_map.items():
-        if name not in modules and name not in params:
-            close = [m for m in modules if m and m.split(".")[-1] == name.split(".")[-1]][:3]
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise UsageError(f"device map names {name!r}, which is not a module or parameter of the model{hint}")
-        key = parse_device_key(device)
-        if known_devices is not None and key not in known_devices and key != "disk":
-            raise UsageError(
-                f"device map puts {name!r} on {device_label(key)}, which does not exist here "
-                f"(devices: {', '.join(device_label(d) for d in known_devices)})"
-            )
-        placed[name] = key
-    placed = in_model_order(model, placed)
-    missing = [t for t in tensors if owner_of(t, placed) is None]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise UsageError(f"device map leaves {len(missing)} tensors unplaced: {shown}; map their modules to a device")
-    _check_ties(model, placed)
-    return placed
-
-
-def in_model_order(model: nn.Module, device_map: DeviceMap) -> DeviceMap:
-    """The same map with its entries sorted in the order the model registers its modules and tensors."""
-    names = [n for n, _ in model.named_modules()]
-    names += [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    order = {n: i for i, n in reversed(list(enumerate(names)))}
-    return dict(sorted(device_map.items(), key=lambda item: order.get(item[0], len(order))))
-
-
-def owner_of(tensor_name: str, placed: DeviceMap) -> str | None:
-    """The device-map entry that places `tensor_name` (longest matching prefix)."""
-    parts = tensor_name.split(".")
-    for i in range(len(parts), -1, -1):
-        prefix = ".".join(parts[:i])
-        if prefix in placed:
-            return prefix
-    return None
-
-
-def _check_ties(model: nn.Module, placed: DeviceMap) -> None:
-    from accelerate.utils import find_tied_parameters
-
-    for group in find_tied_parameters(model):
-        devices = {placed[owner_of(n, placed)] for n in group}
-        if len(devices) > 1:
-            raise UsageError(
-                f"tied parameters {' and '.join(group)} are mapped to different devices "
-                f"({', '.join(device_label(d) for d in devices)}); put them on one device"
-            )
 
 
 def _device_usage(

@@ -13,7 +13,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from ..generation.continuous import ContinuousBatch, SlotRequest, continuous_batch
@@ -25,43 +24,11 @@ from .metrics import ServiceMetrics
 from .jobs import Completion, GenerationParams, Job, Outbox
 from .text_stream import eos_ids, take_token
 from .registry import ModelRegistry, ResidentModel
-from .scheduler import RunningBatch, Scheduler, SchedulerLimits, Start, batch_shape, grown, key_of
+from .batch_trace import BatchTrace, PhaseClock
+from .limits import EngineLimits
+from .scheduler import RunningBatch, Scheduler, Start, batch_shape, grown, key_of
 
 log = logging.getLogger("devmap.serving")
-SLOW_FIRST_TOKEN = 0.25  # seconds: a request slower than this to its first token is logged with its phases (debug)
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """Bounds of the service (batch and queue sizes, prompt length, token budget, timeouts) and its scheduling
-    knobs (see `SchedulerLimits`)."""
-
-    max_batch: int = 64
-    max_queue: int = 256
-    max_prompt_tokens: int = 4096
-    max_new_tokens: int = 1024  # the largest token budget a request may ask for (HTTP's max_tokens)
-    request_timeout: float = 600.0
-    idle_timeout: float | None = None  # unload models unused this long (seconds)
-    lanes: int | None = None
-    compile: bool = False
-    graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
-    batch_wait: float = 0.005
-    max_batch_wait: float = 0.05
-    length_bucket: int = 32
-    join_wait: float = 0.01
-    join_tokens: int = 2048
-    preempt_after: float = 0.25
-
-    @property
-    def max_body_bytes(self) -> int:
-        """The largest request body read: room for `max_prompt_tokens` tokens of the longest kinds (64 bytes each,
-        JSON-escaped text or a list of ids) and 1 MiB for the rest of the body. Larger bodies are refused (413)
-        before they are read, parsed or tokenized."""
-        return (1 << 20) + 64 * self.max_prompt_tokens
-
-    def scheduling(self) -> SchedulerLimits:
-        return SchedulerLimits(self.max_batch, self.batch_wait, self.max_batch_wait, self.length_bucket,
-                               self.join_wait, self.join_tokens, self.preempt_after)
 
 
 class Engine:
@@ -259,13 +226,13 @@ class Engine:
                             params.seed or 0)
         running = RunningBatch(key_of(jobs[0]), shape, joiners)
         eos = eos_ids(resident)
-        trace = _BatchTrace(time.perf_counter(), shape.rows)
+        trace = BatchTrace(time.perf_counter(), shape.rows)
         stopped = False
         with continuous_batch(resident.model, rows=shape.rows, first_slot=shape.first_slot,
                               cache_len=shape.cache_len, lanes=limits.lanes, sampling=sampling,
                               compile=limits.compile) as batch:
             joining = list(jobs)
-            clock = _PhaseClock(self.metrics)
+            clock = PhaseClock(self.metrics)
             while batch.step([_slot_request(job) for job in joining]):
                 clock.mark("issue")
                 self.metrics.decode_steps.inc()
@@ -312,7 +279,7 @@ class Engine:
         return [job for job in jobs if id(job) in unfinished and not job.finished and not job.cancelled.is_set()]
 
     def _hand_back(self, batch: ContinuousBatch, tokens: list[tuple[Any, int]], resident: ResidentModel,
-                   eos: list[int], trace: "_BatchTrace") -> None:
+                   eos: list[int], trace: BatchTrace) -> None:
         """Each token to its request (text out, the stop rule applied); the rows of requests that ended or whose
         clients went away are released for joiners."""
         for job, token in tokens:
@@ -325,44 +292,6 @@ class Engine:
             if job.finished:
                 batch.release(job)
         self._outbox.flush()
-
-
-class _PhaseClock:
-    """Adds the time since the last mark to the engine's per-phase seconds (one counter per phase)."""
-
-    def __init__(self, metrics: ServiceMetrics) -> None:
-        self.counters = {phase: metrics.engine_seconds.labels(phase=phase)
-                         for phase in ("issue", "collect", "hand_back", "schedule", "idle")}
-        self.last = time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.counters[phase].inc(now - self.last)
-        self.last = now
-
-
-@dataclass
-class _BatchTrace:
-    """A batch's timings for the debug log: when it started, when each joiner was taken in (and how many rows were
-    free then), the slowest wait for a first token."""
-
-    started: float
-    rows: int
-    slowest: float = 0.0
-    admitted: dict[int, tuple[float, int]] = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        self.admitted = {}
-
-    def first_token(self, job: Job) -> None:
-        now = time.perf_counter()
-        self.slowest = max(self.slowest, now - job.arrived)
-        taken, free = self.admitted.pop(id(job), (self.started, self.rows))
-        if now - job.arrived > SLOW_FIRST_TOKEN and log.isEnabledFor(logging.DEBUG):
-            log.debug("slow first token (%.0f ms): a %d-token prompt waited %.0f ms to join (%d rows free then; "
-                      "%.0f ms into the batch), then %.0f ms to its first token", 1000 * (now - job.arrived),
-                      len(job.prompt_ids) + len(job.generated), 1000 * (taken - job.arrived), free,
-                      1000 * (taken - self.started), 1000 * (now - taken))
 
 
 def _slot_request(job: Job) -> SlotRequest:

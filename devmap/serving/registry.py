@@ -179,6 +179,6 @@ def _free(model: nn.Module) -> None:
 def _freeze_survivors() -> None:
     """Collect, then exclude every object alive now (models, their modules and tensors, the server's own) from
     Python's later collections: a full collection otherwise walks them all, holding every thread (the engine's
-    issuing thread too) for ~0.3 s at 1B in the middle of a burst of requests (measured). Unload unfreezes."""
+    issuing thread too) for a noticeable pause in the middle of a burst of requests. Unload unfreezes."""
     gc.collect()
     gc.freeze()

@@ -21,7 +21,7 @@ from devmap.planning.device_maps import normalize_device_map
 from devmap.errors import CheckpointError, DevmapError, UsageError
 from devmap.planning.devices import parse_device_key
 from devmap.planning.memory import _UNITS, parse_max_memory, parse_size
-from devmap.planning.planner import validate_device_map
+from devmap.planning.device_maps import validate_device_map
 from devmap.testing import ToyModel
 
 from tiny_llama import write_tiny_llama
@@ -101,7 +101,7 @@ def test_explicit_device_maps_place_every_tensor_or_refuse(spec):
         placed = validate_device_map(model, normalize_device_map(spec), budget)
     except UsageError:
         return
-    from devmap.planning.planner import owner_of
+    from devmap.planning.device_maps import owner_of
 
     assert all(owner_of(name, placed) is not None for name, _ in model.named_parameters())
 

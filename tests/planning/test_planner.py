@@ -10,7 +10,7 @@ from accelerate.utils import get_balanced_memory
 from devmap import plan
 from devmap.errors import DoesNotFitError, SourceError, UsageError
 from devmap.planning.placement import STRATEGIES, module_sizes
-from devmap.planning.planner import owner_of, validate_device_map
+from devmap.planning.device_maps import owner_of, validate_device_map
 
 GiB = 2**30
 

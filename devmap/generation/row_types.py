@@ -1,0 +1,27 @@
+"""What the rows of a continuous batch hold: the request a row serves, and the row's bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class SlotRequest:
+    """A request for a row: its prompt (token ids), how many tokens it may generate, and whom they go to."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    owner: Any
+
+
+@dataclass
+class Row:
+    """One row of a continuous batch: whom its next tokens are for as work is issued (`issued_to`) and as tokens
+    come back (`heard_by`, a couple of steps later), and how many tokens are still to issue and to hand back for
+    them (a row never runs past its request's max_new_tokens: its columns would wrap onto its own prompt)."""
+
+    issued_to: Any = None
+    heard_by: Any = None
+    to_issue: int = 0
+    to_hear: int = 0

@@ -1,0 +1,53 @@
+"""What the engine loop measures about itself: its time per phase (Prometheus counters) and, for the debug log,
+each batch's start, its joiners' admission and the slowest first token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from .jobs import Job
+from .metrics import ServiceMetrics
+
+log = logging.getLogger("devmap.serving")
+SLOW_FIRST_TOKEN = 0.25  # seconds: a request slower than this to its first token is logged with its phases (debug)
+
+
+class PhaseClock:
+    """Adds the time since the last mark to the engine's per-phase seconds (one counter per phase)."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.counters = {phase: metrics.engine_seconds.labels(phase=phase)
+                         for phase in ("issue", "collect", "hand_back", "schedule", "idle")}
+        self.last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.counters[phase].inc(now - self.last)
+        self.last = now
+
+
+@dataclass
+class BatchTrace:
+    """A batch's timings for the debug log: when it started, when each joiner was taken in (and how many rows were
+    free then), the slowest wait for a first token."""
+
+    started: float
+    rows: int
+    slowest: float = 0.0
+    admitted: dict[int, tuple[float, int]] = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.admitted = {}
+
+    def first_token(self, job: Job) -> None:
+        now = time.perf_counter()
+        self.slowest = max(self.slowest, now - job.arrived)
+        taken, free = self.admitted.pop(id(job), (self.started, self.rows))
+        if now - job.arrived > SLOW_FIRST_TOKEN and log.isEnabledFor(logging.DEBUG):
+            log.debug("slow first token (%.0f ms): a %d-token prompt waited %.0f ms to join (%d rows free then; "
+                      "%.0f ms into the batch), then %.0f ms to its first token", 1000 * (now - job.arrived),
+                      len(job.prompt_ids) + len(job.generated), 1000 * (taken - job.arrived), free,
+                      1000 * (taken - self.started), 1000 * (now - taken))

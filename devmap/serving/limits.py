@@ -1,0 +1,40 @@
+"""The service's bounds and scheduling knobs, validated once where the CLI or a caller builds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .scheduler import SchedulerLimits
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Bounds of the service (batch and queue sizes, prompt length, token budget, timeouts) and its scheduling
+    knobs (see `SchedulerLimits`)."""
+
+    max_batch: int = 64
+    max_queue: int = 256
+    max_prompt_tokens: int = 4096
+    max_new_tokens: int = 1024  # the largest token budget a request may ask for (HTTP's max_tokens)
+    request_timeout: float = 600.0
+    idle_timeout: float | None = None  # unload models unused this long (seconds)
+    lanes: int | None = None
+    compile: bool = False
+    graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
+    batch_wait: float = 0.005
+    max_batch_wait: float = 0.05
+    length_bucket: int = 32
+    join_wait: float = 0.01
+    join_tokens: int = 2048
+    preempt_after: float = 0.25
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body read: room for `max_prompt_tokens` tokens of the longest kinds (64 bytes each,
+        JSON-escaped text or a list of ids) and 1 MiB for the rest of the body. Larger bodies are refused (413)
+        before they are read, parsed or tokenized."""
+        return (1 << 20) + 64 * self.max_prompt_tokens
+
+    def scheduling(self) -> SchedulerLimits:
+        return SchedulerLimits(self.max_batch, self.batch_wait, self.max_batch_wait, self.length_bucket,
+                               self.join_wait, self.join_tokens, self.preempt_after)
