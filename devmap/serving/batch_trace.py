@@ -20,7 +20,7 @@ class PhaseClock:
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.counters = {phase: metrics.engine_seconds.labels(phase=phase)
-                         for phase in ("issue", "collect", "hand_back", "schedule", "idle")}
+                         for phase in ("launch", "collect", "hand_back", "schedule", "idle")}
         self.last = time.perf_counter()
 
     def mark(self, phase: str) -> None:

@@ -234,7 +234,7 @@ class Engine:
             joining = list(jobs)
             clock = PhaseClock(self.metrics)
             while batch.step([_slot_request(job) for job in joining]):
-                clock.mark("issue")
+                clock.mark("launch")
                 self.metrics.decode_steps.inc()
                 tokens = batch.collect()
                 clock.mark("collect")

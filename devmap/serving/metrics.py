@@ -28,7 +28,7 @@ class ServiceMetrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.preemptions = Counter("devmap_preemptions", "Batches stopped between steps for requests that could not "
                                    "join them, their unfinished ones continuing in a later batch", registry=r)
-        self.engine_seconds = Counter("devmap_engine_seconds", "The engine loop's time by phase: issue (joins and a "
+        self.engine_seconds = Counter("devmap_engine_seconds", "The engine loop's time by phase: launch (joins and a "
                                       "decode step launched), collect (waiting for tokens to come back: the GPUs' "
                                       "time the host could not hide), hand_back (text out to the requests), "
                                       "schedule (the queue and the scheduler), idle (every row free, waiting for "
