@@ -13,13 +13,28 @@ from .output import echo_json, table
 @placement_options
 @click.option("--offload-folder", default=None, help="Folder for disk offload (adds a disk budget).")
 @click.option("--layers", is_flag=True, help="Also print a per-layer table (type, output shape, params, device).")
-@click.option("--input-shape", default=None, help="Input shape for --layers, e.g. 1,3,224,224 or 1,128 (tokens).")
+@click.option("--input-shape", default=None,
+              help="With --layers: the whole input's shape, e.g. 1,3,224,224 or 1,128 (tokens). With --for: one "
+                   "sample's shape, e.g. 3,224,224 (vision models; default 3,224,224).")
+@click.option("--for", "workload_kind", default=None,
+              type=click.Choice(["inference", "generate", "train", "serve"], case_sensitive=False),
+              help="Plan the memory running needs too: KV cache (generate, serve), activations, gradients and "
+                   "optimizer state (train), on the devices of the blocks that hold them.")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1), help="With --for: rows per batch.")
+@click.option("--seq-len", default=None, type=click.IntRange(min=1),
+              help="With --for on a LLaMA-style model: tokens per row (prompt + new tokens).")
+@click.option("--chunks", default=1, show_default=True, type=click.IntRange(min=1),
+              help="With --for: micro-batches (pipelines) or lanes (generation) the batch is split into.")
+@click.option("--optimizer", default="adamw", show_default=True,
+              type=click.Choice(["sgd", "momentum", "adam", "adamw"], case_sensitive=False),
+              help="With --for train: the optimizer whose state is counted.")
 @click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4"], case_sensitive=False),
               help="Count the blocks' Linear weights quantized (int8: torchao, int4: torchao, nf4: bitsandbytes); "
                    "embeddings, norms and lm_head stay at --dtype.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None, max_memory: str | None,
          dtype: str | None, offload_folder: str | None, layers: bool, input_shape: str | None, quantize: str | None,
+         workload_kind: str | None, batch: int, seq_len: int | None, chunks: int, optimizer: str,
          as_json: bool) -> None:
     """Plan where each block of SOURCE goes.
 
@@ -30,11 +45,23 @@ def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None,
     from devmap.planning.layers import layer_table, parse_shape
     from devmap.planning.planner import plan as make_plan
 
-    if input_shape is not None and not layers:
-        raise click.UsageError("--input-shape only applies with --layers")
-    shape = parse_shape(input_shape) if input_shape else None
+    if input_shape is not None and not layers and workload_kind is None:
+        raise click.UsageError("--input-shape applies with --layers or --for")
+    given = parse_shape(input_shape) if input_shape else None
+    workload = None
+    if workload_kind is not None:
+        from devmap.planning.models import resolve_source
+        from devmap.planning.workload import parse_workload
+
+        model_source = resolve_source(source)
+        context = int(getattr(model_source.config, "max_position_embeddings", 0) or 0)
+        workload = parse_workload(workload_kind, causal_lm=model_source.is_causal_lm, context=context, batch=batch,
+                                  seq_len=seq_len, input_shape=given, chunks=chunks, optimizer=optimizer)
+    elif seq_len is not None or batch != 1 or chunks != 1:
+        raise click.UsageError("--batch, --seq-len and --chunks describe a workload: give --for too")
+    shape = (batch, *given) if given is not None and workload is not None else given
     result = make_plan(source, device_map, max_memory, dtype, gpus=gpus, gpu_memory=gpu_memory,
-                       offload_folder=offload_folder, quantization=quantize)
+                       offload_folder=offload_folder, quantization=quantize, workload=workload)
     rows = layer_table(result, shape) if layers else None
     if as_json:
         data = result.to_dict()
@@ -80,8 +107,20 @@ def render_plan(result) -> str:  # type: ignore[no-untyped-def]
             from devmap.planning.quantization import larger_than_unquantized
 
             lines.append(larger_than_unquantized(result.quantization))
-    lines += ["", table(["device", "blocks", "params", "size", "budget", "use"], rows, right=(1, 2, 3, 4, 5)),
-             "", "Map:"]
+    if result.workload is not None:
+        w = result.workload
+        shape = f"{w.batch} × {w.seq_len} tokens" if w.seq_len else f"{w.batch} × {'x'.join(map(str, w.input_shape))}"
+        lines.append(f"For {w.kind}: {shape}, {w.chunks} {'lanes' if w.seq_len and w.kind != 'train' else 'chunks'}"
+                     + (f", {w.optimizer}" if w.kind == "train" else "")
+                     + "; runtime bytes measured on the meta device")
+        rows = [[name, len(u.modules), format_bytes(u.bytes), format_bytes(u.kv_cache_bytes),
+                 format_bytes(u.activation_bytes), format_bytes(u.other_bytes), format_bytes(u.total),
+                 format_bytes(u.budget) if u.budget is not None else "-",
+                 f"{100 * u.share:.1f}%" if u.share is not None else "-"] for name, u in result.devices.items()]
+        headers = ["device", "blocks", "weights", "kv cache", "activations", "other", "total", "budget", "use"]
+    else:
+        headers = ["device", "blocks", "params", "size", "budget", "use"]
+    lines += ["", table(headers, rows, right=tuple(range(1, len(headers)))), "", "Map:"]
     lines += [f"  {run}" for run in result.runs]
     lines += [f"Warning: {w}" for w in result.warnings]
     return "\n".join(lines)

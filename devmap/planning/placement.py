@@ -193,5 +193,15 @@ def place(
             found = _min_max_split(model, limits, weights, sizes, no_split, dtype, special, seen)
         if found is not None:
             return found
-    return _infer(model, {k: v for k, v in limits.items() if k in gpus or not isinstance(k, int)}, no_split, dtype,
-                  special)
+    # accelerate sees `seen` of each byte (not quantization scales, not a workload's runtime bytes): its caps shrink
+    # by that share, then by what a device still holds over its limit in `sizes` (their mix differs per device)
+    caps = {k: int(v * seen) for k, v in limits.items() if k in gpus or not isinstance(k, int)}
+    for _ in range(8):
+        found = _infer(model, caps, no_split, dtype, special)
+        used = usage(found, sizes)
+        over = {k: used[k] - limits[k] for k in caps if k != "disk" and used.get(k, 0) > limits[k]}
+        if not over:
+            break
+        for key, excess in over.items():
+            caps[key] = max(caps[key] - excess, 0)
+    return found

@@ -16,6 +16,10 @@ from .memory import Size, dtype_name, format_bytes, parse_dtype
 from .device_maps import DeviceMapSpec, in_model_order, normalize_device_map, owner_of, validate_device_map
 from .models import ModelSource, default_no_split, resolve_source
 from .placement import DeviceMap, kept_precision, module_sizes, place, usage
+from .contiguous import contiguous_split
+from .runtime_memory import runtime_by_unit
+from .runtime_room import DeviceRuntime, by_device, gpu_limits_with_room, held_extras, transient_room
+from .workload import Workload
 from .quantization import (Quantization, check_placement, extra_bytes, quantized_weights, resolve_quantization,
                            special_dtypes)
 
@@ -31,11 +35,19 @@ class DeviceUsage:
     bytes: int
     budget: int | None
     key: DeviceKey = "cpu"
+    kv_cache_bytes: int = 0  # what the plan's workload needs beside the weights (zero without one)
+    activation_bytes: int = 0
+    other_bytes: int = 0
+
+    @property
+    def total(self) -> int:
+        """Weights plus the workload's runtime bytes."""
+        return self.bytes + self.kv_cache_bytes + self.activation_bytes + self.other_bytes
 
     @property
     def share(self) -> float | None:
         """Fraction of the budget used (None for an unbudgeted device)."""
-        return self.bytes / self.budget if self.budget else None
+        return self.total / self.budget if self.budget else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +55,11 @@ class DeviceUsage:
             "blocks": len(self.modules),
             "params": self.params,
             "bytes": self.bytes,
+            "weights_bytes": self.bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "activation_bytes": self.activation_bytes,
+            "other_bytes": self.other_bytes,
+            "total_bytes": self.total,
             "budget": self.budget,
             "share": self.share,
         }
@@ -78,6 +95,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     quantization: Quantization | None = None
     unquantized_bytes: int | None = None  # the model's size at `dtype` alone, when quantized
+    workload: Workload | None = None  # what running needs is planned too (devmap.planning.workload)
     model: nn.Module | None = field(default=None, repr=False, compare=False)
     model_source: ModelSource | None = field(default=None, repr=False, compare=False)
 
@@ -101,6 +119,7 @@ class Plan:
             "dtype": dtype_name(self.dtype),
             "quantization": self.quantization.to_dict() if self.quantization else None,
             "unquantized_bytes": self.unquantized_bytes,
+            "workload": self.workload.to_dict() if self.workload else None,
             "device_map": dict(self.device_map),
             "devices": {name: usage.to_dict() for name, usage in self.devices.items()},
             "runs": [{"first": r.first, "last": r.last, "device": r.device, "count": r.count} for r in self.runs],
@@ -124,6 +143,7 @@ def plan(
     offload_folder: str | None = None,
     no_split_module_classes: list[str] | None = None,
     quantization: Any = None,
+    workload: Workload | None = None,
 ) -> Plan:
     """Place `source` (preset name, local HF directory or nn.Module) on devices without allocating memory.
 
@@ -131,6 +151,8 @@ def plan(
     (0, "cuda:1", "cpu", torch.device), an explicit {module name: device}, or a .json file holding one. Budgets come from `max_memory`, simulated `gpus` x `gpu_memory`, or this
     machine (see devmap.planning.budget.resolve_budget). `dtype` sets the size of each weight; `quantization`
     ("int8", "int4", "nf4" or a transformers BitsAndBytesConfig) counts the blocks' Linear weights at 1 or ½ byte.
+    `workload` (`devmap.planning.workload.parse_workload`) plans the memory running needs as well: KV cache,
+    activations, gradients and optimizer state, each on the device of the block that holds it.
     """
     device_map = normalize_device_map(device_map)
     torch_dtype = parse_dtype(dtype)
@@ -139,7 +161,8 @@ def plan(
     quantized, torch_dtype = resolve_quantization(quantization, torch_dtype, model_source)
     check_could_fit(model_source, budget, torch_dtype, quantized)
     model = model_source.build("meta")
-    return plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized)
+    return plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized,
+                      workload)
 
 
 def check_could_fit(model_source: ModelSource, budget: Budget, dtype: torch.dtype,
@@ -166,19 +189,29 @@ def plan_model(
     dtype: torch.dtype,
     no_split_module_classes: list[str] | None = None,
     quantization: Quantization | None = None,
+    workload: Workload | None = None,
 ) -> Plan:
     """Plan an already built model (parameters on meta or real) under `budget`, its quantized weights (if any)
-    at their quantized size."""
+    at their quantized size, with room for what `workload` needs at run time."""
     device_map = normalize_device_map(device_map)
     strategy = device_map if isinstance(device_map, str) else "explicit"
     no_split = no_split_module_classes if no_split_module_classes is not None else default_no_split(model)
     kept = kept_precision(model)
     special = {**kept, **special_dtypes(model, quantization)}
-    sizes = module_sizes(model, dtype, special, extra_bytes(model, quantization))
+    weights = module_sizes(model, dtype, special, extra_bytes(model, quantization))
+    if workload is not None and workload.kind == "train" and quantization is not None:
+        raise UsageError("training updates full-precision weights: plan --for train without --quantize")
+    runtime = runtime_by_unit(model, workload, dtype, no_split, model_source.is_causal_lm) if workload else {}
+    extra = extra_bytes(model, quantization)
+    for name, more in held_extras(model, runtime).items():
+        extra[name] = extra.get(name, 0) + more
+    sizes = module_sizes(model, dtype, special, extra) if runtime else weights
     if isinstance(device_map, str):
         if not budget.limits or not any(budget.limits.values()):
             raise UsageError("no device has any memory budget: give --max-memory or --gpus N --gpu-memory SIZE")
-        placed = in_model_order(model, place(model, strategy, budget.limits, no_split, dtype, special, sizes))
+        limits = gpu_limits_with_room(budget.limits, transient_room(runtime))
+        found = contiguous_split(model, list(runtime), sizes, limits, strategy) if runtime else None
+        placed = in_model_order(model, found or place(model, strategy, limits, no_split, dtype, special, sizes))
         _check_fits(model_source.name, placed, sizes, budget, dtype)
         warnings: list[str] = []
     else:
@@ -192,14 +225,15 @@ def plan_model(
         strategy=strategy,
         dtype=dtype,
         device_map=placed,
-        devices=_device_usage(model, placed, sizes, budget, dtype),
+        devices=_device_usage(model, placed, weights, budget, by_device(runtime, placed)),
         total_params=sum(p.numel() for p in model.parameters()),
-        total_bytes=sizes[""],
+        total_bytes=weights[""],
         budget=budget,
         no_split_module_classes=no_split,
         warnings=warnings,
         quantization=quantization,
         unquantized_bytes=module_sizes(model, dtype, kept)[""] if quantization is not None else None,
+        workload=workload,
         model=model,
         model_source=model_source,
     )
@@ -228,9 +262,8 @@ def _over_budget(placed: DeviceMap, sizes: dict[str, int], budget: Budget) -> li
     ]
 
 
-def _device_usage(
-    model: nn.Module, placed: DeviceMap, sizes: dict[str, int], budget: Budget, dtype: torch.dtype
-) -> dict[str, DeviceUsage]:
+def _device_usage(model: nn.Module, placed: DeviceMap, sizes: dict[str, int], budget: Budget,
+                  runtime: dict[DeviceKey, DeviceRuntime]) -> dict[str, DeviceUsage]:
     counts: dict[str, int] = {}
     for name, param in model.named_parameters():
         owner = owner_of(name, placed)
@@ -247,5 +280,12 @@ def _device_usage(
             bytes=sum(sizes.get(n, 0) for n in names),
             budget=budget.limits.get(key),
             key=key,
+            **_runtime_fields(runtime.get(key)),
         )
     return report
+
+
+def _runtime_fields(needs: DeviceRuntime | None) -> dict[str, int]:
+    if needs is None:
+        return {}
+    return {"kv_cache_bytes": needs.kv_cache, "activation_bytes": needs.activations, "other_bytes": needs.other}

@@ -1,0 +1,239 @@
+"""The memory a workload needs beside the weights, per placement unit (a decoder layer, a residual block, a leaf
+module), measured on the meta device: no memory is allocated and no weights are read.
+
+- KV cache (generate, serve): per decoder layer, 2 × kv_heads × head_dim × dtype bytes × batch × seq_len.
+- Transient activations: what a unit's forward creates and frees, at its peak, for one micro-batch (or lane):
+  every tensor an operator returns is counted while it is alive (views are not), so Python's freeing of
+  intermediates is followed as a GPU's caching allocator follows it.
+- Saved activations (train): what autograd keeps for backward (weights excluded), for every micro-batch (a
+  fill-drain pipeline holds them all until its backward).
+- Other (train): gradients and optimizer state, in the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from unittest import mock
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..compat import cache_keyword, call_decoder_layer
+from .workload import OPTIMIZER_STATES, Workload
+
+
+@dataclass
+class UnitRuntime:
+    """Bytes a unit needs at run time beside its weights."""
+
+    kv_cache: int = 0
+    transient: int = 0
+    saved: int = 0
+    other: int = 0
+
+    @property
+    def held(self) -> int:
+        """What stays allocated for the whole run (the transient peak comes and goes)."""
+        return self.kv_cache + self.saved + self.other
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors operators returned that are still alive, and the peak since `start()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+
+    def start(self) -> int:
+        self.peak = self.live
+        return self.live
+
+    def _freed(self, size: int) -> None:
+        self.live -= size
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if any(ret.alias_info is not None for ret in func._schema.returns):
+            return out  # a view or an in-place result: no new memory
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                size = tensor.numel() * tensor.element_size()
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(tensor, self._freed, size)
+        return out
+
+
+def placement_units(model: nn.Module, no_split: list[str]) -> list[str]:
+    """The modules a plan may place whole: instances of the no-split classes, and leaf modules outside them."""
+    units: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        children = list(module.named_children())
+        if type(module).__name__ in no_split or not children:
+            units.append(prefix)
+            return
+        for name, child in children:
+            visit(f"{prefix}.{name}" if prefix else name, child)
+
+    visit("", model)
+    return units
+
+
+def runtime_by_unit(model: nn.Module, workload: Workload, dtype: torch.dtype, no_split: list[str],
+                    causal_lm: bool) -> dict[str, UnitRuntime]:
+    """Each placement unit's runtime bytes under `workload` (see the module docstring)."""
+    units = placement_units(model, no_split)
+    out = {unit: UnitRuntime() for unit in units}
+    work = copy.deepcopy(model).to(device="meta", dtype=dtype)  # the plan keeps its own model as it is
+    measure = _measure_causal if causal_lm else _measure_vision
+    with torch.no_grad():
+        measure(work, workload, out, saved=None)
+    if workload.kind == "train":
+        weights = {id(p) for p in work.parameters()}
+        measure(work, workload, out, saved=weights)
+        states = 1 + OPTIMIZER_STATES[workload.optimizer]  # the gradient, then the optimizer's tensors
+        for unit in units:
+            owned = work.get_submodule(unit).parameters() if unit else work.parameters()
+            out[unit].other = states * sum(p.numel() * p.element_size() for p in owned)
+    if workload.kind in ("generate", "serve"):
+        config = model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        per_layer = (2 * getattr(config, "num_key_value_heads", heads) * head_dim * dtype.itemsize
+                     * workload.batch * workload.seq_len)
+        prefix = _layers_prefix(units)
+        for unit in units:
+            if unit.startswith(prefix) and unit[len(prefix):].isdigit():
+                out[unit].kv_cache = per_layer
+    return out
+
+
+def _layers_prefix(units: list[str]) -> str:
+    for unit in units:
+        head, _, tail = unit.rpartition(".")
+        if tail.isdigit() and head.endswith("layers"):
+            return head + "."
+    return "\0"
+
+
+class _Recorder:
+    """Transient peaks per unit (no_grad pass), or saved bytes per unit (grad pass, weights excluded)."""
+
+    def __init__(self, out: dict[str, UnitRuntime], weights: set[int] | None, rows_factor: int) -> None:
+        self.out, self.weights, self.factor = out, weights, rows_factor
+        self.live = _LiveBytes()
+        self.current: list[str] = []
+        self.seen: set[int] = set()
+        self.start_of: dict[str, int] = {}  # live bytes when a unit's forward began (module hooks)
+
+    def around(self, unit: str, call: Callable[[], Any]) -> Any:
+        self.current.append(unit)
+        base = self.live.start()
+        try:
+            return call()
+        finally:
+            self.current.pop()
+            if self.weights is None and unit in self.out:
+                self.out[unit].transient = max(self.out[unit].transient, self.live.peak - base)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        root = tensor._base if tensor._base is not None else tensor
+        if self.current and id(root) not in self.weights and id(root) not in self.seen:  # type: ignore[operator]
+            self.seen.add(id(root))
+            self.out[self.current[-1]].saved += root.numel() * root.element_size() * self.factor
+        return tensor
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a GPU's fused attention (flash or memory-efficient) allocates: its output, never the scores; for
+    backward it keeps its inputs and output. The meta device would run the math fallback, whose score matrices a
+    GPU never materializes."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        ctx.save_for_backward(query, key, value, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # never run: planning measures forward only
+        raise NotImplementedError
+
+
+def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                     **kwargs: Any) -> torch.Tensor:
+    return _FusedAttention.apply(query, key, value)
+
+
+def _run(recorder: _Recorder, body: Callable[[], None]) -> None:
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _fused_attention):
+        if recorder.weights is None:
+            with recorder.live:
+                body()
+            return
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+            body()
+
+
+def _measure_causal(model: nn.Module, workload: Workload, out: dict[str, UnitRuntime],
+                    saved: set[int] | None) -> None:
+    """One micro-batch (lane) of prompts through the layers one by one, as devmap's stages call them."""
+    recorder = _Recorder(out, saved, workload.chunks)
+    base, rows, length = model.model, workload.micro_batch, workload.seq_len
+    prefix = next((n for n, m in model.named_modules() if m is base), "model")
+
+    def body() -> None:
+        ids = torch.zeros(rows, length, dtype=torch.long, device="meta")
+        hidden = recorder.around(f"{prefix}.embed_tokens", lambda: base.embed_tokens(ids))
+        positions = torch.arange(length, device="meta").expand(rows, length)
+        context = {"attention_mask": None, "position_ids": positions,
+                   "position_embeddings": base.rotary_emb(hidden, positions)}
+        keyword = cache_keyword(base.layers[0])
+        for i, layer in enumerate(base.layers):
+            hidden = recorder.around(f"{prefix}.layers.{i}",
+                                     lambda layer=layer, h=hidden: call_decoder_layer(layer, h, None, context, keyword))
+        hidden = recorder.around(f"{prefix}.norm", lambda: base.norm(hidden))
+        last = hidden[:, -1:] if workload.kind in ("generate", "serve") else hidden  # generation's head: last token
+        recorder.around("lm_head", lambda: model.lm_head(last).float())
+
+    _run(recorder, body)
+
+
+def _measure_vision(model: nn.Module, workload: Workload, out: dict[str, UnitRuntime],
+                    saved: set[int] | None) -> None:
+    """One micro-batch through the model, each unit's forward attributed by module hooks."""
+    recorder = _Recorder(out, saved, workload.chunks)
+    handles = []
+    for unit in out:
+        module = model.get_submodule(unit) if unit else model
+        handles.append(module.register_forward_hook(_hook(recorder, unit), with_kwargs=False))
+        handles.append(module.register_forward_pre_hook(_pre_hook(recorder, unit)))
+    try:
+        x = torch.zeros((workload.micro_batch, *workload.input_shape), device="meta",
+                        dtype=next(model.parameters()).dtype)
+        _run(recorder, lambda: model(x))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _pre_hook(recorder: _Recorder, unit: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        recorder.current.append(unit)
+        recorder.start_of[unit] = recorder.live.start()
+    return hook
+
+
+def _hook(recorder: _Recorder, unit: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        recorder.current.pop()
+        if recorder.weights is None:
+            base = recorder.start_of.pop(unit, 0)
+            recorder.out[unit].transient = max(recorder.out[unit].transient, recorder.live.peak - base)
+    return hook

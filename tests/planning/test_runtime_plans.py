@@ -1,0 +1,99 @@
+"""Plans that count what running needs: KV cache, activations, gradients and optimizer state, measured on the
+meta device, on the devices of the blocks that hold them; placement leaves room for them; bad shapes refused."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import devmap
+from devmap.cli import main
+from devmap.errors import DoesNotFitError, UsageError
+from devmap.planning.runtime_memory import runtime_by_unit
+from devmap.planning.workload import parse_workload
+
+GENERATE = parse_workload("generate", causal_lm=True, batch=32, seq_len=2048, chunks=2)
+
+
+def test_kv_cache_bytes_are_the_closed_form_on_each_layers_device():
+    plan = devmap.plan("tinyllama-1.1b", "balanced", gpus=2, gpu_memory="8GiB", dtype="bf16", workload=GENERATE)
+    config = plan.model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_layer = 2 * config.num_key_value_heads * head_dim * 2 * 32 * 2048  # K and V, bf16, batch × length
+    assert sum(u.kv_cache_bytes for u in plan.devices.values()) == per_layer * config.num_hidden_layers
+    for usage in plan.devices.values():
+        layers = sum(m.startswith("model.layers.") for m in usage.modules)
+        assert usage.kv_cache_bytes == per_layer * layers
+        assert usage.total == usage.bytes + usage.kv_cache_bytes + usage.activation_bytes + usage.other_bytes
+        assert usage.total <= usage.budget
+
+
+def test_placement_leaves_room_for_the_workload_or_says_it_does_not_fit():
+    assert devmap.plan("tinyllama-1.1b", "balanced", gpus=2, gpu_memory="2GiB", dtype="bf16").devices  # weights fit
+    with pytest.raises(DoesNotFitError):
+        devmap.plan("tinyllama-1.1b", "balanced", gpus=2, gpu_memory="2GiB", dtype="bf16", workload=GENERATE)
+    plan = devmap.plan("tinyllama-1.1b", "balanced", max_memory="0=2.5GiB,1=2.5GiB,cpu=20GiB", dtype="bf16",
+                       workload=GENERATE)
+    assert plan.devices["cpu"].modules  # what the GPUs cannot hold with its cache goes to the CPU
+    for key in ("cuda:0", "cuda:1"):
+        assert plan.devices[key].total <= plan.devices[key].budget
+
+
+def test_training_counts_gradients_optimizer_state_and_saved_activations():
+    plans = {opt: devmap.plan("resnet18", "balanced", gpus=2, gpu_memory="40GiB",
+                              workload=parse_workload("train", causal_lm=False, batch=64, chunks=4, optimizer=opt))
+             for opt in ("sgd", "adamw")}
+    weights = sum(p.numel() * p.element_size() for p in plans["sgd"].model.parameters())
+    assert sum(u.other_bytes for u in plans["sgd"].devices.values()) == weights  # gradients only
+    assert sum(u.other_bytes for u in plans["adamw"].devices.values()) == 3 * weights  # + two moments
+    assert all(u.kv_cache_bytes == 0 for u in plans["sgd"].devices.values())
+    assert sum(u.activation_bytes for u in plans["sgd"].devices.values()) > 10 * weights
+
+
+def test_measured_bytes_of_a_small_model_are_its_tensors():
+    """A Linear's transient peak is its output; for training it saves its input (weights are not activations)."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    for kind, chunks in (("inference", 1), ("train", 2)):
+        work = parse_workload(kind, causal_lm=False, batch=16, input_shape=(64,), chunks=chunks, optimizer="sgd")
+        needs = runtime_by_unit(model, work, torch.float32, [], causal_lm=False)
+        rows = 16 // chunks
+        assert needs["0"].transient == rows * 256 * 4
+        if kind == "train":
+            assert needs["0"].saved == 16 * 64 * 4  # its input, for every micro-batch
+            assert needs["0"].other == (64 * 256 + 256) * 4  # its gradients (sgd keeps no state)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kind="generate", causal_lm=False), "causal LM"),
+    (dict(kind="train", causal_lm=True, batch=4), "needs --seq-len"),
+    (dict(kind="inference", causal_lm=True, seq_len=9000, context=2048), "longer than the model's context"),
+    (dict(kind="inference", causal_lm=True, seq_len=8, input_shape=(3, 8, 8)), "not --input-shape"),
+    (dict(kind="inference", causal_lm=False, seq_len=8), "--seq-len is for causal LMs"),
+    (dict(kind="train", causal_lm=False, batch=2, chunks=3), "chunks must be between 1 and the batch"),
+    (dict(kind="train", causal_lm=False, optimizer="lion"), "unknown optimizer"),
+    (dict(kind="decode", causal_lm=True), "unknown workload"),
+])
+def test_bad_workloads_are_refused(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        parse_workload(**kwargs)
+
+
+def test_cli_plans_for_a_workload_and_refuses_bad_ones():
+    result = CliRunner().invoke(main, ["plan", "tinyllama-1.1b", "--gpus", "2", "--gpu-memory", "8GiB", "--dtype",
+                                       "bf16", "--for", "generate", "--batch", "32", "--seq-len", "2048",
+                                       "--chunks", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["workload"]["kind"] == "generate"
+    for usage in data["devices"].values():
+        assert {"weights_bytes", "kv_cache_bytes", "activation_bytes", "other_bytes"} <= set(usage)
+        assert usage["kv_cache_bytes"] > 0 and usage["other_bytes"] == 0
+    table = CliRunner().invoke(main, ["plan", "resnet18", "--gpus", "1", "--gpu-memory", "40GiB", "--for", "train",
+                                      "--batch", "32"])
+    assert table.exit_code == 0 and "activations" in table.output and "kv cache" in table.output
+    for argv, words in ((["--batch", "4"], "give --for too"),
+                        (["--for", "train", "--quantize", "int8", "--seq-len", "8"], "without --quantize")):
+        refused = CliRunner().invoke(main, ["plan", "llama-tiny", "--gpus", "1", "--gpu-memory", "1GiB", *argv])
+        assert refused.exit_code == 2 and words in refused.output, refused.output
