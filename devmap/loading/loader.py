@@ -30,6 +30,7 @@ from ..planning.placement import accelerate_quietly
 from ..planning.device_maps import DeviceMapSpec, owner_of
 from ..planning.planner import Plan, check_could_fit, plan_model
 from ..planning.quantization import quantized_weights, resolve_quantization
+from ..planning.workload import Workload
 from ..compat import stored_tensors
 from .load_report import DeviceLoad, LoadReport
 from .quantize import check_library, load_quantized
@@ -51,6 +52,7 @@ def load(
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
     quantization: Any = None,
+    workload: Workload | None = None,
 ) -> nn.Module:
     """Load `source` (a local HF directory, a directory `devmap save` wrote, or a preset) onto its planned devices.
 
@@ -58,7 +60,9 @@ def load(
     Presets without `weights` are randomly initialized on their devices. The returned model carries
     `hf_device_map`, `devmap_plan` (the Plan) and `devmap_load_report` (a LoadReport). `quantization` ("int8",
     "int4", "nf4" or a transformers BitsAndBytesConfig) quantizes the blocks' Linear layers block by block as they
-    arrive on their devices (devmap.loading.quantize); the dtype then defaults to bfloat16.
+    arrive on their devices (devmap.loading.quantize); the dtype then defaults to bfloat16. `workload`
+    (devmap.planning.workload) plans room for what the model will run, and refuses, before anything is read, a
+    load whose workload would not fit.
     """
     start = time.perf_counter()
     cuda_init = hardware.start_gpus_in_background()  # contexts start while transformers' classes import
@@ -74,7 +78,8 @@ def load(
     budget = resolve_budget(max_memory, offload_folder=folder)
     check_could_fit(model_source, budget, torch_dtype, quantized)
     model = model_source.build(cpu_buffers=True)
-    plan = plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized)
+    plan = plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized,
+                      workload)
     shrink = set(quantized_weights(model, quantized)) if quantized is not None else set()
     if quantized is not None:
         check_library(quantized)

@@ -97,3 +97,12 @@ def test_cli_plans_for_a_workload_and_refuses_bad_ones():
                         (["--for", "train", "--quantize", "int8", "--seq-len", "8"], "without --quantize")):
         refused = CliRunner().invoke(main, ["plan", "llama-tiny", "--gpus", "1", "--gpu-memory", "1GiB", *argv])
         assert refused.exit_code == 2 and words in refused.output, refused.output
+
+
+def test_a_load_for_a_workload_leaves_its_room_or_refuses_before_reading():
+    small = parse_workload("generate", causal_lm=True, batch=2, seq_len=64)
+    model = devmap.load("llama-tiny", "auto", "cpu=2MiB", workload=small)
+    assert model.devmap_plan.devices["cpu"].kv_cache_bytes > 0
+    large = parse_workload("generate", causal_lm=True, batch=64, seq_len=2048)
+    with pytest.raises(DoesNotFitError):
+        devmap.load("llama-tiny", "auto", "cpu=2MiB", workload=large)
