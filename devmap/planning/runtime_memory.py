@@ -90,7 +90,7 @@ def runtime_by_unit(model: nn.Module, workload: Workload, dtype: torch.dtype, no
     """Each placement unit's runtime bytes under `workload` (see the module docstring)."""
     units = placement_units(model, no_split)
     out = {unit: UnitRuntime() for unit in units}
-    work = copy.deepcopy(model).to(device="meta", dtype=dtype)  # the plan keeps its own model as it is
+    work = _meta_copy(model).to(dtype=dtype)  # the plan keeps its own model as it is
     measure = _measure_causal if causal_lm else _measure_vision
     with torch.no_grad():
         measure(work, workload, out, saved=None)
@@ -112,6 +112,15 @@ def runtime_by_unit(model: nn.Module, workload: Workload, dtype: torch.dtype, no
             if unit.startswith(prefix) and unit[len(prefix):].isdigit():
                 out[unit].kv_cache = per_layer
     return out
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """The model's structure with every tensor on the meta device: nothing of a real model's weights is copied."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
 
 
 def _layers_prefix(units: list[str]) -> str:

@@ -106,3 +106,13 @@ def test_a_load_for_a_workload_leaves_its_room_or_refuses_before_reading():
     large = parse_workload("generate", causal_lm=True, batch=64, seq_len=2048)
     with pytest.raises(DoesNotFitError):
         devmap.load("llama-tiny", "auto", "cpu=2MiB", workload=large)
+
+
+def test_planning_a_built_model_copies_none_of_its_weights():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    work = parse_workload("train", causal_lm=False, batch=8, input_shape=(64,), optimizer="sgd")
+    plan = devmap.plan(model, "auto", max_memory="cpu=1GiB", workload=work)
+    assert plan.devices["cpu"].activation_bytes > 0
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the caller's model is untouched
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
