@@ -139,49 +139,49 @@ class _Recorder:
         self.live = _LiveBytes()
         self.current: list[str] = []
         self.seen: set[int] = set()
+        self.kept: list[torch.Tensor] = []
         self.start_of: dict[str, int] = {}  # live bytes when a unit's forward began (module hooks)
 
-    def around(self, unit: str, call: Callable[[], Any]) -> Any:
+    def enter(self, unit: str) -> None:
         self.current.append(unit)
-        base = self.live.start()
+        self.start_of[unit] = self.live.start()
+
+    def leave(self, unit: str) -> None:
+        self.current.pop()
+        base = self.start_of.pop(unit, 0)
+        if self.weights is None and unit in self.out:
+            self.out[unit].transient = max(self.out[unit].transient, self.live.peak - base)
+
+    def around(self, unit: str, call: Callable[[], Any]) -> Any:
+        self.enter(unit)
         try:
             return call()
         finally:
-            self.current.pop()
-            if self.weights is None and unit in self.out:
-                self.out[unit].transient = max(self.out[unit].transient, self.live.peak - base)
+            self.leave(unit)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         root = tensor._base if tensor._base is not None else tensor
         if self.current and id(root) not in self.weights and id(root) not in self.seen:  # type: ignore[operator]
             self.seen.add(id(root))
+            self.kept.append(root)  # alive as backward would keep it (and its id is never reused)
             self.out[self.current[-1]].saved += root.numel() * root.element_size() * self.factor
         return tensor
 
 
-class _FusedAttention(torch.autograd.Function):
-    """What a GPU's fused attention (flash or memory-efficient) allocates: its output, never the scores; for
-    backward it keeps its inputs and output. The meta device would run the math fallback, whose score matrices a
-    GPU never materializes."""
+def _run(recorder: _Recorder, body: Callable[[], None]) -> None:
+    """`body` under the recorder: live bytes (no grad), or saved tensors (grad). Attention runs as a GPU's fused
+    kernel (flash or memory-efficient) allocates: its output only, never the score matrix the meta device's math
+    fallback would make; for backward it keeps its inputs and its output."""
 
-    @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                        **kwargs: Any) -> torch.Tensor:
         out = query.new_empty((*query.shape[:-1], value.shape[-1]))
-        ctx.save_for_backward(query, key, value, out)
+        if recorder.weights is not None:
+            for tensor in (query, key, value, out):
+                recorder.pack(tensor)
         return out
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # never run: planning measures forward only
-        raise NotImplementedError
-
-
-def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
-                     **kwargs: Any) -> torch.Tensor:
-    return _FusedAttention.apply(query, key, value)
-
-
-def _run(recorder: _Recorder, body: Callable[[], None]) -> None:
-    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _fused_attention):
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", fused_attention):
         if recorder.weights is None:
             with recorder.live:
                 body()
@@ -234,15 +234,11 @@ def _measure_vision(model: nn.Module, workload: Workload, out: dict[str, UnitRun
 
 def _pre_hook(recorder: _Recorder, unit: str) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any) -> None:
-        recorder.current.append(unit)
-        recorder.start_of[unit] = recorder.live.start()
+        recorder.enter(unit)
     return hook
 
 
 def _hook(recorder: _Recorder, unit: str) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        recorder.current.pop()
-        if recorder.weights is None:
-            base = recorder.start_of.pop(unit, 0)
-            recorder.out[unit].transient = max(recorder.out[unit].transient, recorder.live.peak - base)
+        recorder.leave(unit)
     return hook
