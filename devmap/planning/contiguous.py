@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from .devices import DeviceKey, is_gpu
+from .placement import smallest_share
 
 
 def contiguous_split(model: nn.Module, units: list[str], sizes: dict[str, int], limits: dict[DeviceKey, int],
@@ -45,16 +46,8 @@ def contiguous_split(model: nn.Module, units: list[str], sizes: dict[str, int], 
         return {g: min(int(weights[g] * share), limits[g]) for g in gpus}
 
     total = sum(loads)
-    lo, hi = total / sum(weights.values()), max(limits[g] / weights[g] for g in gpus)
-    best = fill(caps(hi))
-    while best is not None and hi - lo > max(total * 0.002, 2**18):
-        mid = (lo + hi) / 2
-        found = fill(caps(mid))
-        if found is None:
-            lo = mid
-        else:
-            best, hi = found, mid
-    return best
+    return smallest_share(lambda share: fill(caps(share)), total / sum(weights.values()),
+                          max(limits[g] / weights[g] for g in gpus), total)
 
 
 def _tensor_names(model: nn.Module, unit: str) -> list[str]:

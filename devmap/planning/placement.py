@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -55,12 +55,18 @@ def module_sizes(model: nn.Module, dtype: torch.dtype, special: dict[str, Any] |
 
     sizes = {name: int(round(size)) for name, size in  # half bytes (int4) come back as floats
              compute_module_sizes(model, dtype=dtype, special_dtypes=special or None).items()}
-    for name, more in (extra or {}).items():
+    return with_extra(sizes, extra or {})
+
+
+def with_extra(sizes: dict[str, int], extra: dict[str, int]) -> dict[str, int]:
+    """`sizes` with `extra` bytes per tensor name added to the tensor and every module above it (a new dict)."""
+    out = dict(sizes)
+    for name, more in extra.items():
         parts = name.split(".")
         for depth in range(len(parts) + 1):
             prefix = ".".join(parts[:depth])
-            sizes[prefix] = sizes.get(prefix, 0) + more
-    return sizes
+            out[prefix] = out.get(prefix, 0) + more
+    return out
 
 
 def kept_precision(model: nn.Module) -> dict[str, torch.dtype]:
@@ -140,16 +146,19 @@ def _min_max_split(
     # Caps of (total + one largest unbreakable block per GPU) always hold a contiguous fill, so the search
     # starts there: a few probes instead of ~19 from a whole GPU's budget (each probe costs seconds at 1000 layers).
     tight = (total + len(gpus) * _largest_unit(model, sizes, no_split)) / sum(weights.values())
-    best = attempt(tight) if tight < hi else None
+    return smallest_share(attempt, total / sum(weights.values()), hi, total, start=tight)
+
+
+def smallest_share(attempt: Callable[[float], DeviceMap | None], lo: float, hi: float, total: int,
+                   start: float | None = None) -> DeviceMap | None:
+    """Binary search for the smallest per-GPU share in (lo, hi] whose `attempt` places the model (None when even
+    `hi` does not); `start`, when below `hi`, is tried first. Stops within a few hundred KiB: far below a layer."""
+    best = attempt(start) if start is not None and start < hi else None
     if best is not None:
-        hi = tight
+        hi = start  # type: ignore[assignment]
     else:
         best = attempt(hi)
-    if best is None:
-        return None
-    lo = total / sum(weights.values())
-    # A few hundred KiB of slack is far below one layer; stop there.
-    while hi - lo > max(total * 0.002, 2**18):
+    while best is not None and hi - lo > max(total * 0.002, 2**18):
         mid = (lo + hi) / 2
         found = attempt(mid)
         if found is None:

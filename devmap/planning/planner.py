@@ -15,7 +15,7 @@ from .devices import DeviceKey, device_label
 from .memory import Size, dtype_name, format_bytes, parse_dtype
 from .device_maps import DeviceMapSpec, in_model_order, normalize_device_map, owner_of, validate_device_map
 from .models import ModelSource, default_no_split, resolve_source
-from .placement import DeviceMap, kept_precision, module_sizes, place, usage
+from .placement import DeviceMap, kept_precision, module_sizes, place, usage, with_extra
 from .contiguous import contiguous_split
 from .runtime_memory import runtime_by_unit
 from .runtime_room import DeviceRuntime, by_device, gpu_limits_with_room, held_extras, transient_room
@@ -202,10 +202,7 @@ def plan_model(
     if workload is not None and workload.kind == "train" and quantization is not None:
         raise UsageError("training updates full-precision weights: plan --for train without --quantize")
     runtime = runtime_by_unit(model, workload, dtype, no_split, model_source.is_causal_lm) if workload else {}
-    extra = extra_bytes(model, quantization)
-    for name, more in held_extras(model, runtime).items():
-        extra[name] = extra.get(name, 0) + more
-    sizes = module_sizes(model, dtype, special, extra) if runtime else weights
+    sizes = with_extra(weights, held_extras(model, runtime))  # weights and what each block holds at run time
     if isinstance(device_map, str):
         if not budget.limits or not any(budget.limits.values()):
             raise UsageError("no device has any memory budget: give --max-memory or --gpus N --gpu-memory SIZE")
