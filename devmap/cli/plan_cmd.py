@@ -20,9 +20,12 @@ from .output import echo_json, table
               type=click.Choice(["inference", "generate", "train", "serve"], case_sensitive=False),
               help="Plan the memory running needs too: KV cache (generate, serve), activations, gradients and "
                    "optimizer state (train), on the devices of the blocks that hold them.")
-@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1), help="With --for: rows per batch.")
+@click.option("--batch", default=None, type=click.IntRange(min=1),
+              help="With --for: rows per batch (default 1). With --for serve: the most rows a batch may have, as "
+                   "devmap serve's --max-batch (default 64); the plan gets as many as fit.")
 @click.option("--seq-len", default=None, type=click.IntRange(min=1),
-              help="With --for on a LLaMA-style model: tokens per row (prompt + new tokens).")
+              help="With --for on a LLaMA-style model: tokens per row (prompt + new tokens). With --for serve: "
+                   "cache tokens per row (default: what devmap serve's default limits need on this model).")
 @click.option("--chunks", default=1, show_default=True, type=click.IntRange(min=1),
               help="With --for: micro-batches (pipelines) or lanes (generation) the batch is split into.")
 @click.option("--optimizer", default="adamw", show_default=True,
@@ -34,7 +37,7 @@ from .output import echo_json, table
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None, max_memory: str | None,
          dtype: str | None, offload_folder: str | None, layers: bool, input_shape: str | None, quantize: str | None,
-         workload_kind: str | None, batch: int, seq_len: int | None, chunks: int, optimizer: str,
+         workload_kind: str | None, batch: int | None, seq_len: int | None, chunks: int, optimizer: str,
          as_json: bool) -> None:
     """Plan where each block of SOURCE goes.
 
@@ -49,27 +52,42 @@ def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None,
         raise click.UsageError("--input-shape applies with --layers or --for")
     given = parse_shape(input_shape) if input_shape else None
     workload = None
-    if workload_kind is not None:
+
+    def plan_with(workload):  # type: ignore[no-untyped-def]
+        return make_plan(source, device_map, max_memory, dtype, gpus=gpus, gpu_memory=gpu_memory,
+                         offload_folder=offload_folder, quantization=quantize, workload=workload)
+
+    serving = None
+    if workload_kind is not None and workload_kind.lower() == "serve":
+        serving = _serving_plan(source, batch, seq_len, chunks, input_shape, plan_with)
+        result = serving.plan
+    elif workload_kind is not None:
         from devmap.planning.models import resolve_source
         from devmap.planning.workload import parse_workload
 
         model_source = resolve_source(source)
         context = int(getattr(model_source.config, "max_position_embeddings", 0) or 0)
-        workload = parse_workload(workload_kind, causal_lm=model_source.is_causal_lm, context=context, batch=batch,
-                                  seq_len=seq_len, input_shape=given, chunks=chunks, optimizer=optimizer)
-    elif seq_len is not None or batch != 1 or chunks != 1:
+        workload = parse_workload(workload_kind, causal_lm=model_source.is_causal_lm, context=context,
+                                  batch=batch or 1, seq_len=seq_len, input_shape=given, chunks=chunks,
+                                  optimizer=optimizer)
+    elif seq_len is not None or batch is not None or chunks != 1:
         raise click.UsageError("--batch, --seq-len and --chunks describe a workload: give --for too")
-    shape = (batch, *given) if given is not None and workload is not None else given
-    result = make_plan(source, device_map, max_memory, dtype, gpus=gpus, gpu_memory=gpu_memory,
-                       offload_folder=offload_folder, quantization=quantize, workload=workload)
+    if serving is None:
+        result = plan_with(workload)
+    shape = ((batch or 1), *given) if given is not None and workload is not None else given
     rows = layer_table(result, shape) if layers else None
     if as_json:
         data = result.to_dict()
         if rows is not None:
             data["layers"] = [r.to_dict() for r in rows]
+        if serving is not None:
+            data["serving"] = {"max_batch": serving.rows, "cache_tokens_per_row": serving.cache_len}
         echo_json(data)
         return
     click.echo(render_plan(result))
+    if serving is not None:
+        click.echo(f"Serves batches of up to {serving.rows} rows of {serving.cache_len} cache tokens each "
+                   "(devmap serve plans each load so).")
     if rows is not None:
         from devmap.planning.memory import format_bytes
 
@@ -124,3 +142,21 @@ def render_plan(result) -> str:  # type: ignore[no-untyped-def]
     lines += [f"  {run}" for run in result.runs]
     lines += [f"Warning: {w}" for w in result.warnings]
     return "\n".join(lines)
+
+
+def _serving_plan(source, batch, seq_len, chunks, input_shape, plan_with):  # type: ignore[no-untyped-def]
+    """What `devmap serve` plans for SOURCE with its default limits (`--batch`: its --max-batch; `--seq-len`: cache
+    tokens per row instead of what the limits need)."""
+    from devmap.planning.models import resolve_source
+    from devmap.serving.errors import ServiceError
+    from devmap.serving.limits import EngineLimits
+    from devmap.serving.load_plan import plan_serving
+
+    if input_shape is not None:
+        raise click.UsageError("--for serve plans tokens: give --seq-len, not --input-shape")
+    defaults = EngineLimits()
+    limits = EngineLimits(max_batch=batch or defaults.max_batch, lanes=chunks if chunks > 1 else None)
+    try:
+        return plan_serving(resolve_source(source), limits, plan_with, cache_len=seq_len)
+    except ServiceError as exc:
+        raise click.UsageError(exc.message) from None

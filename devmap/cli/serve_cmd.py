@@ -77,7 +77,13 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     from devmap.serving.app import create_app
     from devmap.serving.errors import ServiceError
 
-    registry = ModelRegistry(model_root, device_map, max_memory, dtype, quantization=quantize)
+    limits = EngineLimits(max_batch=max_batch, batch_wait=batch_wait_ms / 1000,
+                          max_batch_wait=max(max_batch_wait_ms, batch_wait_ms) / 1000, max_queue=max_queue,
+                          join_wait=join_wait_ms / 1000, join_tokens=join_tokens,
+                          preempt_after=preempt_after_ms / 1000, max_prompt_tokens=max_prompt_tokens,
+                          max_new_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
+                          lanes=lanes, compile=compile_steps)
+    registry = ModelRegistry(model_root, device_map, max_memory, dtype, quantization=quantize, limits=limits)
     for directory in model_dirs:
         path = Path(directory).expanduser().resolve()
         try:
@@ -85,13 +91,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
         except ServiceError as exc:
             raise click.ClickException(exc.message) from None
         click.echo(f"loaded {resident.id} from {path} onto "
-                   f"{', '.join(sorted({str(v) for v in resident.model.hf_device_map.values()}))}", err=True)
-    limits = EngineLimits(max_batch=max_batch, batch_wait=batch_wait_ms / 1000,
-                          max_batch_wait=max(max_batch_wait_ms, batch_wait_ms) / 1000, max_queue=max_queue,
-                          join_wait=join_wait_ms / 1000, join_tokens=join_tokens,
-                          preempt_after=preempt_after_ms / 1000, max_prompt_tokens=max_prompt_tokens,
-                          max_new_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
-                          lanes=lanes, compile=compile_steps)
+                   f"{', '.join(sorted({str(v) for v in resident.model.hf_device_map.values()}))}: batches of up to "
+                   f"{resident.max_rows} rows of {resident.cache_len} cache tokens", err=True)
     app = create_app(Engine(registry, limits), api_key=api_key)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import logging

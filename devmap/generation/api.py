@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .causal_lm import CausalLMStages
+from .kv_room import check_kv_room
 from ..errors import UsageError
 from .lane_runner import LaneRunner, OnTokens, split_lanes
 from .sampling import Sampling
@@ -83,6 +84,8 @@ def generate(
         cache = step_cache(model, "generate") if keep_graphs else StepCache()
         signature = (run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), input_ids.shape[1], max_len)
         entries = cache.use(signature, weight_pointers(model))
+    if not entries:  # new caches are about to be allocated
+        check_kv_room(stages, input_ids.shape[0], max_len, "devmap.generate")
     with stages.hooks_bypassed():
         for k, lane in enumerate(lane_list):
             run.prepare_decode(k, lane, max_len, entries, cache)

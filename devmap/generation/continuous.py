@@ -18,6 +18,7 @@ from torch import nn
 from .api import check_length
 from .causal_lm import CausalLMStages
 from ..errors import UsageError
+from ..planning.runtime_memory import layer_kv_bytes
 from .continuous_rows import ContinuousBatch
 from .row_types import Row, SlotRequest
 from .lane_runner import LaneRunner, split_lanes
@@ -40,7 +41,8 @@ Emit = Callable[[Any, int], bool]
 @torch.no_grad()
 def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len: int, lanes: int | None = None,
                      sampling: Sampling | None = None, split_layers: list[int] | None = None, graphs: bool = True,
-                     compile: bool = False, keep_graphs: bool = True) -> Iterator["ContinuousBatch"]:
+                     compile: bool = False, keep_graphs: bool = True,
+                     kv_room: int | None = None) -> Iterator["ContinuousBatch"]:
     """A continuous batch of `rows` rows on `model`, driven step by step by its caller:
     `batch.step(joining)` starts requests in free rows and issues one decode step, `batch.collect()` hands back
     the tokens that have come back since (a couple of steps behind the GPUs), `batch.release(owner)` frees the
@@ -50,7 +52,11 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     attention ignores column order). The lanes decode from slot `first_slot`; a request needs a prompt of at most
     `batch.longest_prompt` (= first_slot) tokens and at most `batch.most_new_tokens` (= cache_len - first_slot + 1)
     new ones, whenever it joins, so a batch runs as long as requests come. Greedy tokens equal `devmap.generate`
-    of each request alone."""
+    of each request alone.
+
+    The captured steps and KV caches of the last KEPT_SHAPES (rows, cache length) shapes stay on the model for the
+    next batch of that shape; `kv_room` (bytes, all devices together) bounds their KV caches: older shapes are
+    dropped before a new one would take more (a serving memory plan makes room for one largest batch)."""
     sampling = sampling or Sampling()
     sampling.check()
     if rows < 1 or not 0 < first_slot <= cache_len:
@@ -68,8 +74,9 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     # whose prefills are long enough for captured eager kernels (and would each cost a compile on first use)
     run = LaneRunner(stages, lane_list, graphs, compile, compile_prefill=False)
     cache = step_cache(model, "continuous", KEPT_SHAPES) if run.graphs and keep_graphs else StepCache()
+    kv_bytes = model.config.num_hidden_layers * layer_kv_bytes(model.config, stages.dtype, rows, cache_len)
     entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),
-                        weight_pointers(model))
+                        weight_pointers(model), kv_bytes, kv_room)
     batch = ContinuousBatch(run, first_slot, cache_len, sampling, cache, entries)
     with stages.hooks_bypassed():
         for k, lane in enumerate(lane_list):

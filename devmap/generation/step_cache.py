@@ -31,18 +31,25 @@ class StepCache:
         self.entries: dict[Any, Any] = {}
         self.pools: dict[tuple[torch.device, int], Any] = {}
         self._kept: OrderedDict[Any, tuple[dict, dict]] = OrderedDict()
+        self._sizes: dict[Any, int] = {}
 
-    def use(self, signature: Any, pointers: tuple[int, ...]) -> dict[Any, Any]:
+    def use(self, signature: Any, pointers: tuple[int, ...], size: int = 0, room: int | None = None) -> dict[Any, Any]:
         """The entries for `signature` (new and empty if it is not kept; all are dropped if the weights' addresses
-        changed), which becomes the most recently used."""
+        changed), which becomes the most recently used. `size`: the bytes its entries will hold (its KV caches);
+        with `room`, older signatures go first while the kept ones' sizes add up to more than `room` (a memory plan
+        made room for one largest shape, not for several)."""
         if pointers != self.pointers:
             self._kept.clear()
+            self._sizes.clear()
             self.pointers = pointers
         if signature not in self._kept:
             self._kept[signature] = ({}, {})
-            while len(self._kept) > max(self.capacity, 1):
-                self._kept.popitem(last=False)
+            self._sizes[signature] = size
         self._kept.move_to_end(signature)
+        while len(self._kept) > max(self.capacity, 1) or (
+                room is not None and len(self._kept) > 1 and sum(self._sizes.values()) > room):
+            oldest, _ = self._kept.popitem(last=False)
+            self._sizes.pop(oldest, None)
         self.signature = signature
         self.entries, self.pools = self._kept[signature]
         return self.entries

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..errors import PipelineError
+from ..planning.workload import Workload
 from .pipe import Pipeline, check_placed, from_placement
 from .stages import StageSpec, apply_units, block_devices, check_stage_devices, placed_units, whole_block_devices
 
@@ -21,6 +22,7 @@ def pipeline(
     sample: torch.Tensor | None = None,
     graphs: str = "auto",
     deferred_weights: int | None = 1,
+    workload: Workload | None = None,
 ) -> Pipeline:
     """Wrap a placed model (devmap.load / dispatch) or explicit [(module, device), ...] stages as a Pipeline.
 
@@ -33,10 +35,18 @@ def pipeline(
     micro-batches in backward order (None: all; 0: none) into the input gradient, handed back at once, and
     the weight gradients of its Linear and convolution layers, computed at the end of the pass where they fill
     the pipeline's drain; each such micro-batch keeps the gradients at those layers' outputs until then.
+
+    `workload` (`devmap.planning.workload.parse_workload`, the description `devmap.load` and `devmap plan --for`
+    take) is checked before anything runs: a run whose activations, gradients and optimizer state will not fit
+    beside the weights on some GPU is refused with the numbers (DoesNotFitError).
     """
     if isinstance(model, (list, tuple)):
         return Pipeline(check_stage_devices(model), chunks, split_size, graphs, deferred_weights)
     check_placed(model)
+    if workload is not None:
+        from ..planning.runtime_check import check_runtime_room
+
+        check_runtime_room(model, workload, "devmap.pipeline")
     if balance not in (None, "memory", "time", "measure"):
         raise PipelineError(f"invalid balance={balance!r}: use 'memory' (the device map's), 'time' or 'measure'")
     if balance in ("time", "measure"):

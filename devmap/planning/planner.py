@@ -209,7 +209,7 @@ def plan_model(
         limits = gpu_limits_with_room(budget.limits, transient_room(runtime))
         found = contiguous_split(model, list(runtime), sizes, limits, strategy) if runtime else None
         placed = in_model_order(model, found or place(model, strategy, limits, no_split, dtype, special, sizes))
-        _check_fits(model_source.name, placed, sizes, budget, dtype)
+        _check_fits(model_source.name, placed, sizes, budget, dtype, weights[""], workload)
         warnings: list[str] = []
     else:
         placed = validate_device_map(model, device_map, budget)
@@ -236,17 +236,23 @@ def plan_model(
     )
 
 
-def _check_fits(name: str, placed: DeviceMap, sizes: dict[str, int], budget: Budget, dtype: torch.dtype) -> None:
+def _check_fits(name: str, placed: DeviceMap, sizes: dict[str, int], budget: Budget, dtype: torch.dtype,
+                weights: int, workload: Workload | None) -> None:
     used = usage(placed, sizes)
     overflow = used.get("disk", 0) if "disk" not in budget.limits else max(0, used.get("disk", 0) - budget.limits["disk"])
     if not overflow:
         return
     available = sum(budget.limits.values())
+    needs = f"{format_bytes(sizes[''])} in {dtype_name(dtype)}"
+    smaller = ""
+    if workload is not None:
+        needs = (f"{needs} ({format_bytes(weights)} of weights and {format_bytes(sizes[''] - weights)} held to "
+                 f"{workload.describe()})")
+        smaller = "a smaller workload, "
     raise DoesNotFitError(
-        f"{name} needs {format_bytes(sizes[''])} in {dtype_name(dtype)} but the budget holds "
-        f"{format_bytes(available)} ({budget.label()}); {format_bytes(overflow)} fits nowhere. "
-        "Add offload with --max-memory (e.g. cpu=64GiB,disk=200GiB), use more GPUs, or a smaller --dtype (or, "
-        "for a LLaMA-style model, --quantize int8|int4|nf4)"
+        f"{name} needs {needs} but the budget holds {format_bytes(available)} ({budget.label()}); "
+        f"{format_bytes(overflow)} fits nowhere. Add offload with --max-memory (e.g. cpu=64GiB,disk=200GiB), use "
+        f"more GPUs, {smaller}or a smaller --dtype (or, for a LLaMA-style model, --quantize int8|int4|nf4)"
     )
 
 

@@ -1,7 +1,8 @@
 """The memory a workload needs beside the weights, per placement unit (a decoder layer, a residual block, a leaf
 module), measured on the meta device: no memory is allocated and no weights are read.
 
-- KV cache (generate, serve): per decoder layer, 2 × kv_heads × head_dim × dtype bytes × batch × seq_len.
+- KV cache (generate, serve): per decoder layer, 2 × kv_heads × head_dim × dtype bytes × batch × seq_len (serve:
+  and the joining groups' scratch cache, prefill_rows × seq_len).
 - Transient activations: what a unit's forward creates and frees, at its peak, for one micro-batch (or lane):
   every tensor an operator returns is counted while it is alive (views are not), so Python's freeing of
   intermediates is followed as a GPU's caching allocator follows it.
@@ -102,16 +103,19 @@ def runtime_by_unit(model: nn.Module, workload: Workload, dtype: torch.dtype, no
             owned = work.get_submodule(unit).parameters() if unit else work.parameters()
             out[unit].other = states * sum(p.numel() * p.element_size() for p in owned)
     if workload.kind in ("generate", "serve"):
-        config = model.config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        per_layer = (2 * getattr(config, "num_key_value_heads", heads) * head_dim * dtype.itemsize
-                     * workload.batch * workload.seq_len)
+        per_layer = layer_kv_bytes(model.config, dtype, workload.batch + workload.prefill_rows, workload.seq_len)
         prefix = _layers_prefix(units)
         for unit in units:
             if unit.startswith(prefix) and unit[len(prefix):].isdigit():
                 out[unit].kv_cache = per_layer
     return out
+
+
+def layer_kv_bytes(config: Any, dtype: torch.dtype, rows: int, tokens: int) -> int:
+    """One decoder layer's KV cache: keys and values of `tokens` tokens in each of `rows` rows."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * dtype.itemsize * rows * tokens
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
@@ -192,9 +196,10 @@ def _run(recorder: _Recorder, body: Callable[[], None]) -> None:
 
 def _measure_causal(model: nn.Module, workload: Workload, out: dict[str, UnitRuntime],
                     saved: set[int] | None) -> None:
-    """One micro-batch (lane) of prompts through the layers one by one, as devmap's stages call them."""
+    """One micro-batch (lane, joining group) of prompts through the layers one by one, as devmap's stages call
+    them."""
     recorder = _Recorder(out, saved, workload.chunks)
-    base, rows, length = model.model, workload.micro_batch, workload.seq_len
+    base, rows, length = model.model, workload.prefill_batch, workload.seq_len
     prefix = next((n for n, m in model.named_modules() if m is base), "model")
 
     def body() -> None:

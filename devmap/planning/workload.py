@@ -4,7 +4,9 @@ shapes, validated once here (the CLI's and the Python API's boundary).
 - `inference`: forward passes of `batch` rows in `chunks` micro-batches (a LLaMA: `seq_len` tokens per row;
   a vision model: one sample of `input_shape`);
 - `generate` and `serve`: a LLaMA generating up to `seq_len` tokens per row (prompt + new), `batch` rows, with a
-  KV cache of `seq_len` tokens per row on every layer's device; its prompts prefilled in `chunks` lanes;
+  KV cache of `seq_len` tokens per row on every layer's device; its prompts prefilled in `chunks` lanes, or (serve)
+  in joining groups of at most `prefill_rows` rows, whose keys and values go through a scratch cache of that many
+  rows before they reach theirs;
 - `train`: forward and backward of `batch` rows in `chunks` micro-batches, with gradients and `optimizer` state.
 """
 
@@ -29,21 +31,34 @@ class Workload:
     input_shape: tuple[int, ...] = ()
     chunks: int = 1
     optimizer: str = "adamw"
+    prefill_rows: int = 0  # serve: rows of the largest joining prefill (0: prompts are prefilled by lanes)
 
     @property
     def micro_batch(self) -> int:
         """Rows of one micro-batch (or lane)."""
         return -(-self.batch // self.chunks)
 
+    @property
+    def prefill_batch(self) -> int:
+        """Rows prefilled at once: a joining group's, or a micro-batch's (lane's)."""
+        return self.prefill_rows or self.micro_batch
+
+    def describe(self) -> str:
+        """"generate 32 × 2048 tokens", "train 256 × 3×224×224 in 4 micro-batches"."""
+        rows = f"{self.batch} × " + (f"{self.seq_len} tokens" if self.seq_len else "×".join(map(str, self.input_shape)))
+        split = f" in {self.chunks} {'lanes' if self.seq_len else 'micro-batches'}" if self.chunks > 1 else ""
+        return f"{self.kind} {rows}{split}"
+
     def to_dict(self) -> dict[str, object]:
         return {"kind": self.kind, "batch": self.batch, "seq_len": self.seq_len or None,
                 "input_shape": list(self.input_shape) or None, "chunks": self.chunks,
-                "optimizer": self.optimizer if self.kind == "train" else None}
+                "optimizer": self.optimizer if self.kind == "train" else None,
+                "prefill_rows": self.prefill_rows or None}
 
 
 def parse_workload(kind: str, *, causal_lm: bool, context: int = 0, batch: int = 1, seq_len: int | None = None,
                    input_shape: tuple[int, ...] | None = None, chunks: int = 1,
-                   optimizer: str = "adamw") -> Workload:
+                   optimizer: str = "adamw", prefill_rows: int = 0) -> Workload:
     """A validated Workload for a model (`causal_lm`: a LLaMA-style model whose context is `context` tokens, 0 if
     unknown); a UsageError names the first bad field and what is accepted."""
     kind = str(kind).strip().lower()
@@ -56,6 +71,10 @@ def parse_workload(kind: str, *, causal_lm: bool, context: int = 0, batch: int =
     optimizer = str(optimizer).strip().lower()
     if optimizer not in OPTIMIZER_STATES:
         raise UsageError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)}")
+    if isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int) or not 0 <= prefill_rows <= batch:
+        raise UsageError(f"prefill_rows must be between 0 and the batch ({batch}), got {prefill_rows!r}")
+    if prefill_rows and kind != "serve":
+        raise UsageError("prefill_rows describes a service's joining prefills: use it with the serve workload")
     if kind in ("generate", "serve") and not causal_lm:
         raise UsageError(f"--for {kind} plans a LLaMA-style causal LM; for this model use --for inference or train")
     if causal_lm:
@@ -67,7 +86,7 @@ def parse_workload(kind: str, *, causal_lm: bool, context: int = 0, batch: int =
             raise UsageError(f"seq_len must be a positive number of tokens, got {seq_len!r}")
         if context and seq_len > context:
             raise UsageError(f"seq_len {seq_len} is longer than the model's context of {context} tokens")
-        return Workload(kind, batch, seq_len, (), chunks, optimizer)
+        return Workload(kind, batch, seq_len, (), chunks, optimizer, prefill_rows)
     if seq_len is not None:
         raise UsageError("--seq-len is for causal LMs; give this model's --input-shape (one sample, e.g. 3,224,224)")
     shape = tuple(input_shape) if input_shape is not None else DEFAULT_SAMPLE

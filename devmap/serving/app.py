@@ -63,7 +63,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(engine.metrics.render(engine.registry.planned()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -37,6 +37,8 @@ class Engine:
     def __init__(self, registry: ModelRegistry, limits: EngineLimits | None = None) -> None:
         self.registry = registry
         self.limits = limits or EngineLimits()
+        if registry is not None:
+            registry.limits = self.limits  # its loads make room for the batches these limits allow
         self.metrics = ServiceMetrics()
         self._queue: queue.Queue[Job] = queue.Queue()
         self.scheduler = Scheduler(self.limits.scheduling())  # the worker's: requests taken off the queue
@@ -66,19 +68,7 @@ class Engine:
 
     def check(self, resident: ResidentModel, prompt_ids: list[int], params: GenerationParams) -> None:
         """Refuse what the limits or the model's context do not allow (a 400 naming the field)."""
-        limits = self.limits
-        if not prompt_ids:
-            raise ServiceError("the prompt is empty", param="prompt")
-        if len(prompt_ids) > limits.max_prompt_tokens:
-            raise ServiceError(f"the prompt has {len(prompt_ids)} tokens; this service takes at most "
-                               f"{limits.max_prompt_tokens}", param="prompt")
-        budget = params.max_new_tokens  # HTTP's max_tokens: errors name it so
-        if budget < 1 or budget > limits.max_new_tokens:
-            raise ServiceError(f"max_tokens must be between 1 and {limits.max_new_tokens}, got {budget}",
-                               param="max_tokens")
-        if resident.context and len(prompt_ids) + budget > resident.context:
-            raise ServiceError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({budget}) is "
-                               f"more than the model's context of {resident.context} tokens", param="max_tokens")
+        self.limits.check_request(len(prompt_ids), params.max_new_tokens, resident.context)
 
     def submit(self, model_id: str, prompt_ids: list[int], params: GenerationParams) -> Job:
         """Queue a request (from a coroutine: its events arrive on the running loop)."""
@@ -92,7 +82,8 @@ class Engine:
             self._pending += 1
         self.metrics.queue_depth.inc()
         self.metrics.prompt_tokens.labels(model=model_id).inc(len(prompt_ids))
-        job = Job(model_id, list(prompt_ids), params, asyncio.get_running_loop(), outbox=self._outbox)
+        job = Job(model_id, list(prompt_ids), params, asyncio.get_running_loop(), outbox=self._outbox,
+                  max_rows=resident.max_rows)
         self._queue.put(job)
         return job
 
@@ -191,6 +182,7 @@ class Engine:
                 job.emit("error", exc)
             self._outbox.flush()
             return
+        jobs = self.scheduler.within_rows(jobs, resident.max_rows, time.perf_counter())
         self.metrics.batch_size.observe(len(jobs))
         self.metrics.running.set(len(jobs))
         try:
@@ -230,7 +222,7 @@ class Engine:
         stopped = False
         with continuous_batch(resident.model, rows=shape.rows, first_slot=shape.first_slot,
                               cache_len=shape.cache_len, lanes=limits.lanes, sampling=sampling,
-                              compile=limits.compile) as batch:
+                              compile=limits.compile, kv_room=resident.kv_room) as batch:
             joining = list(jobs)
             clock = PhaseClock(self.metrics)
             while batch.step([_slot_request(job) for job in joining]):

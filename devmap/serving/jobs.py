@@ -58,6 +58,7 @@ class Job:
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
     stopped: bool = False  # a stop string ended it
     resumed: bool = False  # a batch stopped before it ended, and it waits to continue (counted out of the queue)
+    max_rows: int = 0  # the most rows its model's memory plan made room for (0: the service's max_batch)
 
     @property
     def budget_left(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import ServiceError
 from .scheduler import SchedulerLimits
 
 
@@ -38,3 +39,18 @@ class EngineLimits:
     def scheduling(self) -> SchedulerLimits:
         return SchedulerLimits(self.max_batch, self.batch_wait, self.max_batch_wait, self.length_bucket,
                                self.join_wait, self.join_tokens, self.preempt_after)
+
+    def check_request(self, prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+        """Refuse a request these limits or its model's `context` (0: unbounded) do not allow: a ServiceError (400)
+        naming the field as HTTP does (max_tokens is the token budget)."""
+        if not prompt_tokens:
+            raise ServiceError("the prompt is empty", param="prompt")
+        if prompt_tokens > self.max_prompt_tokens:
+            raise ServiceError(f"the prompt has {prompt_tokens} tokens; this service takes at most "
+                               f"{self.max_prompt_tokens}", param="prompt")
+        if max_new_tokens < 1 or max_new_tokens > self.max_new_tokens:
+            raise ServiceError(f"max_tokens must be between 1 and {self.max_new_tokens}, got {max_new_tokens}",
+                               param="max_tokens")
+        if context and prompt_tokens + max_new_tokens > context:
+            raise ServiceError(f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_new_tokens}) is "
+                               f"more than the model's context of {context} tokens", param="max_tokens")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..planning.devices import DeviceKey, device_label
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -42,12 +46,26 @@ class ServiceMetrics:
         self.models = Gauge("devmap_resident_models", "Models loaded", registry=r)
         self.device_memory = Gauge("devmap_device_memory_bytes", "Memory allocated by torch on each GPU",
                                    ["device"], registry=r)
+        self.device_memory_peak = Gauge("devmap_device_memory_peak_bytes", "The most memory torch has allocated on "
+                                        "each GPU since the service started", ["device"], registry=r)
+        self.device_memory_reserved = Gauge("devmap_device_memory_reserved_bytes", "Memory torch's caching "
+                                            "allocator holds on each GPU (allocated, cached, CUDA graph pools)",
+                                            ["device"], registry=r)
+        self.planned_memory = Gauge("devmap_device_memory_planned_bytes", "What the resident models' plans hold on "
+                                    "each device at their largest batches (weights, KV cache, activations)",
+                                    ["device"], registry=r)
 
-    def render(self) -> bytes:
-        """The text exposition format, with device memory read now."""
+    def render(self, planned: Mapping[DeviceKey, int] | None = None) -> bytes:
+        """The text exposition format, with device memory read now beside `planned` (bytes per device)."""
         import torch
 
         if torch.cuda.is_available():
             for index in range(torch.cuda.device_count()):
-                self.device_memory.labels(device=f"cuda:{index}").set(torch.cuda.memory_allocated(index))
+                label = f"cuda:{index}"
+                self.device_memory.labels(device=label).set(torch.cuda.memory_allocated(index))
+                self.device_memory_peak.labels(device=label).set(torch.cuda.max_memory_allocated(index))
+                self.device_memory_reserved.labels(device=label).set(torch.cuda.memory_reserved(index))
+        self.planned_memory.clear()
+        for key, size in (planned or {}).items():
+            self.planned_memory.labels(device=device_label(key)).set(size)
         return generate_latest(self.registry)

@@ -1,8 +1,11 @@
 """Resident models: loaded once onto their devices, found by id, unloaded on request or when idle.
 
-Clients may only name directories under the model root (never an arbitrary path). When the service has a
-memory budget (`max_memory`), each load gets what earlier resident models left of it, so a model that does
-not fit is refused by the planner with its reason instead of running the GPUs out of memory.
+Clients may only name directories under the model root (never an arbitrary path). Each load is planned for what
+the service will run on it: its weights plus the KV cache and activations of its largest batch (the service's
+`max_batch` rows, or as many as fit, each with a cache for the longest prompt and budget the limits allow;
+`devmap.planning.rows_fit`). Each load gets what earlier resident models' plans left of the service's budget
+(`max_memory`, else the machine's as the first load found it), so a model the service admits never runs out of
+memory at its largest batch, and one that does not fit is refused (409) with the numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from torch import nn
 
 from ..errors import DevmapError, DoesNotFitError
 from ..planning.budget import resolve_budget
+from ..planning.devices import DeviceKey
 from .errors import DoesNotFit, ModelNotFound, ServiceError
+from .limits import EngineLimits
 from .scheduler import BatchShape
 
 
@@ -33,16 +38,28 @@ class ResidentModel:
     tokenizer: Any
     created: int
     context: int
-    planned: dict[Any, int]  # bytes per budget key (GPU index, "cpu", "disk")
+    planned: dict[DeviceKey, int]  # bytes per device (weights, KV cache, activations) at its largest batch
     report: dict[str, Any]
+    max_rows: int = 1  # rows of its largest batch: the service's max_batch, or as many as its memory plan fits
+    cache_len: int = 0  # cache tokens per row its plan made room for
     last_used: float = field(default_factory=time.monotonic)
     busy: threading.Lock = field(default_factory=threading.Lock)
     batch_shape: BatchShape = field(default_factory=BatchShape)  # the largest continuous batch so far: later
     # ones reuse its shape (and its captured steps)
 
+    @property
+    def kv_room(self) -> int:
+        """Bytes its plan made room for in KV caches (all devices): its batches' kept caches stay within them."""
+        from ..planning.runtime_memory import layer_kv_bytes
+
+        config = self.model.config
+        dtype = self.model.get_input_embeddings().weight.dtype
+        return config.num_hidden_layers * layer_kv_bytes(config, dtype, self.max_rows, self.cache_len)
+
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "devmap",
-                "path": str(self.path), "context_length": self.context,
+                "path": str(self.path), "context_length": self.context, "max_batch": self.max_rows,
+                "cache_tokens_per_row": self.cache_len,
                 "device_map": {k: str(v) for k, v in self.model.hf_device_map.items()}}
 
 
@@ -51,10 +68,12 @@ class ModelRegistry:
 
     def __init__(self, model_root: str | Path | None = None, device_map: Any = "balanced",
                  max_memory: str | Mapping[Any, Any] | None = None, dtype: str | None = None,
-                 quantization: Any = None) -> None:
+                 quantization: Any = None, limits: EngineLimits | None = None) -> None:
         self.root = Path(model_root).expanduser().resolve() if model_root is not None else None
         self.device_map, self.dtype, self.quantization = device_map, dtype, quantization
+        self.limits = limits or EngineLimits()  # the batches its models must have room for
         self.budget = dict(resolve_budget(max_memory).limits) if max_memory is not None else {}
+        self._machine: dict[DeviceKey, int] = {}  # without a service budget: the machine's, as the first load found it
         self._models: dict[str, ResidentModel] = {}
         self._lock = threading.Lock()
         self._loading = threading.Lock()
@@ -84,10 +103,14 @@ class ModelRegistry:
                 if model_id in self._models:
                     raise ServiceError(f"model {model_id!r} is already loaded; unload it first or pick another id",
                                        param="id")
+            if max_memory is None and not self.budget and not self.all():
+                self._machine = dict(resolve_budget().limits)  # the machine's budget, with nothing of ours on it
             budget = max_memory if max_memory is not None else self.remaining()
             try:
+                rows, cache_len, workload = self._serving_plan(path, device_map or self.device_map, budget,
+                                                               dtype or self.dtype)
                 model = load(str(path), device_map or self.device_map, budget, dtype or self.dtype,
-                             quantization=self.quantization)
+                             quantization=self.quantization, workload=workload)
             except DoesNotFitError as exc:
                 raise DoesNotFit(f"{model_id} does not fit in what the service's budget has left: {exc}") from None
             except DevmapError as exc:
@@ -101,19 +124,39 @@ class ModelRegistry:
             resident = ResidentModel(
                 id=model_id, path=path, model=model, tokenizer=tokenizer, created=int(time.time()),
                 context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
-                planned={usage.key: usage.bytes for usage in model.devmap_plan.devices.values()},
-                report=report,
+                planned={usage.key: usage.total for usage in model.devmap_plan.devices.values()},
+                report=report, max_rows=rows, cache_len=cache_len,
             )
             with self._lock:
                 self._models[model_id] = resident
             _freeze_survivors()
             return resident
 
+    def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> tuple[int, int, Any]:
+        """(rows, cache tokens per row, workload) of the largest batch the model will run within `budget`."""
+        from ..planning.models import resolve_source
+        from ..planning.planner import plan
+        from .load_plan import plan_serving
+
+        serving = plan_serving(resolve_source(str(path)), self.limits, lambda workload: plan(
+            str(path), device_map, budget, dtype, quantization=self.quantization, workload=workload))
+        return serving.rows, serving.cache_len, serving.plan.workload
+
+    def planned(self) -> dict[DeviceKey, int]:
+        """What the resident models' plans hold on each device at their largest batches."""
+        total: dict[DeviceKey, int] = {}
+        with self._lock:
+            for resident in self._models.values():
+                for key, size in resident.planned.items():
+                    total[key] = total.get(key, 0) + size
+        return total
+
     def remaining(self) -> dict[Any, int] | None:
-        """The service budget less what resident models planned on each device (None: no service budget)."""
-        if not self.budget:
+        """The service budget (or the machine's, as the first load found it) less what resident models planned on
+        each device (None before any load without a service budget: the planner then reads the machine)."""
+        if not self.budget and not self._machine:
             return None
-        left = dict(self.budget)
+        left = dict(self.budget or self._machine)
         with self._lock:
             for resident in self._models.values():
                 for key, size in resident.planned.items():

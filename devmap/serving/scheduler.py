@@ -95,6 +95,12 @@ def takes_joiners(job: Job) -> bool:
     return job.params.temperature == 0 or job.params.seed is None
 
 
+def most_rows(job: Job, limits: SchedulerLimits) -> int:
+    """The most rows a batch of the job's model takes: the service's `max_batch`, or fewer where the model's memory
+    plan made room for fewer (`job.max_rows`)."""
+    return min(limits.max_batch, job.max_rows) if job.max_rows else limits.max_batch
+
+
 def round_up(value: int, multiple: int) -> int:
     """`value` rounded up to a multiple of `multiple` (unchanged for 0 or 1)."""
     return -(-value // multiple) * multiple if multiple > 1 else value
@@ -111,18 +117,28 @@ def batch_shape(jobs: list[Job], limits: SchedulerLimits, context: int, kept: Ba
     requests alone (the sampled tokens depend on the rows)."""
     count = len(jobs)
     fewest = 1 << (count - 1).bit_length()
-    rows = max(count, min(limits.max_batch, max(MIN_ROWS, fewest, kept.rows))) if takes_joiners else fewest
+    most = most_rows(jobs[0], limits)
+    rows = max(count, min(most, max(MIN_ROWS, fewest, kept.rows))) if takes_joiners else min(fewest, most)
     longest = max(len(j.prompt_ids) + len(j.generated) for j in jobs)
-    most = max(j.budget_left for j in jobs)
+    longest_budget = max(j.budget_left for j in jobs)
     span = max(j.params.max_new_tokens for j in jobs)
     fresh = max(len(j.prompt_ids) for j in jobs) + span - 1
     slot = max(round_up(max(longest, fresh), limits.length_bucket), kept.first_slot)
     cache = max(round_up(slot + span, CACHE_BUCKET), kept.cache_len)
     if context:
         cache = min(cache, context)
-        if most > cache - slot + 1:  # the buckets never cost a request its tokens (the engine's check fits it)
-            slot = longest
-    return BatchShape(rows, slot, max(cache, slot + most - 1))
+        if longest_budget > cache - slot + 1:  # the buckets never cost a request its tokens (the engine's check
+            slot = longest  # fits it)
+    return BatchShape(rows, slot, max(cache, slot + longest_budget - 1))
+
+
+def largest_cache(limits: SchedulerLimits, max_prompt_tokens: int, max_new_tokens: int, context: int) -> int:
+    """The longest cache (tokens per row) any batch of a model of `context` tokens (0: unbounded) can have, for
+    prompts of at most `max_prompt_tokens` and budgets of at most `max_new_tokens` (within the context): what a
+    memory plan for serving must make room for, per row (`batch_shape` never exceeds it)."""
+    slot = round_up(max_prompt_tokens + max_new_tokens - 1, limits.length_bucket)
+    cache = round_up(slot + max_new_tokens, CACHE_BUCKET)
+    return min(cache, context) if context else cache
 
 
 def grown(kept: BatchShape, shape: BatchShape) -> BatchShape:
@@ -153,6 +169,14 @@ class Scheduler:
             job.resumed, job.waiting_since = True, now
         self.waiting.extend(jobs)
 
+    def within_rows(self, jobs: list[Job], most: int, now: float) -> list[Job]:
+        """The first `most` of a starting batch's requests (their model's rows now: it may have been reloaded with
+        room for fewer since they came); the others wait to continue after them."""
+        for job in jobs:
+            job.max_rows = most
+        self.put_back(jobs[most:], now)
+        return jobs[:most]
+
     def cancelled(self) -> list[Job]:
         """The waiting requests whose clients went away (the engine takes them out)."""
         return [j for j in self.waiting if j.cancelled.is_set()]
@@ -166,10 +190,11 @@ class Scheduler:
             return Wait(None)
         first = live[0]
         key = key_of(first)
-        same = [j for j in live if key_of(j) == key][: self.limits.max_batch]
+        most = most_rows(first, self.limits)
+        same = [j for j in live if key_of(j) == key][:most]
         latest = max(first.arrived, last_done) + self.limits.max_batch_wait
         quiet = max(j.arrived for j in live) + self.limits.batch_wait
-        if any(j.resumed for j in live) or len(same) >= self.limits.max_batch or now >= min(latest, quiet):
+        if any(j.resumed for j in live) or len(same) >= most or now >= min(latest, quiet):
             return Start(same, takes_joiners(first))
         return Wait(min(latest, quiet))
 
@@ -212,7 +237,7 @@ class Scheduler:
                 continue
             # what waits for the budget joins at a later step; what needs a row none frees soon enough (the batch
             # could grow), a longer prompt than the batch takes, or another key stops the batch
-            blocked = not is_same or not fits or (len(chosen) >= free and rows < limits.max_batch)
+            blocked = not is_same or not fits or (len(chosen) >= free and rows < most_rows(job, limits))
             if blocked and now - job.waiting_since >= limits.preempt_after:
                 return Admission([], stop=True)
         taken = {id(j) for j in chosen}

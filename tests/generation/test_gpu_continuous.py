@@ -54,3 +54,17 @@ def test_compiled_steps_on_one_gpu_give_transformers_tokens(monkeypatch, run_con
         assert torch.equal(generate(placed, ids, max_new_tokens=10, eos_token_id=[], compile=True), expected)
         got, left, _ = run_continuous(placed, reqs[:2], reqs[2:], rows=4, first_slot=32, cache_len=40, compile=True)
         assert not left and got == tokens
+
+
+def test_generation_whose_caches_cannot_fit_is_refused_before_anything_is_allocated():
+    import pytest
+
+    from devmap import generate
+    from devmap.errors import DoesNotFitError
+
+    placed = dispatch(AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval(), {"": 0})
+    before = torch.cuda.memory_allocated(0)
+    rows = 2 * torch.cuda.mem_get_info(0)[1] // (4 * 2 * 2 * 32 * 4 * 256) + 1  # 4 layers' fp32 caches, 256 tokens
+    with pytest.raises(DoesNotFitError, match=f"devmap.generate of {rows} rows × 256 tokens needs .* on cuda:0"):
+        generate(placed, torch.ones(rows, 128, dtype=torch.long), max_new_tokens=128)
+    assert torch.cuda.memory_allocated(0) == before

@@ -116,3 +116,20 @@ def test_planning_a_built_model_copies_none_of_its_weights():
     assert plan.devices["cpu"].activation_bytes > 0
     assert all(p.device.type == "cpu" for p in model.parameters())  # the caller's model is untouched
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_serving_gets_the_most_rows_that_keep_the_model_on_its_gpus():
+    from devmap.planning.rows_fit import rows_that_fit
+
+    def plan_for(budget):
+        def plan(rows):
+            workload = None if rows is None else parse_workload("serve", causal_lm=True, batch=rows, seq_len=2048)
+            return devmap.plan("tinyllama-1.1b", "balanced", max_memory=budget, dtype="bf16", workload=workload)
+        return plan
+
+    rows, plan = rows_that_fit(plan_for("0=4GiB,1=4GiB,cpu=64GiB"), most=64)
+    assert 1 < rows < 64 and plan.workload.batch == rows and not plan.devices["cpu"].modules
+    assert plan_for("0=4GiB,1=4GiB,cpu=64GiB")(rows + 1).devices["cpu"].modules  # one more row moves a layer off
+    assert rows_that_fit(plan_for("0=80GiB,1=80GiB,cpu=64GiB"), most=64)[0] == 64  # the service's max_batch
+    with pytest.raises(DoesNotFitError, match=r"one row of 2048 tokens needs .* of weights would move off the GPUs"):
+        rows_that_fit(plan_for("0=1.05GiB,1=1.05GiB,cpu=64GiB"), most=64)

@@ -1,0 +1,43 @@
+"""Refusing, before it runs, a workload that will not fit beside a placed model's weights: the runtime bytes each
+GPU will hold for it (KV cache, activations, gradients and optimizer state, measured as plans measure them:
+`runtime_memory`) against what that GPU has free now (the driver's free memory plus what torch's allocator holds
+unused)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import DoesNotFitError
+from .devices import device_label, is_gpu, parse_device_key
+from .memory import format_bytes
+from .models import default_no_split
+from .runtime_memory import runtime_by_unit
+from .runtime_room import by_device
+from .workload import Workload
+
+
+def check_runtime_room(model: nn.Module, workload: Workload, what: str) -> None:
+    """Raise DoesNotFitError, with the numbers per GPU, when `workload` will not fit on the placed `model`."""
+    placed = {name: parse_device_key(device) for name, device in getattr(model, "hf_device_map", {}).items()}
+    if not any(is_gpu(key) for key in placed.values()):
+        return
+    plan = getattr(model, "devmap_plan", None)
+    no_split = plan.no_split_module_classes if plan is not None else default_no_split(model)
+    causal = hasattr(model, "lm_head") and hasattr(model, "model")
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    runtime = runtime_by_unit(model, workload, dtype, no_split, causal)
+    short = []
+    for key, needs in by_device(runtime, placed).items():
+        if not is_gpu(key):
+            continue
+        size = needs.kv_cache + needs.activations + needs.other
+        free, _ = torch.cuda.mem_get_info(key)
+        free += torch.cuda.memory_reserved(key) - torch.cuda.memory_allocated(key)
+        if size > free:
+            short.append(f"{format_bytes(size)} on {device_label(key)} with {format_bytes(free)} free")
+    if short:
+        raise DoesNotFitError(
+            f"{what} for {workload.describe()} needs {'; '.join(short)} (KV cache, activations, gradients and "
+            "optimizer state beside the weights). Use a smaller workload, or load the model with room for it "
+            "(devmap.load(..., workload=...), devmap plan --for ...)")

@@ -1,0 +1,55 @@
+"""What a service plans for each model it loads: the model's weights plus the KV cache and activations of its
+largest batch, so that a model the service admits never runs out of memory at that batch.
+
+A batch has at most the service's `max_batch` rows, or as many as fit beside the weights (`devmap.planning.rows_fit`:
+the most whose plan keeps as much of the model on the GPUs as its weights alone); each row's cache holds the
+longest cache a request within the limits may need (`scheduler.largest_cache`). Prompts join a running batch in
+groups (`generation.joins`): the plan counts the largest group's prefill and the scratch cache its keys and values
+pass through, not a prefill of every row at once. `devmap serve` and
+`devmap plan --for serve` plan through here, so both show the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..generation.joins import arena_tokens
+from ..planning.planner import Plan
+from ..planning.rows_fit import rows_that_fit
+from ..planning.workload import Workload, parse_workload
+from .errors import ServiceError
+from .limits import EngineLimits
+from .scheduler import largest_cache
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """The rows of a model's largest batch, the cache tokens of each row, and the plan that holds them."""
+
+    rows: int
+    cache_len: int
+    plan: Plan
+
+
+def plan_serving(model_source: Any, limits: EngineLimits, plan_with: Callable[[Workload | None], Plan],
+                 cache_len: int | None = None) -> ServingPlan:
+    """The serving plan of `model_source` (a resolved source) under `limits`; `plan_with(workload)` plans it on the
+    caller's devices and budget (None: the weights alone). `cache_len` overrides the cache tokens per row the
+    limits give."""
+    if not model_source.is_causal_lm:
+        raise ServiceError(f"{model_source.name} is not a causal LM: the service generates text with LLaMA-style "
+                           "models", param="model")
+    context = int(getattr(model_source.config, "max_position_embeddings", 0) or 0)
+    if cache_len is None:
+        cache_len = largest_cache(limits.scheduling(), limits.max_prompt_tokens, limits.max_new_tokens, context)
+
+    def plan_for(rows: int | None) -> Plan:
+        if rows is None:
+            return plan_with(None)
+        joining = -(-arena_tokens(rows, cache_len) // cache_len)  # rows of the largest joining group's scratch
+        return plan_with(parse_workload("serve", causal_lm=True, context=context, batch=rows, seq_len=cache_len,
+                                        chunks=min(limits.lanes or 1, rows), prefill_rows=min(joining, rows)))
+
+    rows, plan = rows_that_fit(plan_for, limits.max_batch)
+    return ServingPlan(rows, cache_len, plan)
