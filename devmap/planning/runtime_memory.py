@@ -3,12 +3,14 @@ module), measured on the meta device: no memory is allocated and no weights are 
 
 - KV cache (generate, serve): per decoder layer, 2 × kv_heads × head_dim × dtype bytes × batch × seq_len (serve:
   and the joining groups' scratch cache, prefill_rows × seq_len).
-- Transient activations: what a unit's forward creates and frees, at its peak, for one micro-batch (or lane):
+- Transient activations: what a unit's forward creates and frees, at its peak, for one micro-batch (or lane;
+  generate and serve: also a decode step's attention over the whole cache, `decode_attention_bytes`):
   every tensor an operator returns is counted while it is alive (views are not), so Python's freeing of
   intermediates is followed as a GPU's caching allocator follows it.
 - Saved activations (train): what autograd keeps for backward (weights excluded), for every micro-batch (a
   fill-drain pipeline holds them all until its backward).
-- Other (train): gradients and optimizer state, in the parameters' dtype.
+- Other (train): gradients and optimizer state, in the parameters' dtype. (serve): the captured joining prefills'
+  input and output hidden states, on the first decoder layer's device (each later stage keeps its own too).
 """
 
 from __future__ import annotations
@@ -104,10 +106,14 @@ def runtime_by_unit(model: nn.Module, workload: Workload, dtype: torch.dtype, no
             out[unit].other = states * sum(p.numel() * p.element_size() for p in owned)
     if workload.kind in ("generate", "serve"):
         per_layer = layer_kv_bytes(model.config, dtype, workload.batch + workload.prefill_rows, workload.seq_len)
+        decode = decode_attention_bytes(model.config, dtype, workload.micro_batch, workload.seq_len)
         prefix = _layers_prefix(units)
+        if workload.captured_tokens and f"{prefix}0" in out:
+            out[f"{prefix}0"].other = 2 * workload.captured_tokens * model.config.hidden_size * dtype.itemsize
         for unit in units:
             if unit.startswith(prefix) and unit[len(prefix):].isdigit():
                 out[unit].kv_cache = per_layer
+                out[unit].transient = max(out[unit].transient, decode)
     return out
 
 
@@ -116,6 +122,19 @@ def layer_kv_bytes(config: Any, dtype: torch.dtype, rows: int, tokens: int) -> i
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * dtype.itemsize * rows * tokens
+
+
+def decode_attention_bytes(config: Any, dtype: torch.dtype, rows: int, tokens: int) -> int:
+    """A decode step's attention transient in one layer over a cache of `tokens`: with grouped KV heads and a mask,
+    transformers' attention repeats the keys and values to every query head before the kernel (`repeat_kv`), so a
+    decode step of many rows over a long cache briefly holds them all expanded (often more than a prefill of
+    a few rows does)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if kv_heads == heads:
+        return 0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * rows * heads * tokens * head_dim * dtype.itemsize
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:

@@ -6,7 +6,8 @@ shapes, validated once here (the CLI's and the Python API's boundary).
 - `generate` and `serve`: a LLaMA generating up to `seq_len` tokens per row (prompt + new), `batch` rows, with a
   KV cache of `seq_len` tokens per row on every layer's device; its prompts prefilled in `chunks` lanes, or (serve)
   in joining groups of at most `prefill_rows` rows, whose keys and values go through a scratch cache of that many
-  rows before they reach theirs;
+  rows before they reach theirs, and whose captured steps (`captured_tokens` over all their shapes) keep their
+  input and output hidden states;
 - `train`: forward and backward of `batch` rows in `chunks` micro-batches, with gradients and `optimizer` state.
 """
 
@@ -32,6 +33,7 @@ class Workload:
     chunks: int = 1
     optimizer: str = "adamw"
     prefill_rows: int = 0  # serve: rows of the largest joining prefill (0: prompts are prefilled by lanes)
+    captured_tokens: int = 0  # serve: tokens of every joining prefill shape captured, each keeping its hidden states
 
     @property
     def micro_batch(self) -> int:
@@ -53,12 +55,12 @@ class Workload:
         return {"kind": self.kind, "batch": self.batch, "seq_len": self.seq_len or None,
                 "input_shape": list(self.input_shape) or None, "chunks": self.chunks,
                 "optimizer": self.optimizer if self.kind == "train" else None,
-                "prefill_rows": self.prefill_rows or None}
+                "prefill_rows": self.prefill_rows or None, "captured_tokens": self.captured_tokens or None}
 
 
 def parse_workload(kind: str, *, causal_lm: bool, context: int = 0, batch: int = 1, seq_len: int | None = None,
                    input_shape: tuple[int, ...] | None = None, chunks: int = 1,
-                   optimizer: str = "adamw", prefill_rows: int = 0) -> Workload:
+                   optimizer: str = "adamw", prefill_rows: int = 0, captured_tokens: int = 0) -> Workload:
     """A validated Workload for a model (`causal_lm`: a LLaMA-style model whose context is `context` tokens, 0 if
     unknown); a UsageError names the first bad field and what is accepted."""
     kind = str(kind).strip().lower()
@@ -73,8 +75,11 @@ def parse_workload(kind: str, *, causal_lm: bool, context: int = 0, batch: int =
         raise UsageError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZER_STATES)}")
     if isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int) or not 0 <= prefill_rows <= batch:
         raise UsageError(f"prefill_rows must be between 0 and the batch ({batch}), got {prefill_rows!r}")
-    if prefill_rows and kind != "serve":
-        raise UsageError("prefill_rows describes a service's joining prefills: use it with the serve workload")
+    if (prefill_rows or captured_tokens) and kind != "serve":
+        raise UsageError("prefill_rows and captured_tokens describe a service's joining prefills: use them with the "
+                         "serve workload")
+    if isinstance(captured_tokens, bool) or not isinstance(captured_tokens, int) or captured_tokens < 0:
+        raise UsageError(f"captured_tokens must be a number of tokens, got {captured_tokens!r}")
     if kind in ("generate", "serve") and not causal_lm:
         raise UsageError(f"--for {kind} plans a LLaMA-style causal LM; for this model use --for inference or train")
     if causal_lm:
@@ -86,7 +91,7 @@ def parse_workload(kind: str, *, causal_lm: bool, context: int = 0, batch: int =
             raise UsageError(f"seq_len must be a positive number of tokens, got {seq_len!r}")
         if context and seq_len > context:
             raise UsageError(f"seq_len {seq_len} is longer than the model's context of {context} tokens")
-        return Workload(kind, batch, seq_len, (), chunks, optimizer, prefill_rows)
+        return Workload(kind, batch, seq_len, (), chunks, optimizer, prefill_rows, captured_tokens)
     if seq_len is not None:
         raise UsageError("--seq-len is for causal LMs; give this model's --input-shape (one sample, e.g. 3,224,224)")
     shape = tuple(input_shape) if input_shape is not None else DEFAULT_SAMPLE

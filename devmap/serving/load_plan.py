@@ -5,7 +5,7 @@ A batch has at most the service's `max_batch` rows, or as many as fit beside the
 the most whose plan keeps as much of the model on the GPUs as its weights alone); each row's cache holds the
 longest cache a request within the limits may need (`scheduler.largest_cache`). Prompts join a running batch in
 groups (`generation.joins`): the plan counts the largest group's prefill and the scratch cache its keys and values
-pass through, not a prefill of every row at once. `devmap serve` and
+pass through, not a prefill of every row at once, and the hidden states every captured joining shape keeps. `devmap serve` and
 `devmap plan --for serve` plan through here, so both show the same plan.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..generation.joins import arena_tokens
+from ..generation.joins import arena_tokens, join_shapes
 from ..planning.planner import Plan
 from ..planning.rows_fit import rows_that_fit
 from ..planning.workload import Workload, parse_workload
@@ -48,8 +48,10 @@ def plan_serving(model_source: Any, limits: EngineLimits, plan_with: Callable[[W
         if rows is None:
             return plan_with(None)
         joining = -(-arena_tokens(rows, cache_len) // cache_len)  # rows of the largest joining group's scratch
+        captured = sum(group * width for group, width in join_shapes(cache_len, rows))
         return plan_with(parse_workload("serve", causal_lm=True, context=context, batch=rows, seq_len=cache_len,
-                                        chunks=min(limits.lanes or 1, rows), prefill_rows=min(joining, rows)))
+                                        chunks=min(limits.lanes or 1, rows), prefill_rows=min(joining, rows),
+                                        captured_tokens=captured))
 
     rows, plan = rows_that_fit(plan_for, limits.max_batch)
     return ServingPlan(rows, cache_len, plan)
