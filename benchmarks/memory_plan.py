@@ -7,6 +7,8 @@ Cases (`--cases`, comma-separated):
                                  off), or the placed model itself (eager), AdamW, 3 steps (fp32)
   generate:PRESET:BATCH:SEQ      devmap.load(workload=generate) + devmap.generate of BATCH prompts of SEQ-64 tokens,
                                  64 new (bf16, random weights, CUDA graphs kept as devmap keeps them)
+  oversize:PRESET:ROWS:CACHE      a continuous batch of ROWS rows × CACHE tokens run though the serving plan would not
+                                 admit it: its plan beside the GPU's memory, and whether it ran out of memory
   serve:PRESET:MAX_BATCH:PROMPT:NEW  the serving engine in-process (`devmap save` of random bf16 weights, loaded as
                                  `devmap serve --max-batch MAX_BATCH --max-prompt-tokens PROMPT --max-tokens NEW`
                                  plans it: as many rows as fit) and its largest batch: as many concurrent greedy
@@ -43,6 +45,8 @@ def run_case(case: str) -> dict[str, Any]:
 
     if case.startswith("serve:"):
         return _serve_case(case)
+    if case.startswith("oversize:"):
+        return _oversize_case(case)
     kind, source, batch, shape, *variant = case.split(":")
     batch, shape = int(batch), int(shape)
     graphs = variant[0] if variant else "auto"  # train: the pipeline's CUDA graphs ("auto", "off"; "eager": none)
@@ -130,6 +134,37 @@ def _serve_case(case: str) -> dict[str, Any]:
             "transformers": __import__("transformers").__version__}
 
 
+def _oversize_case(case: str) -> dict[str, Any]:
+    """A batch larger than the serving plan admits, run anyway: the plan for it beside the GPU, and whether it ran
+    out of memory."""
+    import torch
+
+    import devmap
+    from devmap.generation.continuous import SlotRequest, continuous_batch
+    from devmap.planning.workload import parse_workload
+
+    _, source, rows, cache = case.split(":")
+    rows, cache = int(rows), int(cache)
+    model = devmap.load(source, device_map={"": 0}, dtype="bfloat16")
+    workload = parse_workload("serve", causal_lm=True, batch=rows, seq_len=cache, prefill_rows=4)
+    planned = devmap.plan(source, {"": 0}, {0: "1000GiB"}, "bfloat16", workload=workload).devices["cuda:0"].total
+    total = torch.cuda.get_device_properties(0).total_memory
+    vocab = model.config.vocab_size
+    requests = [SlotRequest(torch.randint(3, vocab, (cache - 128,)).tolist(), 64, i) for i in range(rows)]
+    outcome = "ran"
+    try:
+        with continuous_batch(model, rows=rows, first_slot=cache - 128, cache_len=cache) as batch:
+            batch.step(requests)
+            for _ in range(8):
+                batch.step([])
+            batch.collect(everything=True)
+    except torch.OutOfMemoryError:
+        outcome = "out of memory"
+    return {"case": case, "oversize": True, "planned": planned, "gpu_total": total, "outcome": outcome,
+            "peak": torch.cuda.max_memory_allocated(0), "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+
+
 def _train(model: Any, workload: Any, devmap: Any, graphs: str) -> None:
     import torch
     import torch.nn.functional as F
@@ -160,6 +195,10 @@ def table(results: list[dict[str, Any]]) -> str:
             "measured ÷ planned | reserved peak |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for result in results:
+        if result.get("oversize"):
+            lines.append(f"| {result['case']} | cuda:0 | planned {result['planned'] / GIB:.2f} GiB against the GPU's "
+                         f"{result['gpu_total'] / GIB:.2f} GiB: {result['outcome']} | | | | | | | |")
+            continue
         if "error" in result:
             lines.append(f"| {result['case']} | — | failed: {result['error']} | | | | | | | |")
             continue
