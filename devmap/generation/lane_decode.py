@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..compat import grouped_query_decode
 from .lane_cache import DecodeInputs, LaneCache
 from .graphed_step import GraphedStep
 from .lanes import EOS_CHECK_LAG, Lane, LaneStreams, OnTokens, record_event
@@ -46,7 +47,8 @@ class LaneDecode(LaneStreams):
             pool = cache.pool(stage.device, j) if cache is not None and graphed else None
             capture = self._capture_stream(j) if graphed else None
             lane.caches.append(lane_cache)
-            body = self._compiled(lambda x, j=j, item=inputs[-1]: self.s.decode(j, x, item))
+            body = grouped_query_decode(self.s.config,
+                                        self._compiled(lambda x, j=j, item=inputs[-1]: self.s.decode(j, x, item)))
             lane.steps.append(GraphedStep(body, static_in, graphed, pool, capture))
         lane.inputs = inputs
         if entries is not None:
