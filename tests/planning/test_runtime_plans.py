@@ -133,3 +133,10 @@ def test_serving_gets_the_most_rows_that_keep_the_model_on_its_gpus():
     assert rows_that_fit(plan_for("0=80GiB,1=80GiB,cpu=64GiB"), most=64)[0] == 64  # the service's max_batch
     with pytest.raises(DoesNotFitError, match=r"one row of 2048 tokens needs .* of weights would move off the GPUs"):
         rows_that_fit(plan_for("0=1.05GiB,1=1.05GiB,cpu=64GiB"), most=64)
+
+
+def test_a_training_plan_says_what_cuda_graph_pools_add():
+    workload = parse_workload("train", causal_lm=False, batch=64, input_shape=(3, 224, 224), chunks=4)
+    plan = devmap.plan("resnet50", "balanced", gpus=2, gpu_memory="40GiB", workload=workload)
+    assert any("graphs='off'" in warning for warning in plan.warnings)
+    assert not devmap.plan("resnet50", "balanced", gpus=2, gpu_memory="40GiB").warnings
