@@ -5,29 +5,21 @@ now (the driver's free memory plus what torch's allocator holds unused). A load 
 
 from __future__ import annotations
 
-import torch
-
 from ..errors import DoesNotFitError
-from ..planning.memory import format_bytes
+from ..planning.runtime_check import short_of
 from ..planning.runtime_memory import layer_kv_bytes
 from .causal_lm import CausalLMStages
 
 
 def check_kv_room(stages: CausalLMStages, rows: int, tokens: int, what: str) -> None:
     """Raise DoesNotFitError, with the numbers per GPU, when the caches of `rows` × `tokens` do not fit."""
-    needs: dict[torch.device, int] = {}
-    for j, stage in enumerate(stages.stages):
-        if stage.device.type != "cuda":
-            continue
-        layers = len(stage.layers)
-        needs[stage.device] = needs.get(stage.device, 0) + layers * layer_kv_bytes(stages.config, stages.dtype, rows,
-                                                                                   tokens)
-    short = []
-    for device, size in needs.items():
-        free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        if size > free:
-            short.append(f"{format_bytes(size)} of KV cache on {device} with {format_bytes(free)} free")
+    needs: dict[int, int] = {}
+    for stage in stages.stages:
+        if stage.device.type == "cuda":
+            index = stage.device.index or 0
+            needs[index] = needs.get(index, 0) + len(stage.layers) * layer_kv_bytes(stages.config, stages.dtype,
+                                                                                      rows, tokens)
+    short = short_of(needs, " of KV cache")
     if short:
         raise DoesNotFitError(
             f"{what} of {rows} rows × {tokens} tokens needs {'; '.join(short)}. Lower the batch or the new tokens, "

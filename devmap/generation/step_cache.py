@@ -47,12 +47,17 @@ class StepCache:
             self._sizes[signature] = size
         self._kept.move_to_end(signature)
         while len(self._kept) > max(self.capacity, 1) or (
-                room is not None and len(self._kept) > 1 and sum(self._sizes.values()) > room):
+                room is not None and len(self._kept) > 1 and self.kept_bytes > room):
             oldest, _ = self._kept.popitem(last=False)
             self._sizes.pop(oldest, None)
         self.signature = signature
         self.entries, self.pools = self._kept[signature]
         return self.entries
+
+    @property
+    def kept_bytes(self) -> int:
+        """What the kept signatures' entries hold, as their `size`s said (their KV caches)."""
+        return sum(self._sizes.values())
 
     @property
     def shapes(self) -> int:

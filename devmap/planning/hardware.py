@@ -68,6 +68,13 @@ def start_gpus_in_background() -> threading.Thread | None:
     return thread
 
 
+def free_for_torch(index: int) -> int:
+    """Bytes torch can still allocate on CUDA device `index`: the driver's free memory plus what torch's caching
+    allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(index)
+    return int(free) + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+
+
 def gpu_memory(index: int) -> tuple[int, int]:
     """(free, total) bytes of CUDA device `index`."""
     free, total = torch.cuda.mem_get_info(index)

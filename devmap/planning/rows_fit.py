@@ -21,7 +21,7 @@ PlanFor = Callable[[int | None], Plan]
 
 def rows_that_fit(plan_for: PlanFor, most: int) -> tuple[int, Plan]:
     """The most rows in 1..`most` whose plan fits, with that plan (a binary search: more rows never need less)."""
-    base = plan_for(None)
+    base = _slower(plan_for(None))
     one = _fitting(plan_for, 1, base)
     if one is None:
         raise DoesNotFitError(_no_room(plan_for, base))
@@ -42,17 +42,17 @@ def _slower(plan: Plan) -> tuple[int, int]:
     return off, sum(u.bytes for u in plan.devices.values() if u.key == "disk")
 
 
-def _fitting(plan_for: PlanFor, rows: int, base: Plan) -> Plan | None:
+def _fitting(plan_for: PlanFor, rows: int, base: tuple[int, int]) -> Plan | None:
+    """The plan for `rows`, if it keeps no more weight bytes off the GPUs (and on disk) than `base` does."""
     try:
         candidate = plan_for(rows)
     except DoesNotFitError:
         return None
     off, disk = _slower(candidate)
-    base_off, base_disk = _slower(base)
-    return candidate if off <= base_off and disk <= base_disk else None
+    return candidate if off <= base[0] and disk <= base[1] else None
 
 
-def _no_room(plan_for: PlanFor, base: Plan) -> str:
+def _no_room(plan_for: PlanFor, base: tuple[int, int]) -> str:
     try:
         one = plan_for(1)
     except DoesNotFitError as exc:
@@ -60,7 +60,7 @@ def _no_room(plan_for: PlanFor, base: Plan) -> str:
     workload = one.workload
     tokens = workload.seq_len if workload is not None else 0
     runtime = sum(u.kv_cache_bytes + u.activation_bytes + u.other_bytes for u in one.devices.values())
-    moved = _slower(one)[0] - _slower(base)[0]
+    moved = _slower(one)[0] - base[0]
     return (f"one row of {tokens} tokens needs {format_bytes(runtime)} (KV cache and activations) beside the "
             f"weights, and {format_bytes(moved)} of weights would move off the GPUs to make room (budget "
-            f"{base.budget.label()}); lower the prompt and new-token limits, or give it more memory")
+            f"{one.budget.label()}); lower the prompt and new-token limits, or give it more memory")

@@ -9,12 +9,23 @@ import torch
 from torch import nn
 
 from ..errors import DoesNotFitError
-from .devices import device_label, is_gpu, parse_device_key
+from . import hardware
+from .devices import DeviceKey, device_label, is_gpu, parse_device_key
 from .memory import format_bytes
 from .models import default_no_split
 from .runtime_memory import runtime_by_unit
 from .runtime_room import by_device
 from .workload import Workload
+
+
+def short_of(needs: dict[DeviceKey, int], what: str = "") -> list[str]:
+    """"SIZE[what] on DEVICE with FREE free" for each GPU (index: bytes) that cannot hold what it needs now."""
+    short = []
+    for index, size in needs.items():
+        free = hardware.free_for_torch(int(index))
+        if size > free:
+            short.append(f"{format_bytes(size)}{what} on {device_label(index)} with {format_bytes(free)} free")
+    return short
 
 
 def check_runtime_room(model: nn.Module, workload: Workload, what: str) -> None:
@@ -27,15 +38,9 @@ def check_runtime_room(model: nn.Module, workload: Workload, what: str) -> None:
     causal = hasattr(model, "lm_head") and hasattr(model, "model")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     runtime = runtime_by_unit(model, workload, dtype, no_split, causal)
-    short = []
-    for key, needs in by_device(runtime, placed).items():
-        if not is_gpu(key):
-            continue
-        size = needs.kv_cache + needs.activations + needs.other
-        free, _ = torch.cuda.mem_get_info(key)
-        free += torch.cuda.memory_reserved(key) - torch.cuda.memory_allocated(key)
-        if size > free:
-            short.append(f"{format_bytes(size)} on {device_label(key)} with {format_bytes(free)} free")
+    needs = {key: device.kv_cache + device.activations + device.other
+             for key, device in by_device(runtime, placed).items() if is_gpu(key)}
+    short = short_of(needs)
     if short:
         raise DoesNotFitError(
             f"{what} for {workload.describe()} needs {'; '.join(short)} (KV cache, activations, gradients and "

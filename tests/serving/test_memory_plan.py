@@ -88,6 +88,6 @@ def test_batches_stay_within_the_rows_and_kv_room_the_plan_made(model_root):
     assert together == alone
     assert resident.batch_shape.rows <= resident.max_rows
     kept = step_cache(resident.model, "continuous")
-    assert sum(kept._sizes.values()) <= resident.kv_room
+    assert kept.kept_bytes <= resident.kv_room
     planned = next(line for line in metrics.splitlines() if line.startswith('devmap_device_memory_planned_bytes{'))
     assert 'device="cpu"' in planned and float(planned.split()[-1]) == resident.planned["cpu"]
