@@ -66,14 +66,16 @@ def run_case(case: str) -> dict[str, Any]:
     weights_now = {g: torch.cuda.memory_allocated(g) for g in gpus}
     for g in gpus:
         torch.cuda.reset_peak_memory_stats(g)
+    failures: list[str] = []
     if kind == "train":
-        _train(model, workload, devmap, graphs)
+        failures = _train(model, workload, devmap, graphs)
     else:
         _generate(model, workload, devmap)
     rows = _measured(model.devmap_plan)
     for row in rows:
         row["weights_allocated"] = weights_now[int(row["device"].split(":")[1])]
     return {"case": case, "workload": workload.to_dict(), "load_seconds": loaded, "devices": rows,
+            "graph_failures": failures,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
             "transformers": __import__("transformers").__version__}
 
@@ -165,7 +167,8 @@ def _oversize_case(case: str) -> dict[str, Any]:
             "torch": torch.__version__, "transformers": __import__("transformers").__version__}
 
 
-def _train(model: Any, workload: Any, devmap: Any, graphs: str) -> None:
+def _train(model: Any, workload: Any, devmap: Any, graphs: str) -> list[str]:
+    """Three AdamW steps; the stages whose CUDA graphs failed to capture (they ran eagerly)."""
     import torch
     import torch.nn.functional as F
 
@@ -180,6 +183,7 @@ def _train(model: Any, workload: Any, devmap: Any, graphs: str) -> None:
         out = pipe(x)
         F.cross_entropy(out, labels.to(out.device)).backward()
         optimizer.step()
+    return list(getattr(pipe, "graph_failures", []))
 
 
 def _generate(model: Any, workload: Any, devmap: Any) -> None:
@@ -203,6 +207,8 @@ def table(results: list[dict[str, Any]]) -> str:
             lines.append(f"| {result['case']} | — | failed: {result['error']} | | | | | | | |")
             continue
         label = result["case"] + (f" ({result['rows']} rows × {result['cache_len']})" if "rows" in result else "")
+        if result.get("graph_failures"):
+            label += " (graphs failed: " + "; ".join(result["graph_failures"])[:80] + ")"
         for row in result["devices"]:
             lines.append(f"| {label} | {row['device']} | {row['weights'] / GIB:.2f} GiB | "
                          f"{row['kv_cache'] / GIB:.2f} GiB | {row['activations'] / GIB:.2f} GiB | "

@@ -20,11 +20,10 @@ Block = tuple[str, nn.Module]
 
 
 def _time_cuda(block: nn.Module, x: torch.Tensor, repeat: int) -> float:
-    from .graphs import StageGraph
+    from .graphs import capture_stage
 
     try:
-        graph = StageGraph(block, x, backward=True)
-        run = graph.replay_step
+        run = capture_stage(block, [x], backward=True)[0].replay_step
     except Exception:  # not capturable: time it eagerly
         def run() -> None:
             out = block(x.clone())

@@ -1,13 +1,17 @@
-"""CUDA graphs for one pipeline stage and one micro-batch slot: forward, input half and weight half of backward.
+"""CUDA graphs for one pipeline stage: per micro-batch slot a forward, and an input half and a weight half of backward.
 
 At small micro-batches a GPU spends longer launching kernels than running them, and a replayed graph launches
-them all at once (benchmarks/RESULTS.md, W1 and W2). Each (stage, slot) gets its own graphs and memory pool, so
-the activations of every micro-batch in flight stay intact until its backward, in whatever order the
-autograd engine runs the backwards. Backward is captured in two halves where the stage allows it
-(devmap.pipelining.weight_grads): the input half (the gradient the previous stage waits for, plus the gradients of
-parameters outside Linear/convolution layers) and the weight half, which the pipeline runs after the pass's
-last input half so it fills the drain. Both halves add into the stage's shared gradient sums
-(devmap.pipelining.grad_sums) inside the graph.
+them all at once (benchmarks/RESULTS.md, W1 and W2). Each micro-batch slot gets its own graphs, so the activations
+of every micro-batch in flight stay intact until its backward. All the slots of a stage share one memory pool,
+captured in the order the pipeline replays them (`capture_stage`): every forward in micro-batch order, then the
+input halves of backward from the last micro-batch to the first (the order PyTorch's autograd engine runs them
+in), then the deferred weight halves. Memory a slot is done with (its backward's scratch, its activations once its
+backward ran) is then reused by the next slot, as in eager PyTorch, instead of each slot keeping a pool of its
+own; a backward that arrives in any other order is refused (`BackwardOrder`), never replayed over live memory.
+Backward is captured in two halves where the stage allows it (devmap.pipelining.weight_grads): the input half (the
+gradient the previous stage waits for, plus the gradients of parameters outside Linear/convolution layers) and the
+weight half, which the pipeline runs after the pass's last input half so it fills the drain. Both halves add into
+the stage's shared gradient sums (devmap.pipelining.grad_sums) inside the graph.
 """
 
 from __future__ import annotations
@@ -25,65 +29,102 @@ from .grad_sums import GradSums
 from .weight_grads import CallRecorder, close, deferrable, deferred_parameters, input_half, split_grads, weight_grads
 
 
-class StageGraph:
-    """A stage's forward (and, when training, its backward in one or two halves) captured for one input shape."""
+class BackwardOrder:
+    """The order in which a stage's slots were captured to run their input halves of backward, and where a pass is
+    in it. Slots share one pool, so replaying a backward out of this order would overwrite a slot's live memory."""
 
-    def __init__(self, module: nn.Module, sample: torch.Tensor, backward: bool, warmup: int = 2,
-                 sums: GradSums | None = None, split: bool = False) -> None:
-        device = sample.device
+    def __init__(self, slots: list[int]) -> None:
+        self.slots = slots
+        self.generation = -1
+        self.position = 0
+
+    def check(self, slot: int, generation: int) -> None:
+        if generation != self.generation:  # the first backward of a new pass
+            self.generation, self.position = generation, 0
+        expected = self.slots[self.position] if self.position < len(self.slots) else None
+        if slot != expected:
+            raise PipelineError(
+                f"the backward of micro-batch {slot} ran before that of micro-batch {expected}, an order other than "
+                "the one the pipeline's CUDA graphs were captured in (their micro-batches share memory): backward "
+                "the pipeline's output as one tensor, or build the pipeline with graphs='off'")
+        self.position += 1
+
+
+class StageGraph:
+    """A stage's graphs for one micro-batch slot and one input shape, in `pool`: made by `capture_stage`, which
+    warms every slot up first, then captures the forwards, then (when training) the backwards."""
+
+    def __init__(self, module: nn.Module, sample: torch.Tensor, backward: bool, pool: Any, side: torch.cuda.Stream,
+                 sums: GradSums | None = None, split: bool = False, slot: int = 0) -> None:
         self.module = module
         self.backward = backward
+        self.pool = pool
+        self.side = side  # every capture into `pool` on one stream: the allocator reuses a block on its own stream only
+        self.slot = slot
+        self.order: BackwardOrder | None = None
         self.sums = sums if sums is not None else GradSums(
             [p for p in module.parameters() if p.requires_grad] if backward else [])
         self.params = self.sums.params  # the order in which backward returns the sums
         self.input_requires_grad = backward and sample.requires_grad
         self.static_in = sample.detach().clone().requires_grad_(self.input_requires_grad)
-        self.wgt: torch.cuda.CUDAGraph | None = None
-        saved = [b.detach().clone() for b in module.buffers()]  # warm-up and capture must not change BN stats
-        pool = graph_pool()
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        recorder = CallRecorder(module)
-        self.split = backward and split
-        with torch.cuda.device(device), torch.cuda.stream(side), torch.set_grad_enabled(backward):
-            for step in range(warmup):
-                with recorder:
-                    out = module(self._input())
-                if backward:
-                    if step == warmup - 1 and self.split:
-                        self.split = self._split_agrees(out, deferrable(module, recorder.calls))
-                    else:
-                        torch.autograd.grad(out, self._grad_inputs(self.params), torch.ones_like(out),
-                                            allow_unused=True)
-        torch.cuda.current_stream(device).wait_stream(side)
-        torch.cuda.synchronize(device)
         self.fwd = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device), torch.set_grad_enabled(backward):
-            # torch.cuda.graph's default capture stream lives on the first device it was used on: pass ours
-            with torch.cuda.graph(self.fwd, pool=pool, stream=side), recorder:
-                self.static_out = module(self._input())
-            if backward:
-                self._capture_backward(module, recorder, pool, side)
-                self.static_out = self.static_out.detach()  # its autograd graph is spent: keep the buffer only
-        with torch.no_grad():
-            for buffer, value in zip(module.buffers(), saved):
-                buffer.copy_(value)
+        self.bwd: torch.cuda.CUDAGraph | None = None
+        self.wgt: torch.cuda.CUDAGraph | None = None
+        self.recorder = CallRecorder(module)
+        self.split = backward and split
+        self.calls: list = []
 
-    def _capture_backward(self, module: nn.Module, recorder: CallRecorder, pool: Any, side: torch.cuda.Stream) -> None:
-        calls = deferrable(module, recorder.calls) if self.split else []
+    def warm_up(self, steps: int = 2) -> None:
+        """Run eagerly on the capture stream (lazy initialization, cuDNN plans), and check the split once."""
+        device = self.static_in.device
+        self.side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.device(device), torch.cuda.stream(self.side), torch.set_grad_enabled(self.backward):
+            for step in range(steps):
+                with self.recorder:
+                    out = self.module(self._input())
+                if not self.backward:
+                    continue
+                if step == steps - 1 and self.split:
+                    self.split = self._split_agrees(out, deferrable(self.module, self.recorder.calls))
+                else:
+                    torch.autograd.grad(out, self._grad_inputs(self.params), torch.ones_like(out), allow_unused=True)
+                del out
+        self.recorder.calls = []
+        torch.cuda.current_stream(device).wait_stream(self.side)
+        torch.cuda.synchronize(device)
+
+    def capture_forward(self) -> None:
+        with torch.cuda.device(self.static_in.device), torch.set_grad_enabled(self.backward):
+            # torch.cuda.graph's default capture stream lives on the first device it was used on: pass ours
+            with torch.cuda.graph(self.fwd, pool=self.pool, stream=self.side), self.recorder:
+                self.static_out = self.module(self._input())
+
+    def capture_input_half(self) -> None:
+        """Capture backward's input half (all of backward when not split); the forward's autograd graph is spent."""
+        calls = deferrable(self.module, self.recorder.calls) if self.split else []
         deferred = deferred_parameters(calls)
         early = [p for p in self.params if id(p) not in deferred]
         self.static_grad_out = torch.zeros_like(self.static_out)
         self.bwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.bwd, pool=pool, stream=side), _quiet_if_empty():
+        with torch.cuda.device(self.static_in.device), torch.cuda.graph(self.bwd, pool=self.pool, stream=self.side), \
+                _quiet_if_empty():
             grads_in, early_grads, self.static_out_grads = input_half(
                 self.static_out, self.static_grad_out, self._grad_inputs([]), early, calls)
             self.sums.add_into([(p, g) for p, g in zip(early, early_grads) if g is not None])
         self.static_grad_in = grads_in[0] if grads_in else None
-        if calls:
+        self.static_out = self.static_out.detach()  # keep the buffer only
+        self.calls = calls
+        self.recorder.calls = []  # what the weight half needs is in `calls`: the rest of the forward may be freed
+
+    def capture_weight_half(self) -> None:
+        """Capture the deferred weight half, if the input half left one."""
+        if self.calls:
             self.wgt = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.wgt, pool=pool, stream=side):
-                self.sums.add_into(list(weight_grads(calls, self.static_out_grads)))
+            with torch.cuda.device(self.static_in.device), \
+                    torch.cuda.graph(self.wgt, pool=self.pool, stream=self.side):
+                self.sums.add_into(list(weight_grads(self.calls, self.static_out_grads)))
+        self.calls = []
+        self.static_out_grads = []
 
     def _split_agrees(self, out: torch.Tensor, calls: list) -> bool:
         """Whether the two halves give the gradients of one whole backward for this stage (checked once, eagerly)."""
@@ -112,18 +153,11 @@ class StageGraph:
         if self.wgt is not None:
             self.wgt.replay()
 
-    def upload(self) -> None:
-        """Replay every graph once and wait: a graph's first launch uploads it to the GPU (milliseconds for a
-        stage of hundreds of kernels), which would otherwise land in the first training step. The caller restores
-        BatchNorm statistics afterwards; the gradient sums are zeroed when the next pass opens."""
-        with torch.cuda.device(self.static_in.device):
-            self.replay_step()
-            torch.cuda.current_stream().synchronize()
-
     def replay_step(self) -> None:
-        """Forward and (when captured) whole backward once, gradients into this graph's sums (for timing a stage)."""
+        """Forward and (when captured) whole backward once, gradients into this graph's sums (for timing a stage
+        of one slot)."""
         self.fwd.replay()
-        if self.backward:
+        if self.bwd is not None:
             self.bwd.replay()
             self.run_weight_half()
 
@@ -140,6 +174,45 @@ class StageGraph:
         self.static_in.copy_(x)
         self.fwd.replay()
         return self.static_out.detach()
+
+
+def capture_stage(module: nn.Module, samples: list[torch.Tensor], backward: bool, sums: GradSums | None = None,
+                  splits: list[bool] | None = None) -> list[StageGraph]:
+    """One stage's graphs for each micro-batch slot (`samples[i]` shapes slot i), captured into one shared pool in
+    the order a pipeline pass replays them, then each replayed once in that order: a graph's first launch uploads it
+    to the GPU (milliseconds for a stage of hundreds of kernels), which would otherwise land in the first training
+    step. BatchNorm statistics are as before (restored once at the end: a copy between a slot's forward and its
+    backward would fail autograd's version check); the gradient sums are zeroed when a pass opens."""
+    saved = [b.detach().clone() for b in module.buffers()]
+    pool, side = graph_pool(), torch.cuda.Stream(samples[0].device)
+    splits = splits or [False] * len(samples)
+    if sums is None:
+        sums = GradSums([p for p in module.parameters() if p.requires_grad] if backward else [])
+    graphs = [StageGraph(module, x, backward, pool, side, sums=sums, split=split, slot=i)
+              for i, (x, split) in enumerate(zip(samples, splits))]
+    for graph in graphs:  # all eager work before any capture: the pool never sits beside a warm-up's memory
+        graph.warm_up()
+    for graph in graphs:
+        graph.capture_forward()
+    if backward:
+        order = BackwardOrder(list(range(len(graphs)))[::-1])  # the autograd engine runs the newest first
+        for i in order.slots:
+            graphs[i].capture_input_half()
+        for graph in graphs:
+            graph.capture_weight_half()
+            graph.order = order
+    with torch.cuda.device(samples[0].device):
+        for graph in graphs:
+            graph.fwd.replay()
+        for graph in reversed(graphs) if backward else []:
+            graph.run_input_half()
+        for graph in graphs if backward else []:
+            graph.run_weight_half()
+        torch.cuda.current_stream().synchronize()
+    with torch.no_grad():
+        for buffer, value in zip(module.buffers(), saved):
+            buffer.copy_(value)
+    return graphs
 
 
 @contextlib.contextmanager
@@ -164,6 +237,8 @@ class _Replay(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         graph: StageGraph = ctx.graph
         graph.sums.check_live(ctx.generation)
+        if graph.order is not None and not ctx.done:
+            graph.order.check(graph.slot, ctx.generation)
         if ctx.done:  # the first replay overwrote activations it had finished with (graph memory is reused)
             raise PipelineError(
                 "backward ran twice through one pipeline pass (retain_graph=True), which its CUDA graphs cannot do: "

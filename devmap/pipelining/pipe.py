@@ -6,7 +6,8 @@ compute stream, and hand-offs go through devmap.pipelining.streams (ordered by e
 or holds up, either stage's compute). Backward
 is run by PyTorch's autograd engine, which keeps one thread per device and each backward op on its
 forward op's stream, so the stages' backwards also overlap. Each (stage, micro-batch) is replayed as a
-CUDA graph where it can be captured (see devmap.pipelining.graphs); otherwise it runs eagerly. With graphs, each
+CUDA graph where its stage can be captured (see devmap.pipelining.graphs: one memory pool per stage, shared by
+its micro-batches as eager memory would be); otherwise the stage runs eagerly. With graphs, each
 stage runs the input half of every micro-batch's backward first and the weight half after the pass's
 last one (devmap.pipelining.weight_grads), so the previous stage gets its gradients sooner and the weight work fills
 the drain; gradients are summed inside the graphs and reach `.grad` once per backward pass.
@@ -26,7 +27,7 @@ from torch import nn
 
 from ..errors import PipelineError
 from .grad_sums import GradSums, open_pass
-from .graphs import StageGraph
+from .graphs import StageGraph, capture_stage
 from .stages import block_devices, group_stages, placed_units, stage_module
 from .streams import StreamSet, hand_off
 from .workers import StageWorkers
@@ -186,8 +187,8 @@ class Pipeline(nn.Module):
         return [[g if g is not None else stage for g in row] for row, stage in zip(self._graphs[key], self.partitions)]
 
     def _capture(self, micro: list[torch.Tensor], backward: bool, key: tuple) -> list[list[StageGraph | None]]:
-        """Capture every (stage, micro-batch) once, sequentially, before any concurrent work. Each micro-batch
-        gets its own graphs (its own activations); the micro-batch shapes only choose the samples."""
+        """Capture each stage's micro-batch slots once, sequentially, before any concurrent work. Each micro-batch
+        gets its own graphs (its own activations) in its stage's one memory pool; the shapes only choose samples."""
         saved = [b.detach().clone() for b in self.buffers()]  # sample passes must not move BN statistics
         inputs = {tuple(mb.shape): mb.detach() for mb in micro}
         rows: list[list[StageGraph | None]] = []
@@ -200,15 +201,13 @@ class Pipeline(nn.Module):
                 samples[shape] = x.to(device)
                 with torch.no_grad():
                     inputs[shape] = stage(samples[shape]).detach()
-            row = []
-            for i, mb in enumerate(micro):
+            slots = []
+            for mb in micro:
                 x = samples[tuple(mb.shape)].clone()
-                x.requires_grad_(backward and j > 0 and x.is_floating_point())
-                split = self._defers_weights(j, i, len(micro))
-                row.append(self._capture_one(stage, x, backward, j, sums, split) if device.type == "cuda" else None)
-            rows.append(row)
-        for graph in (g for row in rows for g in row if g is not None):
-            graph.upload()
+                slots.append(x.requires_grad_(backward and j > 0 and x.is_floating_point()))
+            splits = [self._defers_weights(j, i, len(micro)) for i in range(len(micro))]
+            rows.append(self._capture_stage(stage, slots, backward, j, sums, splits) if device.type == "cuda"
+                        else [None] * len(micro))
         with torch.no_grad():
             for buffer, value in zip(self.buffers(), saved):
                 buffer.copy_(value)
@@ -224,16 +223,16 @@ class Pipeline(nn.Module):
         count = m if self.deferred_weights is None else self.deferred_weights
         return j > 0 and i >= m - count
 
-    def _capture_one(self, stage: nn.Module, x: torch.Tensor, backward: bool, j: int,
-                     sums: GradSums, split: bool) -> StageGraph | None:
+    def _capture_stage(self, stage: nn.Module, slots: list[torch.Tensor], backward: bool, j: int,
+                       sums: GradSums, splits: list[bool]) -> list[StageGraph | None]:
         try:
-            return StageGraph(stage, x, backward, sums=sums, split=split)
-        except Exception as exc:  # capture unsupported by this stage: fall back to eager
+            return list(capture_stage(stage, slots, backward, sums, splits))
+        except Exception as exc:  # capture unsupported by this stage: the whole stage runs eagerly
             if self.graphs == "on":
                 raise PipelineError(f"stage {j} cannot be captured as a CUDA graph: {str(exc).splitlines()[0]}") from None
             self.graph_failures.append(f"stage {j}: {str(exc).splitlines()[0]}")
-            torch.cuda.synchronize(x.device)
-            return None
+            torch.cuda.synchronize(slots[0].device)
+            return [None] * len(slots)
 
 
 def check_placed(model: nn.Module) -> None:

@@ -214,10 +214,6 @@ def plan_model(
     else:
         placed = validate_device_map(model, device_map, budget)
         warnings = _over_budget(placed, sizes, budget)
-    if workload is not None and workload.kind == "train":
-        warnings.append("devmap.pipeline's CUDA graphs (its default on GPUs) keep a memory pool per micro-batch, "
-                        "which reserves more than this plan (ResNet50: up to 1.45x); with graphs='off' a pipeline "
-                        "holds what is planned")
 
     if quantization is not None:
         check_placement(quantization, {placed[owner_of(name, placed)] for name in quantized_weights(model, quantization)})

@@ -309,3 +309,16 @@ def test_backward_twice_through_one_pass_without_graphs():
     loss.backward()
     for p, g in zip(pipe.parameters(), once):
         torch.testing.assert_close(p.grad, 2 * g)
+
+
+def test_a_backward_out_of_capture_order_is_refused():
+    # a stage's micro-batch graphs share one memory pool, captured for backwards from the last micro-batch to the
+    # first; any other order would replay over a slot's live activations, so it is an error, never wrong gradients
+    from devmap.pipelining.graphs import BackwardOrder
+
+    order = BackwardOrder([2, 1, 0])
+    for slot in (2, 1, 0):
+        order.check(slot, generation=1)
+    order.check(2, generation=2)  # a new pass starts over
+    with pytest.raises(PipelineError, match="backward of micro-batch 0 ran before that of micro-batch 1"):
+        order.check(0, generation=2)

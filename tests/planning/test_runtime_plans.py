@@ -135,8 +135,8 @@ def test_serving_gets_the_most_rows_that_keep_the_model_on_its_gpus():
         rows_that_fit(plan_for("0=1.05GiB,1=1.05GiB,cpu=64GiB"), most=64)
 
 
-def test_a_training_plan_says_what_cuda_graph_pools_add():
+def test_a_training_plan_that_fits_has_no_warnings():
+    # a pipeline's CUDA graphs share one memory pool per stage, so they hold what the plan counts (measured on a GPU
+    # in benchmarks/RESULTS.md); no caveat comes with the plan
     workload = parse_workload("train", causal_lm=False, batch=64, input_shape=(3, 224, 224), chunks=4)
-    plan = devmap.plan("resnet50", "balanced", gpus=2, gpu_memory="40GiB", workload=workload)
-    assert any("graphs='off'" in warning for warning in plan.warnings)
-    assert not devmap.plan("resnet50", "balanced", gpus=2, gpu_memory="40GiB").warnings
+    assert not devmap.plan("resnet50", "balanced", gpus=2, gpu_memory="40GiB", workload=workload).warnings
