@@ -265,7 +265,7 @@ def main() -> None:
     parser.add_argument("--systems", default="devmap,transformers")
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
     parser.add_argument("--devmap-args", default="--device-map balanced",
-                        help="extra flags of devmap serve (e.g. add --compile: each new batch shape compiles)")
+                        help="extra flags of devmap serve (e.g. add --no-compile: captured eager steps)")
     parser.add_argument("--client-processes", type=int, default=4,
                         help="processes the clients are spread over (one event loop each)")
     parser.add_argument("--out", default=None)

@@ -11,6 +11,8 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `own_forward`, `hook_execution_device`, `device_hooks_bypassed`: `_hf_hook`, `_old_forward`, `AlignDevicesHook` | accelerate | a placed model's device hooks re-check every argument (2x a decode step) and break compiled steps | 1.15 |
 | `raise_recompile_limit`: `torch._dynamo.config.recompile_limit` | torch | one compiled entry per stage, lane shape and kind | 2.11, 2.14 |
 | `fail_on_recompile`: `torch.compiler.set_stance` | torch | a CUDA-graph capture must never compile | 2.11, 2.14 |
+| `dynamic_dims`: `torch._dynamo.maybe_mark_dynamic` | torch | a continuous batch's decode step compiled once for its rows and cache length only (every size symbolic took minutes to compile) | 2.11, 2.14 |
+| `distinct_sizes`: `torch.fx.experimental._config.use_duck_shape` | torch | a dynamic decode step must not tie its rows to an equal-sized dimension of the weights (4 rows per lane, 4 KV heads), which specializes them and recompiles per batch shape | 2.11, 2.14 |
 | `graph_pool`, `begin_capture`: `graph_pool_handle`, `CUDAGraph.capture_begin(capture_error_mode=)` | torch | steps of one stream share a pool; captures don't sync the device | 2.11, 2.14 |
 | `gpu_sleep`: `torch.cuda._sleep` | torch | DEVMAP_STREAM_CHECK's delays on hand-off streams | 2.11, 2.14 |
 | `foreach_add_`, `foreach_zero_`, `foreach_copies`: `torch._foreach_*` | torch | gradient sums in one fused launch per group | 2.11, 2.14 |
@@ -179,6 +181,22 @@ def fail_on_recompile() -> Iterator[None]:
     """A compiled function whose guards fail raises instead of compiling (compiling launches and synchronizes work,
     which a CUDA-graph capture cannot hold)."""
     with torch.compiler.set_stance("fail_on_recompile"):
+        yield
+
+
+def dynamic_dims(tensor: torch.Tensor, dims: tuple[int, ...]) -> None:
+    """Compile code that reads `tensor` for any size of `dims` (the other dimensions stay fixed)."""
+    for dim in dims:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+@contextlib.contextmanager
+def distinct_sizes() -> Iterator[None]:
+    """While compiling with dynamic sizes: two dimensions of equal size get symbols of their own (dynamo's "duck
+    shaping" would give them one, and specializing one, a KV head count, would specialize the other, the rows)."""
+    from torch.fx.experimental import _config
+
+    with _config.patch(use_duck_shape=False):
         yield
 
 

@@ -76,6 +76,20 @@ def test_recompile_limit_and_the_stance_that_refuses_to_compile():
             double(torch.ones(4, 4))  # a new shape would compile: refused
 
 
+def test_distinct_sizes_gives_equal_dimensions_their_own_symbols():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    weight = torch.ones(4, 4)
+    step = torch.compile(lambda x: x @ weight, backend="eager", dynamic=True)
+    with compat.distinct_sizes():
+        step(torch.ones(4, 4))  # 4 rows beside a weight of 4: duck shaping would tie the rows to it
+        step(torch.ones(7, 4))
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 def test_foreach_helpers():
     a, b = [torch.ones(3), torch.ones(2)], [torch.full((3,), 2.0), torch.full((2,), 3.0)]
     compat.foreach_add_(a, b)

@@ -45,9 +45,10 @@ from .options import load_options
 @click.option("--idle-timeout", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Unload a model unused for this many seconds.")
 @click.option("--lanes", default=None, type=click.IntRange(min=1), help="Micro-batches in flight (default: stages).")
-@click.option("--compile", "compile_steps", is_flag=True,
-              help="torch.compile each stage's decode steps (fused kernels: see docs/serving.md); the first batch "
-                   "of each new shape compiles (inductor caches it on disk).")
+@click.option("--compile/--no-compile", "compile_steps", default=None,
+              help="torch.compile each model's decode steps (fused kernels, one compile for every batch shape, at "
+                   "load: see docs/serving.md). Default: on where every block is on a GPU and no weights are "
+                   "quantized.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
@@ -56,7 +57,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
           max_batch_wait_ms: float, join_wait_ms: float, join_tokens: int,
           preempt_after_ms: float, max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
-          lanes: int | None, compile_steps: bool, log_level: str) -> None:
+          lanes: int | None, compile_steps: bool | None, log_level: str) -> None:
     """Serve models on their devices over an OpenAI-compatible HTTP API.
 
     Loads MODEL_DIR... (ids: their directory names) and serves them until SIGTERM or Ctrl-C.

@@ -30,6 +30,9 @@ class LaneCache:
         self.start = 0  # the column a prompt's first token is written to while prefilling
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the column the next decode step writes
         self.tick = torch.zeros(1, dtype=torch.long, device=device)  # the same, not wrapped (positions count it)
+        # the length as a device tensor for the step's wrap-around: a step compiled for every cache length reads
+        # no Python int that would specialize it
+        self.length = torch.full((1,), max_len, dtype=torch.long, device=device)
 
     def allocate(self, layer_indices: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype,
                  arena: torch.Tensor | None = None) -> None:
@@ -62,8 +65,12 @@ class LaneCache:
 
     def advance(self) -> None:
         """The next slot (the end of a decode step; wraps around)."""
-        self.slot.add_(1).remainder_(self.max_len)
+        self.slot.add_(1).remainder_(self.length)
         self.tick.add_(1)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every layer's keys and values (rows × KV heads × columns × head dim)."""
+        return [*self.keys.values(), *self.values.values()]
 
     def take_rows(self, other: LaneCache, index: torch.Tensor, rows: torch.Tensor, start: int, end: int) -> None:
         """Rows `index` of `other`'s keys and values (all its columns) into rows `rows`, at the slots start..end-1

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..compat import grouped_query_decode
+from ..compat import dynamic_dims, grouped_query_decode
 from .lane_cache import DecodeInputs, LaneCache
 from .graphed_step import GraphedStep
 from .lanes import EOS_CHECK_LAG, Lane, LaneStreams, OnTokens, record_event
@@ -47,6 +47,12 @@ class LaneDecode(LaneStreams):
             pool = cache.pool(stage.device, j) if cache is not None and graphed else None
             capture = self._capture_stream(j) if graphed else None
             lane.caches.append(lane_cache)
+            if self.compile and self.dynamic:  # one compile for every rows × cache length (devmap.generation.compiled)
+                dynamic_dims(static_in, (0,))
+                for buffer in lane_cache.buffers():
+                    dynamic_dims(buffer, (0, 2))
+                dynamic_dims(inputs[-1].attended, (0, 1))
+                dynamic_dims(inputs[-1].offset, (0,))
             body = grouped_query_decode(self.s.config,
                                         self._compiled(lambda x, j=j, item=inputs[-1]: self.s.decode(j, x, item)))
             lane.steps.append(GraphedStep(body, static_in, graphed, pool, capture))

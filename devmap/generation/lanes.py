@@ -48,12 +48,13 @@ class LaneStreams:
     thread, each stage on its own stream."""
 
     def __init__(self, stages: CausalLMStages, lanes: list[Lane], graphs: bool, compile: bool = False,
-                 compile_prefill: bool | None = None) -> None:
+                 compile_prefill: bool | None = None, dynamic: bool = False) -> None:
         self.s, self.lanes = stages, lanes
         self.streams = StreamSet()
         self.graphs = graphs and graphs_possible(stages.devices)
         self.compile = compile  # decode steps through torch.compile
         self.compile_prefill = compile if compile_prefill is None else compile_prefill
+        self.dynamic = dynamic  # compiled decode steps with symbolic batch and cache sizes (devmap.generation.compiled)
         self._plain: dict[tuple[int, int], dict[str, Any]] = {}
 
     def _capture_stream(self, j: int) -> Any:
@@ -85,7 +86,7 @@ class LaneStreams:
             yield stream
 
     def _compiled(self, body: Any) -> Any:
-        return compile_step(body) if self.compile else body
+        return compile_step(body, self.dynamic) if self.compile else body
 
 def graphs_possible(devices: list[torch.device]) -> bool:
     """CUDA graphs need every stage on a GPU (tests make this True on a CPU to run the cached-step paths,

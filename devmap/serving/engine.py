@@ -222,7 +222,7 @@ class Engine:
         stopped = False
         with continuous_batch(resident.model, rows=shape.rows, first_slot=shape.first_slot,
                               cache_len=shape.cache_len, lanes=limits.lanes, sampling=sampling,
-                              compile=limits.compile, kv_room=resident.kv_room) as batch:
+                              compile=resident.compiled, kv_room=resident.kv_room) as batch:
             joining = list(jobs)
             clock = PhaseClock(self.metrics)
             while batch.step([_slot_request(job) for job in joining]):

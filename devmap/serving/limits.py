@@ -20,7 +20,7 @@ class EngineLimits:
     request_timeout: float = 600.0
     idle_timeout: float | None = None  # unload models unused this long (seconds)
     lanes: int | None = None
-    compile: bool = False
+    compile: bool | None = None  # compiled decode steps: None where they win (devmap.serving.warm_up), or on/off
     graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
     batch_wait: float = 0.005
     max_batch_wait: float = 0.05

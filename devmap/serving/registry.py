@@ -11,6 +11,7 @@ memory at its largest batch, and one that does not fit is refused (409) with the
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from .errors import DoesNotFit, ModelNotFound, ServiceError
 from .limits import EngineLimits
 from .scheduler import BatchShape
 
+log = logging.getLogger("devmap.serving")
+
 
 @dataclass
 class ResidentModel:
@@ -42,6 +45,7 @@ class ResidentModel:
     report: dict[str, Any]
     max_rows: int = 1  # rows of its largest batch: the service's max_batch, or as many as its memory plan fits
     cache_len: int = 0  # cache tokens per row its plan made room for
+    compiled: bool = False  # its decode steps run as torch.compile code (devmap.serving.warm_up)
     last_used: float = field(default_factory=time.monotonic)
     busy: threading.Lock = field(default_factory=threading.Lock)
     batch_shape: BatchShape = field(default_factory=BatchShape)  # the largest continuous batch so far: later
@@ -59,7 +63,7 @@ class ResidentModel:
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "devmap",
                 "path": str(self.path), "context_length": self.context, "max_batch": self.max_rows,
-                "cache_tokens_per_row": self.cache_len,
+                "cache_tokens_per_row": self.cache_len, "compiled": self.compiled,
                 "device_map": {k: str(v) for k, v in self.model.hf_device_map.items()}}
 
 
@@ -117,15 +121,16 @@ class ModelRegistry:
                 raise ServiceError(f"cannot load {model_id}: {exc}") from None
             try:
                 tokenizer = _tokenizer(path)
+                context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+                compiled = _compiled(model, self.limits.compile, self.quantization, rows, context)
             except BaseException:
                 _free(model)
                 raise
             report = model.devmap_load_report.to_dict()
             resident = ResidentModel(
                 id=model_id, path=path, model=model, tokenizer=tokenizer, created=int(time.time()),
-                context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
-                planned={usage.key: usage.total for usage in model.devmap_plan.devices.values()},
-                report=report, max_rows=rows, cache_len=cache_len,
+                context=context, planned={usage.key: usage.total for usage in model.devmap_plan.devices.values()},
+                report=report, max_rows=rows, cache_len=cache_len, compiled=compiled,
             )
             with self._lock:
                 self._models[model_id] = resident
@@ -193,6 +198,27 @@ class ModelRegistry:
         """Ids of models unused for more than `seconds`."""
         now = time.monotonic()
         return [r.id for r in self.all() if now - r.last_used > seconds and not r.busy.locked()]
+
+
+def _compiled(model: nn.Module, wanted: bool | None, quantization: Any, rows: int, context: int) -> bool:
+    """Whether the model's decode steps run compiled (`warm_up.compiles`), compiled now if so. A compile that fails
+    (no C compiler for inductor, an operator it cannot trace) leaves the model on captured eager steps, with a
+    warning in the log, unless it was asked for (`wanted`): then the load fails with the reason."""
+    from ..generation.step_cache import release_graphs
+    from .warm_up import compiles, warm_up
+
+    if not compiles(model, wanted, quantization):
+        return False
+    try:
+        warm_up(model, rows, context)
+    except Exception as exc:
+        release_graphs(model)
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if wanted:
+            raise ServiceError(f"cannot compile the model's decode steps: {reason}; serve it without --compile")
+        log.warning("decode steps stay eager (captured): compiling them failed: %s", reason)
+        return False
+    return True
 
 
 def _tokenizer(path: Path) -> Any:

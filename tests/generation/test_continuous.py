@@ -211,8 +211,10 @@ def test_compiled_steps_join_like_eager_ones_and_compile_once(model, run, monkey
     counters.clear()
     reqs = requests(7, seed=5)
     try:
-        for round in range(2):
-            got, left, queue = run(model, reqs[:2], reqs[2:], rows=4, compile=True)
+        # the second batch repeats the first's shape; the third and fourth take new ones (rows, cache length): the
+        # decode step is compiled with dynamic sizes, so a service's growing shapes never compile it again
+        for round, (rows, cache_len) in enumerate([(4, 40), (4, 40), (6, 48), (8, 64)]):
+            got, left, queue = run(model, reqs[:2], reqs[2:], rows=rows, cache_len=cache_len, compile=True)
             assert not left and not queue
             assert got == {r.owner: alone(model, r.prompt, r.max_new_tokens) for r in reqs}
             if round == 0:

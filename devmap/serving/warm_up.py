@@ -1,0 +1,44 @@
+"""Compiled decode steps for a service: whether a model gets them, and compiling them while it loads.
+
+A service compiles a model's decode steps (`devmap.generation.compiled`, dynamic sizes: one compile for every batch
+shape) where that wins: every block on a GPU and the weights in a floating-point dtype. torchao's quantized weights
+stay eager, their compile took minutes for a 13B model and was not faster. `--no-compile` turns it off;
+`--compile` asks for it where the model allows it. The compile happens at load, in a small continuous batch, so the
+first request does not wait for it (tens of seconds the first time; inductor's on-disk cache makes a restart faster).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..generation.continuous import SlotRequest, continuous_batch
+from ..generation.step_cache import release_graphs
+from .scheduler import CACHE_BUCKET, MIN_ROWS
+
+WARM_UP_STEPS = 4  # the first decode step compiles, the second captures, the rest replay
+
+
+def compiles(model: nn.Module, wanted: bool | None, quantization: Any) -> bool:
+    """Whether the service compiles `model`'s decode steps: `wanted` (None: where it wins), every block on a GPU,
+    no quantized weights."""
+    if wanted is False or quantization is not None:
+        return False
+    devices = set(getattr(model, "hf_device_map", {"": "cpu"}).values())
+    return torch.cuda.is_available() and all(isinstance(d, int) or str(d).startswith("cuda") for d in devices)
+
+
+def warm_up(model: nn.Module, max_rows: int, context: int) -> None:
+    """Run a small continuous batch with compiled steps (compiling them), then free what it captured."""
+    cache_len = min(CACHE_BUCKET, context) if context else CACHE_BUCKET
+    prompt = [1] * 4
+    with continuous_batch(model, rows=min(MIN_ROWS, max_rows), first_slot=len(prompt), cache_len=cache_len,
+                          compile=True) as batch:
+        batch.step([SlotRequest(prompt, WARM_UP_STEPS + 1, object())])
+        for _ in range(WARM_UP_STEPS):
+            if not batch.step([]):
+                break
+        batch.collect(everything=True)
+    release_graphs(model)
