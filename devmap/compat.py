@@ -38,9 +38,8 @@ require_supported()  # what follows was checked on the releases of devmap.releas
 
 
 def cache_keyword(layer: nn.Module) -> str:
-    """The keyword a decoder layer takes its KV cache by: `cache` from transformers 5.2x on, `past_key_values`
-    before (5.2x still accepts the old name, with a deprecation warning per call). Read once per model, outside any
-    compiled step."""
+    """The keyword a decoder layer takes its KV cache by: `cache` from transformers 5.2x on (which warns per call
+    on the old name), `past_key_values` before. Read once per model, outside any compiled step."""
     parameters = inspect.signature(type(layer).forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
@@ -55,9 +54,8 @@ def call_decoder_layer(layer: nn.Module, hidden: torch.Tensor, cache: Any, conte
 
 def transformers_causal_mask(config: Any, like: torch.Tensor, attention_mask: torch.Tensor | None,
                              position_ids: torch.Tensor | None) -> Any:
-    """transformers' own causal mask for a whole prompt with no cache before it, in the form `config`'s attention
-    implementation takes. The first four arguments are passed by position: the fourth (the cache) was renamed from
-    `past_key_values` to `cache` in 5.2x."""
+    """transformers' causal mask for a whole prompt with no cache before it, in the form `config`'s attention takes
+    (arguments by position: the fourth, the cache, was renamed from `past_key_values` to `cache` in 5.2x)."""
     from transformers.masking_utils import create_causal_mask
 
     return create_causal_mask(config, like, attention_mask, None, position_ids=position_ids)
@@ -72,11 +70,10 @@ GROUPED_DECODE = "devmap_grouped_decode_sdpa"
 
 
 def grouped_query_decode(config: Any, step: Any) -> Any:
-    """`step` (a decode step of a model whose attention is sdpa with grouped KV heads) run with an attention that
-    computes one query token against the cache without copying it to every query head: the token's query heads
-    of each KV head go in as that KV head's queries (transformers 5.24's `pack_gqa`, which it applies only without
-    a mask, and a decode step has one). Anything else the attention meets (a prompt of several tokens) goes to
-    transformers' own sdpa. Other models' steps are returned as they are."""
+    """`step` (a decode step of a model whose attention is sdpa with grouped KV heads) with an attention that takes
+    one query token against the cache without copying it to every query head: each KV head's query heads go in as
+    its queries (transformers 5.24's `pack_gqa`, applied there only without a mask). Anything else (a prompt of
+    several tokens) goes to transformers' own sdpa. Other models' steps are returned as they are."""
     heads = config.num_attention_heads
     if attention_implementation(config) != "sdpa" or (getattr(config, "num_key_value_heads", None) or heads) == heads:
         return step
@@ -116,8 +113,8 @@ def _register_grouped_decode() -> None:
 
 
 def own_forward(module: nn.Module) -> Any:
-    """The module's own forward, past accelerate's AlignDevicesHook (which re-checks every argument's device on
-    every call: it doubled the cost of a decode step). Callers only pass arguments already on the right device."""
+    """The module's own forward, past accelerate's AlignDevicesHook (its per-call device checks doubled a decode
+    step's cost): callers pass arguments already on the right device."""
     if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward"):
         return module._old_forward
     return module
@@ -142,11 +139,9 @@ def _only_moves_arguments(hook: Any) -> bool:
 
 @contextlib.contextmanager
 def device_hooks_bypassed(model: nn.Module) -> Iterator[None]:
-    """accelerate's device hooks taken off `model`'s submodules for one call, put back after (also on error).
-
-    A loaded model carries an AlignDevicesHook on every module that has weights; each one moves the arguments again
-    and is `torch.compiler.disable`d, which broke every compiled stage step into one graph per module. Hooks that
-    bring offloaded weights in are left alone."""
+    """accelerate's device hooks taken off `model`'s submodules for one call, put back after (also on error). Each
+    AlignDevicesHook moves the arguments again and is `torch.compiler.disable`d, which broke every compiled stage
+    step into one graph per module. Hooks that bring offloaded weights in are left alone."""
     swapped = []
     for module in model.modules():
         hook = getattr(module, "_hf_hook", None)
@@ -190,14 +185,12 @@ def dynamic_dims(tensor: torch.Tensor, dims: tuple[int, ...]) -> None:
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
-@contextlib.contextmanager
-def distinct_sizes() -> Iterator[None]:
-    """While compiling with dynamic sizes: two dimensions of equal size get symbols of their own (dynamo's "duck
+def distinct_sizes() -> Any:
+    """A context in which a dynamic compile gives two dimensions of equal size symbols of their own (dynamo's "duck
     shaping" would give them one, and specializing one, a KV head count, would specialize the other, the rows)."""
     from torch.fx.experimental import _config
 
-    with _config.patch(use_duck_shape=False):
-        yield
+    return _config.patch(use_duck_shape=False)
 
 
 def graph_pool() -> Any:
@@ -206,9 +199,8 @@ def graph_pool() -> Any:
 
 
 def begin_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
-    """Start capturing into `graph` on the current stream (into `pool`). Unlike `torch.cuda.graph()`, nothing
-    synchronizes the device, collects garbage or empties the allocator first; "thread_local": another thread's CUDA
-    calls (a service loading a model while a batch captures) do not invalidate the capture."""
+    """Start capturing into `graph` on the current stream (into `pool`), with no device sync, garbage collection or
+    emptied allocator first; "thread_local": another thread's CUDA calls (a load beside a capture) do no harm."""
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
 
 
@@ -222,7 +214,7 @@ def foreach_add_(targets: list[torch.Tensor], addends: list[torch.Tensor]) -> No
     torch._foreach_add_(targets, addends)
 
 
-def foreach_zero_(tensors: list[torch.Tensor]) -> None:
+def foreach_zero_(tensors: list[torch.Tensor]) -> None:  # one fused launch per group
     torch._foreach_zero_(tensors)
 
 
@@ -232,15 +224,11 @@ def foreach_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def pipeline_stage_fixed(stage: Any) -> Any:
-    """A `torch.distributed.pipelining.PipelineStage` with two faults of older torch releases worked around (on
-    releases without them this changes nothing):
-
-    - `_shape_inference` (torch 2.11) runs the stage once on zeros in training mode on the real buffers, so every
-      BatchNorm counts one batch too many; here its buffers are put back after.
-    - `_get_init_p2p_neighbors_ops` (torch 2.11) also sends to and receives from this very rank when the next or
-      previous stage lives here (the V schedules); gloo has no connection to itself and fails the first step.
-      Those ops are dropped: a stage hands tensors to a neighbour on its own rank directly, never through p2p.
-    """
+    """A `torch.distributed.pipelining.PipelineStage` with two faults of torch 2.11 worked around (a no-op without
+    them): `_shape_inference` runs the stage once on zeros in training mode on the real buffers (every BatchNorm
+    counted one batch too many: its buffers are put back after); `_get_init_p2p_neighbors_ops` also sends to this
+    very rank when a neighbouring stage lives here (V schedules), which gloo fails: those ops are dropped, as a
+    stage hands tensors to a neighbour on its own rank directly."""
     infer = getattr(stage, "_shape_inference", None)
     if infer is not None:
         def inferred_without_side_effects(*args: Any, **kwargs: Any) -> Any:
@@ -267,9 +255,8 @@ def pipeline_stage_fixed(stage: Any) -> Any:
 
 
 def torchao_int8_rows(layers: list[nn.Module], config: Any) -> None:
-    """What `quantize_(layer, Int8WeightOnlyConfig())` does to each Linear, with one `Int8Tensor.from_hp` per weight
-    shape instead of one `quantize_` per Linear: rows are quantized independently, so the int8 data and scales are
-    the same, and the host time drops (quantize_ costs about a millisecond of Python per Linear)."""
+    """`quantize_(layer, Int8WeightOnlyConfig())` for each Linear, as one `Int8Tensor.from_hp` per weight shape (rows
+    are quantized independently: the same data and scales, without quantize_'s millisecond of Python per Linear)."""
     from torchao.quantization import Int8Tensor
     from torchao.quantization.utils import recommended_inductor_config_setter
 
