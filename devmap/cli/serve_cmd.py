@@ -93,7 +93,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
             raise click.ClickException(exc.message) from None
         click.echo(f"loaded {resident.id} from {path} onto "
                    f"{', '.join(sorted({str(v) for v in resident.model.hf_device_map.values()}))}: batches of up to "
-                   f"{resident.max_rows} rows of {resident.cache_len} cache tokens", err=True)
+                   f"{resident.max_rows} rows of {resident.cache_len} cache tokens, decode steps "
+                   f"{'compiled' if resident.compiled else 'captured eagerly'}", err=True)
     app = create_app(Engine(registry, limits), api_key=api_key)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import logging
