@@ -87,6 +87,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     registry = ModelRegistry(model_root, device_map, max_memory, dtype, quantization=quantize, limits=limits)
     for directory in model_dirs:
         path = Path(directory).expanduser().resolve()
+        click.echo(f"loading {path.name} (on GPUs its decode steps compile once now: tens of seconds, less with "
+                   "inductor's on-disk cache; --no-compile skips it)", err=True)
         try:
             resident = registry.load(path)
         except ServiceError as exc:
