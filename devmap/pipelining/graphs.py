@@ -55,15 +55,14 @@ class StageGraph:
     warms every slot up first, then captures the forwards, then (when training) the backwards."""
 
     def __init__(self, module: nn.Module, sample: torch.Tensor, backward: bool, pool: Any, side: torch.cuda.Stream,
-                 sums: GradSums | None = None, split: bool = False, slot: int = 0) -> None:
+                 sums: GradSums, split: bool = False, slot: int = 0) -> None:
         self.module = module
         self.backward = backward
         self.pool = pool
         self.side = side  # every capture into `pool` on one stream: the allocator reuses a block on its own stream only
         self.slot = slot
         self.order: BackwardOrder | None = None
-        self.sums = sums if sums is not None else GradSums(
-            [p for p in module.parameters() if p.requires_grad] if backward else [])
+        self.sums = sums  # the stage's, shared by its slots
         self.params = self.sums.params  # the order in which backward returns the sums
         self.input_requires_grad = backward and sample.requires_grad
         self.static_in = sample.detach().clone().requires_grad_(self.input_requires_grad)
@@ -181,14 +180,13 @@ def capture_stage(module: nn.Module, samples: list[torch.Tensor], backward: bool
     """One stage's graphs for each micro-batch slot (`samples[i]` shapes slot i), captured into one shared pool in
     the order a pipeline pass replays them, then each replayed once in that order: a graph's first launch uploads it
     to the GPU (milliseconds for a stage of hundreds of kernels), which would otherwise land in the first training
-    step. BatchNorm statistics are as before (restored once at the end: a copy between a slot's forward and its
-    backward would fail autograd's version check); the gradient sums are zeroed when a pass opens."""
-    saved = [b.detach().clone() for b in module.buffers()]
+    step. The caller restores BatchNorm statistics afterwards (not in between: a copy between a slot's forward and
+    its backward would fail autograd's version check); the gradient sums are zeroed when a pass opens."""
     pool, side = graph_pool(), torch.cuda.Stream(samples[0].device)
     splits = splits or [False] * len(samples)
     if sums is None:
         sums = GradSums([p for p in module.parameters() if p.requires_grad] if backward else [])
-    graphs = [StageGraph(module, x, backward, pool, side, sums=sums, split=split, slot=i)
+    graphs = [StageGraph(module, x, backward, pool, side, sums, split=split, slot=i)
               for i, (x, split) in enumerate(zip(samples, splits))]
     for graph in graphs:  # all eager work before any capture: the pool never sits beside a warm-up's memory
         graph.warm_up()
@@ -209,9 +207,6 @@ def capture_stage(module: nn.Module, samples: list[torch.Tensor], backward: bool
         for graph in graphs if backward else []:
             graph.run_weight_half()
         torch.cuda.current_stream().synchronize()
-    with torch.no_grad():
-        for buffer, value in zip(module.buffers(), saved):
-            buffer.copy_(value)
     return graphs
 
 
@@ -237,12 +232,11 @@ class _Replay(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
         graph: StageGraph = ctx.graph
         graph.sums.check_live(ctx.generation)
-        if graph.order is not None and not ctx.done:
-            graph.order.check(graph.slot, ctx.generation)
         if ctx.done:  # the first replay overwrote activations it had finished with (graph memory is reused)
             raise PipelineError(
                 "backward ran twice through one pipeline pass (retain_graph=True), which its CUDA graphs cannot do: "
                 "run the forward again before each backward, or build the pipeline with graphs='off'")
+        graph.order.check(graph.slot, ctx.generation)  # set for every graph captured with backward
         ctx.done = True
         graph.static_grad_out.copy_(grad_out)
         graph.run_input_half()  # the parameters' gradients stay in the sums until the pass gate hands them over

@@ -226,7 +226,7 @@ class Pipeline(nn.Module):
     def _capture_stage(self, stage: nn.Module, slots: list[torch.Tensor], backward: bool, j: int,
                        sums: GradSums, splits: list[bool]) -> list[StageGraph | None]:
         try:
-            return list(capture_stage(stage, slots, backward, sums, splits))
+            return capture_stage(stage, slots, backward, sums, splits)
         except Exception as exc:  # capture unsupported by this stage: the whole stage runs eagerly
             if self.graphs == "on":
                 raise PipelineError(f"stage {j} cannot be captured as a CUDA graph: {str(exc).splitlines()[0]}") from None
