@@ -28,13 +28,15 @@ from .options import load_options
               help="A batch starts at the latest this long after its oldest request arrived.")
 @click.option("--join-wait-ms", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="Requests that could join the running batch wait up to this long for others to join "
-                   "with them (one prefill for all), unless they fill its free rows.")
+                   "with them (one prefill for all), unless they fill its free rows; one that finds no free row "
+                   "stops a batch that could have more rows after this long (the next one has a row for it).")
 @click.option("--join-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
               help="Prompt tokens that join the running batch at one step, at most (a larger first "
                    "request joins alone): a burst of requests joins over a few short steps instead of one long one.")
 @click.option("--preempt-after-ms", default=250.0, show_default=True, type=click.FloatRange(min=0),
-              help="A request that cannot join the running batch (another model or sampling, no free "
-                   "row) stops it after waiting this long; its unfinished requests continue in a later batch.")
+              help="A request that cannot join the running batch (another model or sampling, a longer "
+                   "prompt than it takes) stops it after waiting this long; its unfinished requests continue in a "
+                   "later batch.")
 @click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=1),
               help="Most waiting requests; more get 429.")
 @click.option("--max-prompt-tokens", default=4096, show_default=True, type=click.IntRange(min=1))
@@ -95,7 +97,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
             raise click.ClickException(exc.message) from None
         click.echo(f"loaded {resident.id} from {path} onto "
                    f"{', '.join(sorted({str(v) for v in resident.model.hf_device_map.values()}))}: batches of up to "
-                   f"{resident.max_rows} rows of {resident.cache_len} cache tokens, decode steps "
+                   f"{resident.max_rows} rows of {resident.cache_len} cache tokens (more rows of shorter caches), decode steps "
                    f"{'compiled' if resident.compiled else 'captured eagerly'}", err=True)
     app = create_app(Engine(registry, limits), api_key=api_key)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

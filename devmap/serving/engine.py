@@ -26,7 +26,7 @@ from .text_stream import eos_ids, take_token
 from .registry import ModelRegistry, ResidentModel
 from .batch_trace import BatchTrace, PhaseClock
 from .limits import EngineLimits
-from .scheduler import RunningBatch, Scheduler, Start, batch_shape, grown, key_of
+from .scheduler import BatchShape, RunningBatch, Scheduler, Start, batch_shape, grown, key_of
 
 log = logging.getLogger("devmap.serving")
 
@@ -83,7 +83,7 @@ class Engine:
         self.metrics.queue_depth.inc()
         self.metrics.prompt_tokens.labels(model=model_id).inc(len(prompt_ids))
         job = Job(model_id, list(prompt_ids), params, asyncio.get_running_loop(), outbox=self._outbox,
-                  max_rows=resident.max_rows)
+                  kv_budget=resident.kv_budget)
         self._queue.put(job)
         return job
 
@@ -182,14 +182,18 @@ class Engine:
                 job.emit("error", exc)
             self._outbox.flush()
             return
-        jobs = self.scheduler.within_rows(jobs, resident.max_rows, time.perf_counter())
+        for job in jobs:  # the model may have been reloaded with another plan since they came
+            job.kv_budget = resident.kv_budget
+        shape = batch_shape(jobs, self.limits.scheduling(), resident.context, resident.batch_shape,
+                            start.takes_joiners)
+        jobs = self.scheduler.within_rows(jobs, shape.rows, time.perf_counter())
         self.metrics.batch_size.observe(len(jobs))
         self.metrics.running.set(len(jobs))
         try:
             with resident.busy:
                 resident.last_used = time.monotonic()
                 keep_shapes(resident.model, self.limits.graph_shapes)
-                left = self._run_batch(resident, jobs, start.takes_joiners)
+                left = self._run_batch(resident, jobs, shape, start.takes_joiners)
                 resident.last_used = time.monotonic()
             if left:  # stopped for requests that could not join: its unfinished ones continue after those
                 self.scheduler.put_back(left, time.perf_counter())
@@ -206,11 +210,11 @@ class Engine:
             self.metrics.running.set(0)
             self._last_done = time.perf_counter()
 
-    def _run_batch(self, resident: ResidentModel, jobs: list[Job], joiners: bool) -> list[Job]:
-        """One continuous batch on the model, starting with `jobs` (requests that join are appended to it), step by
-        step until it drains or the scheduler stops it; returns the unfinished requests when it was stopped."""
+    def _run_batch(self, resident: ResidentModel, jobs: list[Job], shape: BatchShape, joiners: bool) -> list[Job]:
+        """One continuous batch of `shape` on the model, starting with `jobs` (requests that join are appended to
+        it), step by step until it drains or the scheduler stops it; returns the unfinished requests when it was
+        stopped."""
         limits = self.limits
-        shape = batch_shape(jobs, limits.scheduling(), resident.context, resident.batch_shape, joiners)
         if joiners:  # the model's batches settle on one shape (a seeded batch's own shape is not kept)
             resident.batch_shape = grown(resident.batch_shape, shape)
         params = jobs[0].params

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .kv_budget import KVBudget
+
 
 @dataclass(frozen=True)
 class GenerationParams:
@@ -58,7 +60,7 @@ class Job:
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
     stopped: bool = False  # a stop string ended it
     resumed: bool = False  # a batch stopped before it ended, and it waits to continue (counted out of the queue)
-    max_rows: int = 0  # the most rows its model's memory plan made room for (0: the service's max_batch)
+    kv_budget: KVBudget | None = None  # the KV cache its model's memory plan made room for (None: unbounded)
 
     @property
     def budget_left(self) -> int:

@@ -25,6 +25,7 @@ from ..errors import DevmapError, DoesNotFitError
 from ..planning.budget import resolve_budget
 from ..planning.devices import DeviceKey
 from .errors import DoesNotFit, ModelNotFound, ServiceError
+from .kv_budget import KVBudget
 from .limits import EngineLimits
 from .scheduler import BatchShape
 
@@ -43,13 +44,19 @@ class ResidentModel:
     context: int
     planned: dict[DeviceKey, int]  # bytes per device (weights, KV cache, activations) at its largest batch
     report: dict[str, Any]
-    max_rows: int = 1  # rows of its largest batch: the service's max_batch, or as many as its memory plan fits
+    max_rows: int = 1  # rows its memory plan fits at `cache_len` (the service's max_batch at most); batches of
+    # shorter caches hold more rows in the same KV tokens (`kv_budget`)
     cache_len: int = 0  # cache tokens per row its plan made room for
     compiled: bool = False  # its decode steps run as torch.compile code (devmap.serving.warm_up)
     last_used: float = field(default_factory=time.monotonic)
     busy: threading.Lock = field(default_factory=threading.Lock)
     batch_shape: BatchShape = field(default_factory=BatchShape)  # the largest continuous batch so far: later
     # ones reuse its shape (and its captured steps)
+
+    @property
+    def kv_budget(self) -> KVBudget:
+        """The KV cache its plan made room for: `max_rows` rows of `cache_len` tokens, or more rows of shorter caches."""
+        return KVBudget(self.max_rows, self.cache_len)
 
     @property
     def kv_room(self) -> int:
@@ -63,7 +70,7 @@ class ResidentModel:
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "devmap",
                 "path": str(self.path), "context_length": self.context, "max_batch": self.max_rows,
-                "cache_tokens_per_row": self.cache_len, "compiled": self.compiled,
+                "cache_tokens_per_row": self.cache_len, "kv_cache_tokens": self.kv_budget.tokens, "compiled": self.compiled,
                 "device_map": {k: str(v) for k, v in self.model.hf_device_map.items()}}
 
 

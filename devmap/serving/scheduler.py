@@ -95,10 +95,13 @@ def takes_joiners(job: Job) -> bool:
     return job.params.temperature == 0 or job.params.seed is None
 
 
-def most_rows(job: Job, limits: SchedulerLimits) -> int:
-    """The most rows a batch of the job's model takes: the service's `max_batch`, or fewer where the model's memory
-    plan made room for fewer (`job.max_rows`)."""
-    return min(limits.max_batch, job.max_rows) if job.max_rows else limits.max_batch
+def most_rows(job: Job, limits: SchedulerLimits, cache_len: int | None = None) -> int:
+    """The most rows a batch of the job's model takes: the service's `max_batch`, or fewer where the model's KV
+    budget holds fewer rows of `cache_len` tokens (None: of the longest cache its plan made room for)."""
+    if job.kv_budget is None:
+        return limits.max_batch
+    rows = job.kv_budget.rows if cache_len is None else job.kv_budget.rows_at(cache_len)
+    return min(limits.max_batch, rows)
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -109,16 +112,13 @@ def round_up(value: int, multiple: int) -> int:
 def batch_shape(jobs: list[Job], limits: SchedulerLimits, context: int, kept: BatchShape,
                 takes_joiners: bool = True) -> BatchShape:
     """The shape of a batch starting with `jobs` on a model of `context` tokens (0: unbounded) whose largest shape
-    so far is `kept`: rows a power of two (at least MIN_ROWS when it takes joiners); decoding from a slot past the
+    so far is `kept`: rows a power of two (at least MIN_ROWS when it takes joiners), as many as the model's KV
+    budget holds at that cache length at most (the engine starts the first `rows` of `jobs`); decoding from a slot past the
     longest prompt plus max_new_tokens (so that a stopped request continuing from its tokens so far still fits),
     in multiples of `length_bucket`; a cache of that plus the largest budget (its columns wrap around), in
     multiples of CACHE_BUCKET, within the context. A batch that takes joiners never shrinks below `kept`: a
     service settles on one shape, whose steps are captured once and replayed. A seeded batch's rows depend on its
     requests alone (the sampled tokens depend on the rows)."""
-    count = len(jobs)
-    fewest = 1 << (count - 1).bit_length()
-    most = most_rows(jobs[0], limits)
-    rows = max(count, min(most, max(MIN_ROWS, fewest, kept.rows))) if takes_joiners else min(fewest, most)
     longest = max(len(j.prompt_ids) + len(j.generated) for j in jobs)
     longest_budget = max(j.budget_left for j in jobs)
     span = max(j.params.max_new_tokens for j in jobs)
@@ -129,7 +129,11 @@ def batch_shape(jobs: list[Job], limits: SchedulerLimits, context: int, kept: Ba
         cache = min(cache, context)
         if longest_budget > cache - slot + 1:  # the buckets never cost a request its tokens (the engine's check
             slot = longest  # fits it)
-    return BatchShape(rows, slot, max(cache, slot + longest_budget - 1))
+    cache = max(cache, slot + longest_budget - 1)
+    fewest = 1 << (len(jobs) - 1).bit_length()
+    most = most_rows(jobs[0], limits, cache)
+    rows = min(most, max(MIN_ROWS, fewest, kept.rows)) if takes_joiners else min(fewest, most)
+    return BatchShape(rows, slot, cache)
 
 
 def largest_cache(limits: SchedulerLimits, max_prompt_tokens: int, max_new_tokens: int, context: int) -> int:
@@ -169,13 +173,11 @@ class Scheduler:
             job.resumed, job.waiting_since = True, now
         self.waiting.extend(jobs)
 
-    def within_rows(self, jobs: list[Job], most: int, now: float) -> list[Job]:
-        """The first `most` of a starting batch's requests (their model's rows now: it may have been reloaded with
-        room for fewer since they came); the others wait to continue after them."""
-        for job in jobs:
-            job.max_rows = most
-        self.put_back(jobs[most:], now)
-        return jobs[:most]
+    def within_rows(self, jobs: list[Job], rows: int, now: float) -> list[Job]:
+        """The first `rows` of a starting batch's requests (its shape's rows); the others wait to continue after
+        them."""
+        self.put_back(jobs[rows:], now)
+        return jobs[:rows]
 
     def cancelled(self) -> list[Job]:
         """The waiting requests whose clients went away (the engine takes them out)."""
@@ -202,8 +204,9 @@ class Scheduler:
         """Before the running batch's next step, with `free` of its rows free: the waiting requests of its key that
         join now (as many as rows free, prompts within its first slot, at most `join_tokens` prompt tokens beyond
         the first; they wait up to `join_wait` for more to join with them, unless they fill the free rows); a stop
-        once a request that cannot join has waited `preempt_after` (another key, a longer prompt than the batch
-        takes, no row while the batch could be larger) or at once for one whose budget the cache cannot hold;
+        once a request that finds no row while the batch could be larger has waited `join_wait`, once one that
+        cannot join (another key, a longer prompt than the batch takes) has waited `preempt_after`, or at once for
+        one whose budget the cache cannot hold;
         with every row free and none to join, a wait of up to `max_batch_wait` for clients coming back."""
         limits, rows = self.limits, batch.shape.rows
         if free < rows:
@@ -235,10 +238,14 @@ class Scheduler:
                 chosen.append(job)
                 tokens += length
                 continue
-            # what waits for the budget joins at a later step; what needs a row none frees soon enough (the batch
-            # could grow), a longer prompt than the batch takes, or another key stops the batch
-            blocked = not is_same or not fits or (len(chosen) >= free and rows < most_rows(job, limits))
-            if blocked and now - job.waiting_since >= limits.preempt_after:
+            # what waits for the join token budget joins at a later step; one that finds no free row while the
+            # batch could be larger stops it after `join_wait` (the next batch has more rows: a model's batches only
+            # grow, so this happens a few times in a service's life, as vLLM admits sequences while KV room
+            # remains); a longer prompt than the batch takes, or another key, stops it after `preempt_after`
+            if is_same and fits and len(chosen) >= free and rows < most_rows(job, limits, batch.shape.cache_len):
+                if now - job.waiting_since >= limits.join_wait:
+                    return Admission([], stop=True)
+            elif (not is_same or not fits) and now - job.waiting_since >= limits.preempt_after:
                 return Admission([], stop=True)
         taken = {id(j) for j in chosen}
         full = len(chosen) == free or any(id(j) not in taken for j in same)

@@ -198,6 +198,48 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
     assert engine.metrics.joined._value.get() >= 1
 
 
+def test_a_batch_without_a_row_for_a_waiting_request_grows_and_answers_stay_those_of_generate(registry):
+    """More requests than a running batch has rows (and room for more rows): it stops after join_wait and the next
+    batch has rows for all of them; the requests it stopped continue with the answers they would have had alone."""
+    import torch
+
+    import devmap
+    from devmap.serving.scheduler import MIN_ROWS
+    from devmap.serving.text_stream import eos_ids
+
+    resident = registry.get("tiny")
+    resident.batch_shape = type(resident.batch_shape)()  # no kept shape: the first batch has MIN_ROWS rows
+    eos = eos_ids(resident)
+    count = MIN_ROWS + 4
+    prompts = [[5 + (11 * i + k) % 300 for k in range(4 + i % 5)] for i in range(count)]
+
+    def alone(ids: list[int], new: int) -> str:
+        out = devmap.generate(resident.model, torch.tensor([ids]), max_new_tokens=new, eos_token_id=eos,
+                              pad_token_id=eos[0])[0, len(ids):].tolist()
+        return resident.tokenizer.decode([t for t in out[:next((k for k, t in enumerate(out) if t in eos), len(out))]],
+                                         skip_special_tokens=True)
+
+    engine = Engine(registry, EngineLimits(max_batch=2 * MIN_ROWS, preempt_after=60.0))  # growth alone stops it
+    engine.start()
+
+    async def crowd() -> list:
+        first = engine.submit("tiny", prompts[0], GenerationParams(max_new_tokens=60, temperature=0))
+        stream = engine.stream(first)
+        text = await stream.__anext__()  # a batch of MIN_ROWS rows runs: the others find too few rows
+        others = [asyncio.ensure_future(engine.complete("tiny", p, GenerationParams(max_new_tokens=30, temperature=0)))
+                  for p in prompts[1:]]
+        text += "".join([piece async for piece in stream])
+        return [text, *[c.text for c in await asyncio.gather(*others)]]
+
+    try:
+        answers = asyncio.run(crowd())
+    finally:
+        engine.close(timeout=60)
+    assert answers == [alone(prompts[0], 60), *[alone(p, 30) for p in prompts[1:]]]
+    assert engine.metrics.preemptions._value.get() >= 1
+    assert resident.batch_shape.rows == 2 * MIN_ROWS
+
+
 def test_a_request_that_cannot_join_stops_a_continuous_batch(registry):
     """A seeded sampled request cannot join a greedy continuous batch: after preempt_after the batch stops, the
     sampled request runs, and the greedy one continues later with the answer it would have had alone."""

@@ -4,6 +4,7 @@ one, when a batch stops for others, waits for clients coming back, or drains; an
 import pytest
 
 from devmap.serving.jobs import GenerationParams, Job
+from devmap.serving.kv_budget import KVBudget
 from devmap.serving.scheduler import (MIN_ROWS, Admission, BatchShape, RunningBatch, Scheduler, SchedulerLimits,
                                       Start, Wait, batch_shape, grown, key_of)
 
@@ -65,7 +66,8 @@ def test_joiners_take_free_rows_within_the_join_token_budget():
     s = scheduler(*waiting)
     admission = s.admit(running(first), free=3, now=2.0)
     assert admission.joining == waiting[:2]  # 8 + 8 tokens; a third would pass join_tokens=20
-    assert s.admit(running(first), free=1, now=1.1).joining == waiting[:1]
+    assert s.admit(running(first, rows=8), free=1, now=1.1).joining == waiting[:1]  # a full-size batch: one joins
+    assert s.admit(running(first, rows=4), free=1, now=1.1).stop  # a batch that could be larger grows instead
     huge = job(1.0, prompt=30)
     assert scheduler(huge).admit(running(first), free=2, now=2.0).joining == [huge]  # the first always joins
 
@@ -84,8 +86,9 @@ def test_a_request_that_cannot_join_stops_the_batch_after_preempt_after():
                     job(1.0, prompt=40)):  # another model, another sampling, a prompt past the first slot
         assert scheduler(blocked).admit(running(first), free=2, now=1.1) == Admission([])
         assert scheduler(blocked).admit(running(first), free=2, now=1.0 + LIMITS.preempt_after).stop
-    no_row = job(1.0)  # no free row while the batch could be larger
-    assert scheduler(no_row).admit(running(first, rows=4), free=0, now=1.3).stop
+    no_row = job(1.0)  # no free row while the batch could be larger: it grows after join_wait
+    assert not scheduler(no_row).admit(running(first, rows=4), free=0, now=1.0 + LIMITS.join_wait / 2).stop
+    assert scheduler(no_row).admit(running(first, rows=4), free=0, now=1.0 + LIMITS.join_wait).stop
     assert not scheduler(no_row).admit(running(first, rows=8), free=0, now=1.3).stop  # max_batch rows: it waits
     too_long = job(1.0, params=GenerationParams(max_new_tokens=200, temperature=0))
     assert scheduler(too_long).admit(running(first, cache=128), free=2, now=1.0).stop  # never fits: at once
@@ -151,6 +154,26 @@ def test_any_requests_fit_the_shape_they_get():
             length = len(j.prompt_ids) + len(j.generated)
             assert length <= shape.first_slot and j.budget_left <= shape.cache_len - length + 1
         assert not context or shape.cache_len <= max(context, shape.first_slot + max(j.budget_left for j in jobs) - 1)
-        assert shape.rows >= len(jobs)
+        assert min(len(jobs), LIMITS.max_batch) <= shape.rows <= LIMITS.max_batch
 
     check()
+
+
+def test_a_kv_budget_holds_more_rows_of_shorter_caches():
+    """A model whose plan made room for 2 rows of 512 cache tokens holds 8 rows of 128: its batches get the rows
+    their cache length allows, and a request finding no row grows a batch only while the budget allows more."""
+    budget = KVBudget(rows=2, cache_len=512)
+    assert budget.tokens == 1024 and budget.rows_at(128) == 8 and budget.rows_at(512) == 2 and budget.rows_at(300) == 3
+    many = [job(0.0, prompt=4) for _ in range(12)]
+    for j in many:
+        j.kv_budget = budget
+    short = batch_shape(many, LIMITS, context=0, kept=BatchShape())
+    assert short.cache_len == 128 and short.rows == 8  # max_batch=8 and the budget's 8 rows at 128
+    long = [job(0.0, prompt=200, params=GenerationParams(max_new_tokens=100, temperature=0)) for _ in range(4)]
+    for j in long:
+        j.kv_budget = budget
+    wide = batch_shape(long, LIMITS, context=0, kept=short)
+    assert wide.cache_len == 512 and wide.rows == 2  # the kept 8 rows do not fit this cache
+    s = scheduler(*many[2:4])
+    assert not s.admit(RunningBatch(key_of(many[0]), BatchShape(2, 384, 512), True), free=0, now=1.0).stop
+    assert s.admit(RunningBatch(key_of(many[0]), BatchShape(4, 32, 128), True), free=0, now=1.0).stop
