@@ -76,8 +76,9 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
 
     import uvicorn
 
-    from devmap.serving import Engine, EngineLimits, ModelRegistry
+    from devmap.serving import Engine, EngineLimits
     from devmap.serving.app import create_app
+    from devmap.serving.core_client import RegistrySettings
     from devmap.serving.errors import ServiceError
 
     limits = EngineLimits(max_batch=max_batch, batch_wait=batch_wait_ms / 1000,
@@ -86,20 +87,28 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
                           preempt_after=preempt_after_ms / 1000, max_prompt_tokens=max_prompt_tokens,
                           max_new_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
                           lanes=lanes, compile=compile_steps)
-    registry = ModelRegistry(model_root, device_map, max_memory, dtype, quantization=quantize, limits=limits)
-    for directory in model_dirs:
-        path = Path(directory).expanduser().resolve()
-        click.echo(f"loading {path.name} (on GPUs its decode steps compile once now: tens of seconds, less with "
-                   "inductor's on-disk cache; --no-compile skips it)", err=True)
-        try:
-            resident = registry.load(path)
-        except ServiceError as exc:
-            raise click.ClickException(exc.message) from None
-        click.echo(f"loaded {resident.id} from {path} onto "
-                   f"{', '.join(sorted({str(v) for v in resident.model.hf_device_map.values()}))}: batches of up to "
-                   f"{resident.max_rows} rows of {resident.cache_len} cache tokens (more rows of shorter caches), decode steps "
-                   f"{'compiled' if resident.compiled else 'captured eagerly'}", err=True)
-    app = create_app(Engine(registry, limits), api_key=api_key)
+    # the models and the loop that batches them run in a process of their own (the engine core); this one answers
+    # HTTP, tokenizes and detokenizes, so that no request's Python work holds the loop that issues the GPUs' work
+    engine = Engine.spawned(RegistrySettings(model_root, device_map, max_memory, dtype, quantize), limits,
+                            log_level=log_level)
+    try:
+        for directory in model_dirs:
+            path = Path(directory).expanduser().resolve()
+            click.echo(f"loading {path.name} (on GPUs its decode steps compile once now: tens of seconds, less with "
+                       "inductor's on-disk cache; --no-compile skips it)", err=True)
+            described = engine.load(str(path), under_root=False)
+            click.echo(f"loaded {described['id']} from {path} onto "
+                       f"{', '.join(sorted(set(described['device_map'].values())))}: batches of up to "
+                       f"{described['max_batch']} rows of {described['cache_tokens_per_row']} cache tokens (more rows "
+                       f"of shorter caches), decode steps {'compiled' if described['compiled'] else 'captured eagerly'}",
+                       err=True)
+    except ServiceError as exc:
+        engine.close(timeout=30)
+        raise click.ClickException(exc.message) from None
+    except BaseException:
+        engine.close(timeout=30)
+        raise
+    app = create_app(engine, api_key=api_key)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import logging
 

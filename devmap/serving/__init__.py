@@ -1,9 +1,11 @@
-"""The loader service: models kept on their devices, concurrent requests batched into devmap's lanes, and an
+"""The loader service: models kept on their devices, concurrent requests batched continuously, and an
 OpenAI-compatible HTTP API over them (FastAPI + uvicorn).
 
-Owns: the registry of resident models (loads under a model root, budgets, unloads), the scheduler (pure
-policy) and the engine loop that runs continuous batches, the request and response formats, metrics and the app. Imports generation, loading and planning; only the
-CLI imports this package.
+Data flows app (HTTP) -> engine (requests, text) -> core client -> core (the loop: scheduler, continuous batches,
+tokens) -> generation. The core runs in a process of its own under `devmap serve` (`core_client.ProcessCore`), or
+in a thread (`Engine(registry)`). Owns: the registry of resident models (loads under a model root, budgets,
+unloads), the scheduler (pure policy), the request and response formats, metrics and the app. Imports generation,
+loading and planning; only the CLI imports this package.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .engine import Engine
-from .jobs import Job
 from .errors import ServiceError
+from .text_stream import RequestStream
 from .protocol import (ChatRequest, CompletionRequest, LoadRequest, chat_body, chat_chunk, completion_body,
                        error_body, new_id, usage)
 
@@ -31,7 +31,6 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        engine.metrics.models.set(len(engine.registry.all()))
         yield
         await run_in_threadpool(engine.close)
 
@@ -57,41 +56,39 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
         return JSONResponse(error_body(message, "invalid_request_error"), status_code=exc.status_code)
 
+    # the models' calls go to the engine core (perhaps another process) from a worker thread: the event loop keeps
+    # streaming meanwhile
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "models": [r.id for r in engine.registry.all()]}
+        return {"status": "ok", "models": [m["id"] for m in await run_in_threadpool(engine.models)]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.render(engine.registry.planned()), media_type=CONTENT_TYPE_LATEST)
+        return Response(await run_in_threadpool(engine.render_metrics), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [r.describe() for r in engine.registry.all()]}
+        return {"object": "list", "data": await run_in_threadpool(engine.models)}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        return engine.registry.get(model_id).describe()
+        return await run_in_threadpool(engine.describe, model_id)
 
     @app.post("/v1/models/load")
     async def load(body: LoadRequest) -> dict[str, Any]:
-        path = engine.registry.under_root(body.model)
-        resident = await run_in_threadpool(engine.registry.load, path, body.id, body.device_map, body.max_memory,
-                                           body.dtype)
-        engine.metrics.models.set(len(engine.registry.all()))
-        return {**resident.describe(), "plan": resident.model.devmap_plan.to_dict(), "load_report": resident.report}
+        return await run_in_threadpool(engine.load, body.model, body.id, body.device_map, body.max_memory,
+                                       body.dtype)
 
     @app.delete("/v1/models/{model_id:path}")
     async def unload(model_id: str) -> dict[str, Any]:
-        await run_in_threadpool(engine.registry.unload, model_id)
-        engine.metrics.models.set(len(engine.registry.all()))
+        await run_in_threadpool(engine.unload, model_id)
         return {"id": model_id, "object": "model", "deleted": True}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
-        resident = engine.registry.get(body.model)
+        card = engine.card(body.model)
         prompt = body.prompt
-        ids = prompt if isinstance(prompt, list) else resident.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = prompt if isinstance(prompt, list) else card.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         job = engine.submit(body.model, list(ids), body.params())
         request_id = new_id("cmpl")
         if body.stream:
@@ -102,8 +99,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest) -> Any:
-        resident = engine.registry.get(body.model)
-        ids = _chat_ids(resident.tokenizer, body)
+        ids = _chat_ids(engine.card(body.model).tokenizer, body)
         job = engine.submit(body.model, ids, body.params())
         request_id = new_id("chatcmpl")
         if body.stream:
@@ -132,7 +128,7 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _completion_events(engine: Engine, job: Job, request_id: str, model: str) -> AsyncIterator[dict]:
+async def _completion_events(engine: Engine, job: RequestStream, request_id: str, model: str) -> AsyncIterator[dict]:
     try:
         async for piece in engine.stream(job):
             yield completion_body(request_id, model, piece, None, None)
@@ -142,7 +138,7 @@ async def _completion_events(engine: Engine, job: Job, request_id: str, model: s
     yield completion_body(request_id, model, "", job.finish_reason, usage(len(job.prompt_ids), len(job.generated)))
 
 
-async def _chat_events(engine: Engine, job: Job, request_id: str, model: str) -> AsyncIterator[dict]:
+async def _chat_events(engine: Engine, job: RequestStream, request_id: str, model: str) -> AsyncIterator[dict]:
     yield chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None)
     try:
         async for piece in engine.stream(job):

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from .jobs import Job
-from .metrics import ServiceMetrics
+from .metrics import EngineMetrics
 
 log = logging.getLogger("devmap.serving")
 SLOW_FIRST_TOKEN = 0.25  # seconds: a request slower than this to its first token is logged with its phases (debug)
@@ -18,7 +18,7 @@ SLOW_FIRST_TOKEN = 0.25  # seconds: a request slower than this to its first toke
 class PhaseClock:
     """Adds the time since the last mark to the engine's per-phase seconds (one counter per phase)."""
 
-    def __init__(self, metrics: ServiceMetrics) -> None:
+    def __init__(self, metrics: EngineMetrics) -> None:
         self.counters = {phase: metrics.engine_seconds.labels(phase=phase)
                          for phase in ("launch", "collect", "hand_back", "schedule", "idle")}
         self.last = time.perf_counter()

@@ -13,6 +13,9 @@ class ServiceError(Exception):
         super().__init__(message)
         self.message, self.param = message, param
 
+    def __reduce__(self) -> tuple:  # crosses from the engine core's process to the API's whole
+        return type(self), (self.message, self.param)
+
 
 class ModelNotFound(ServiceError):
     status = 404
@@ -42,3 +45,10 @@ class ShuttingDown(ServiceError):
 class GenerationFailed(ServiceError):
     status = 500
     kind = "server_error"
+
+
+class EngineGone(ServiceError):
+    """The engine core's process ended (killed, or out of memory): nothing more can be generated."""
+
+    status = 503
+    kind = "service_unavailable"

@@ -1,13 +1,13 @@
-"""What a request is on its way through the engine: its generation parameters, its state, its finished form."""
+"""What a request is on its way through the engine core: its generation parameters, its token-level state, and
+what the core hands back for it after each step (`TokenOutput`). Text lives on the API side (`text_stream.py`)."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from .errors import ServiceError
 from .kv_budget import KVBudget
 
 
@@ -42,24 +42,18 @@ class Completion:
 
 @dataclass
 class Job:
-    """One request on its way through the engine; events go to `events` on the request's event loop."""
+    """One request inside the engine core: its prompt, the tokens it has, whether it ended or its client left."""
 
+    id: int
     model_id: str
     prompt_ids: list[int]
     params: GenerationParams
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     waiting_since: float = field(default_factory=time.perf_counter)  # arrival, or when its batch stopped under it
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)  # aborted: its client left, or a stop string
     generated: list[int] = field(default_factory=list)
-    text: str = ""  # decoded so far (up to the last complete character)
-    sent: str = ""  # emitted so far (a prefix of text)
-    decoded: tuple[int, int] = (0, 0)  # token offsets: start of the decode window, end of what text covers
     finished: bool = False
-    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
-    stopped: bool = False  # a stop string ended it
-    resumed: bool = False  # a batch stopped before it ended, and it waits to continue (counted out of the queue)
+    resumed: bool = False  # a batch stopped before it ended, and it waits to continue
     kv_budget: KVBudget | None = None  # the KV cache its model's memory plan made room for (None: unbounded)
 
     @property
@@ -67,41 +61,20 @@ class Job:
         """Tokens it may still generate."""
         return self.params.max_new_tokens - len(self.generated)
 
-    outbox: "Outbox | None" = None  # the engine's: events leave in one wake-up of the event loop per step
 
-    def emit(self, *event: Any) -> None:
-        """An event for the request's stream: ("text", str), ("done", finish reason) or ("error", exception)."""
-        if self.outbox is not None:
-            self.outbox.put(self, event)
-        else:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+@dataclass
+class TokenOutput:
+    """What the core hands back for one request after a step: its new tokens, in order, and, once it ended, why
+    ("stop": an end-of-sequence token, which is not among the tokens; "length": its token budget) or the error
+    that ended it."""
 
+    request_id: int
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: ServiceError | None = None
 
-class Outbox:
-    """Events of many requests, handed to their event loops together: one thread-safe wake-up per loop per
-    `flush` (the engine flushes after each step's tokens) instead of one per token."""
-
-    def __init__(self) -> None:
-        self._items: list[tuple[Job, tuple]] = []
-        self._lock = threading.Lock()
-
-    def put(self, job: Job, event: tuple) -> None:
-        with self._lock:
-            self._items.append((job, event))
-
-    def flush(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-        by_loop: dict[Any, list[tuple[asyncio.Queue, tuple]]] = {}
-        for job, event in items:
-            by_loop.setdefault(job.loop, []).append((job.events, event))
-        for loop, events in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, events)
-            except RuntimeError:  # the loop has closed: its clients are gone
-                pass
-
-
-def _put_all(events: list[tuple[asyncio.Queue, tuple]]) -> None:
-    for queue, event in events:
-        queue.put_nowait(event)
+    def merge(self, later: TokenOutput) -> None:
+        """Add a later output of the same request (an API that fell behind reads several steps at once)."""
+        self.tokens.extend(later.tokens)
+        self.finish_reason = later.finish_reason or self.finish_reason
+        self.error = later.error or self.error

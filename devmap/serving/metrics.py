@@ -1,4 +1,6 @@
-"""Prometheus metrics of one service (its own registry, so several engines can live in one process)."""
+"""Prometheus metrics of one service, in two registries: the API's (HTTP requests, tokens in and out, time to first
+token, queue depth as the API sees it) and the engine core's (batches, steps, the loop's phases, memory, models),
+which may live in another process. `/metrics` shows both, each family once."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from ..planning.devices import DeviceKey, device_label
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
-class ServiceMetrics:
-    """Requests, tokens, queue depth, latencies, batch sizes, resident models and device memory."""
+class ApiMetrics:
+    """Requests, tokens, latencies and the queue, as the HTTP side sees them."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -22,27 +24,39 @@ class ServiceMetrics:
         self.prompt_tokens = Counter("devmap_prompt_tokens", "Prompt tokens received", ["model"], registry=r)
         self.completion_tokens = Counter("devmap_completion_tokens", "Tokens generated and returned", ["model"],
                                          registry=r)
-        self.queue_depth = Gauge("devmap_queue_depth", "Requests waiting for a batch", registry=r)
-        self.running = Gauge("devmap_running_requests", "Requests in the batch running now", registry=r)
+        self.queue_depth = Gauge("devmap_queue_depth", "Requests submitted that have no token yet (waiting for a "
+                                 "batch, or in their prefill)", registry=r)
         self.latency = Histogram("devmap_request_seconds", "Request latency, arrival to last byte", ["endpoint"],
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.first_token = Histogram("devmap_time_to_first_token_seconds", "Arrival to the first generated token",
                                      buckets=LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineMetrics:
+    """Batches, decode steps, the engine loop's phases, garbage collections, resident models and device memory."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("devmap_running_requests", "Requests in the batch running now", registry=r)
         self.batch_size = Histogram("devmap_batch_size", "Requests a continuous batch started with",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.preemptions = Counter("devmap_preemptions", "Batches stopped between steps for requests that could not "
                                    "join them, their unfinished ones continuing in a later batch", registry=r)
         self.engine_seconds = Counter("devmap_engine_seconds", "The engine loop's time by phase: launch (joins and a "
                                       "decode step launched), collect (waiting for tokens to come back: the GPUs' "
-                                      "time the host could not hide), hand_back (text out to the requests), "
+                                      "time the host could not hide), hand_back (tokens out to the API), "
                                       "schedule (the queue and the scheduler), idle (every row free, waiting for "
                                       "requests)", ["phase"], registry=r)
         self.decode_steps = Counter("devmap_decode_steps", "Decode steps issued by continuous batches", registry=r)
         self.joined = Counter("devmap_joined_requests", "Requests that took a free row of a running batch "
                               "(continuous batching)", registry=r)
-        self.gc_pauses = Histogram("devmap_gc_pause_seconds", "Python garbage collections (each holds every thread, "
-                                   "the engine's too)", buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
-                                   registry=r)
+        self.gc_pauses = Histogram("devmap_gc_pause_seconds", "Python garbage collections in the engine core's "
+                                   "process (each holds every thread of it)",
+                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.models = Gauge("devmap_resident_models", "Models loaded", registry=r)
         self.device_memory = Gauge("devmap_device_memory_bytes", "Memory allocated by torch on each GPU",
                                    ["device"], registry=r)

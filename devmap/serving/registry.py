@@ -48,6 +48,7 @@ class ResidentModel:
     # shorter caches hold more rows in the same KV tokens (`kv_budget`)
     cache_len: int = 0  # cache tokens per row its plan made room for
     compiled: bool = False  # its decode steps run as torch.compile code (devmap.serving.warm_up)
+    eos_ids: tuple[int, ...] = ()  # tokens that end a request (the model's generation config and its tokenizer)
     last_used: float = field(default_factory=time.monotonic)
     busy: threading.Lock = field(default_factory=threading.Lock)
     batch_shape: BatchShape = field(default_factory=BatchShape)  # the largest continuous batch so far: later
@@ -127,7 +128,7 @@ class ModelRegistry:
             except DevmapError as exc:
                 raise ServiceError(f"cannot load {model_id}: {exc}") from None
             try:
-                tokenizer = _tokenizer(path)
+                tokenizer = load_tokenizer(path)
                 context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
                 compiled = _compiled(model, self.limits.compile, self.quantization, rows, context)
             except BaseException:
@@ -138,6 +139,7 @@ class ModelRegistry:
                 id=model_id, path=path, model=model, tokenizer=tokenizer, created=int(time.time()),
                 context=context, planned={usage.key: usage.total for usage in model.devmap_plan.devices.values()},
                 report=report, max_rows=rows, cache_len=cache_len, compiled=compiled,
+                eos_ids=end_of_sequence_ids(model, tokenizer),
             )
             with self._lock:
                 self._models[model_id] = resident
@@ -228,7 +230,17 @@ def _compiled(model: nn.Module, wanted: bool | None, quantization: Any, rows: in
     return True
 
 
-def _tokenizer(path: Path) -> Any:
+def end_of_sequence_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end a request: the model's generation config's (or config's) EOS ids and the tokenizer's."""
+    config = getattr(model, "generation_config", None) or model.config
+    eos = getattr(config, "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids)
+
+
+def load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
     try:

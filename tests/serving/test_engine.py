@@ -140,12 +140,11 @@ def test_shape_buckets_never_cost_a_request_its_tokens(registry):
 def test_incremental_decoding_gives_the_whole_decode(registry):
     import asyncio as _asyncio
 
-    from devmap.serving.engine import Job
-    from devmap.serving.text_stream import decode_new
+    from devmap.serving.text_stream import RequestStream, decode_new
 
     tokenizer = registry.get("tiny").tokenizer
     ids = tokenizer("héllo wörld ✓ the quick brown fox, (100) — ok", add_special_tokens=False)["input_ids"]
-    job = Job("tiny", [1], GenerationParams(), _asyncio.new_event_loop())
+    job = RequestStream(1, "tiny", [1], GenerationParams(), tokenizer, _asyncio.new_event_loop())
     seen = []
     for token in ids:
         job.generated.append(token)
@@ -164,10 +163,8 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
     import torch
 
     import devmap
-    from devmap.serving.text_stream import eos_ids
-
     resident = registry.get("tiny")
-    eos = eos_ids(resident)
+    eos = list(resident.eos_ids)
     prompts = [[5 + (7 * i + k) % 300 for k in range(3 + i)] for i in range(10)]
     lengths = [40] + [6 + i for i in range(1, 10)]
 
@@ -195,7 +192,7 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
     finally:
         engine.close(timeout=60)
     assert answers == [alone(p, n) for p, n in zip(prompts, lengths)]
-    assert engine.metrics.joined._value.get() >= 1
+    assert engine.core.core.metrics.joined._value.get() >= 1
 
 
 def test_a_batch_without_a_row_for_a_waiting_request_grows_and_answers_stay_those_of_generate(registry):
@@ -205,11 +202,9 @@ def test_a_batch_without_a_row_for_a_waiting_request_grows_and_answers_stay_thos
 
     import devmap
     from devmap.serving.scheduler import MIN_ROWS
-    from devmap.serving.text_stream import eos_ids
-
     resident = registry.get("tiny")
     resident.batch_shape = type(resident.batch_shape)()  # no kept shape: the first batch has MIN_ROWS rows
-    eos = eos_ids(resident)
+    eos = list(resident.eos_ids)
     count = MIN_ROWS + 4
     prompts = [[5 + (11 * i + k) % 300 for k in range(4 + i % 5)] for i in range(count)]
 
@@ -236,7 +231,7 @@ def test_a_batch_without_a_row_for_a_waiting_request_grows_and_answers_stay_thos
     finally:
         engine.close(timeout=60)
     assert answers == [alone(prompts[0], 60), *[alone(p, 30) for p in prompts[1:]]]
-    assert engine.metrics.preemptions._value.get() >= 1
+    assert engine.core.core.metrics.preemptions._value.get() >= 1
     assert resident.batch_shape.rows == 2 * MIN_ROWS
 
 
@@ -246,10 +241,8 @@ def test_a_request_that_cannot_join_stops_a_continuous_batch(registry):
     import torch
 
     import devmap
-    from devmap.serving.text_stream import eos_ids
-
     resident = registry.get("tiny")
-    eos = eos_ids(resident)
+    eos = list(resident.eos_ids)
     prompt = [5 + k for k in range(6)]
     out = devmap.generate(resident.model, torch.tensor([prompt]), max_new_tokens=120, eos_token_id=eos,
                           pad_token_id=eos[0])[0, len(prompt):].tolist()
@@ -272,7 +265,7 @@ def test_a_request_that_cannot_join_stops_a_continuous_batch(registry):
     assert text == resident.tokenizer.decode(out, skip_special_tokens=True)
     assert sampled.finish_reason in ("stop", "length")
     assert len(out) > 40  # long enough to be running when the sampled request came: it was stopped for it
-    assert engine.metrics.preemptions._value.get() >= 1
+    assert engine.core.core.metrics.preemptions._value.get() >= 1
 
 
 def test_unseeded_sampling_runs_in_a_continuous_batch(registry):
@@ -290,7 +283,7 @@ def test_unseeded_sampling_runs_in_a_continuous_batch(registry):
         engine.close(timeout=60)
     assert [d.finish_reason in ("stop", "length") for d in done] == [True] * 6
     assert all(d.completion_tokens <= 3 + i for i, d in enumerate(done))
-    assert engine.metrics.joined._value.get() >= 1  # 6 requests, 4 rows: some joined a running batch
+    assert engine.core.core.metrics.joined._value.get() >= 1  # 6 requests, 4 rows: some joined a running batch
 
 
 def test_the_debug_log_says_where_a_slow_first_token_waited(registry, monkeypatch, caplog):
@@ -327,7 +320,7 @@ def test_garbage_collections_are_timed_while_the_engine_runs(registry, caplog):
             gc.collect()
             stop()
         gc.collect()
-        text = engine.metrics.render().decode()
+        text = engine.render_metrics().decode()
     finally:
         engine.close(timeout=30)
     assert any("garbage collector (generation 2) held every thread" in r.getMessage() for r in caplog.records)

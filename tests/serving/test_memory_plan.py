@@ -82,7 +82,7 @@ def test_batches_stay_within_the_rows_and_kv_room_the_plan_made(model_root):
     try:
         together = asyncio.run(ask())
         alone = [asyncio.run(engine.complete("tiny", [5 + i, 6, 7], params)).text for i in range(7)]
-        metrics = engine.metrics.render(registry.planned()).decode()
+        metrics = engine.render_metrics().decode()
     finally:
         engine.close(timeout=60)
     assert together == alone

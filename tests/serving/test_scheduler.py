@@ -13,8 +13,11 @@ LIMITS = SchedulerLimits(max_batch=8, batch_wait=0.005, max_batch_wait=0.05, len
 GREEDY = GenerationParams(max_new_tokens=8, temperature=0)
 
 
+_ids = iter(range(1, 1 << 30))
+
+
 def job(at: float, prompt: int = 4, params: GenerationParams = GREEDY, model: str = "m") -> Job:
-    return Job(model, list(range(5, 5 + prompt)), params, loop=None, arrived=at, waiting_since=at)  # type: ignore[arg-type]
+    return Job(next(_ids), model, list(range(5, 5 + prompt)), params, arrived=at, waiting_since=at)
 
 
 def scheduler(*jobs: Job) -> Scheduler:

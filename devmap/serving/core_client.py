@@ -1,0 +1,272 @@
+"""How the API reaches the engine core: in a thread of its own process (`ThreadCore`, for Python callers and tests),
+or in a process of its own (`ProcessCore`, what `devmap serve` runs), as vLLM splits its API server from its engine
+core. The second keeps every request's Python work (HTTP, JSON, tokenizing, detokenizing, SSE writes) off the
+interpreter that issues the GPUs' work: one interpreter runs one thread at a time, and a 1B model's decode step is
+shorter than the API's work for a few dozen streaming clients.
+
+Both take the same calls: `add` and `abort` requests, `call` one of the core's control methods (`core.CONTROL`),
+`card` for what the API needs of a model (its context and tokenizer); the core's outputs come to `deliver`, once per
+step, from a thread that is not the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable
+
+from .core import CONTROL, Deliver, EngineCore
+from .errors import EngineGone, ServiceError
+from .jobs import Job
+from .limits import EngineLimits
+from .registry import ModelRegistry, load_tokenizer
+
+log = logging.getLogger("devmap.serving")
+
+Lost = Callable[[ServiceError], None]
+"""Called once if the core can no longer answer (its process ended): every open request gets this error."""
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the API side needs of a resident model: its id, directory, context (0: unbounded) and tokenizer."""
+
+    id: str
+    path: Path
+    context: int
+    tokenizer: Any
+
+
+@dataclass(frozen=True)
+class RegistrySettings:
+    """What the engine core's process builds its `ModelRegistry` from (see its arguments)."""
+
+    model_root: str | None = None
+    device_map: Any = "balanced"
+    max_memory: Any = None
+    dtype: str | None = None
+    quantization: Any = None
+
+
+class ThreadCore:
+    """The engine core in a thread of this process, over `registry`."""
+
+    def __init__(self, registry: ModelRegistry, limits: EngineLimits) -> None:
+        self.registry = registry
+        self._deliver: Deliver = lambda outputs: None
+        self.core = EngineCore(registry, limits, lambda outputs: self._deliver(outputs))
+
+    def attach(self, deliver: Deliver, lost: Lost) -> None:
+        self._deliver = deliver
+
+    def start(self) -> None:
+        self.core.start()
+
+    def close(self, timeout: float | None = None) -> None:
+        self.core.close(timeout)
+
+    def add(self, job: Job) -> None:
+        self.core.add(job)
+
+    def abort(self, request_id: int) -> None:
+        self.core.abort(request_id)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return _control(self.core, method, args)
+
+    def card(self, model_id: str) -> ModelCard:
+        resident = self.registry.get(model_id)
+        return ModelCard(resident.id, resident.path, resident.context, resident.tokenizer)
+
+    def forget(self, model_id: str) -> None:
+        """The model was unloaded (the registry already says so)."""
+
+
+class ProcessCore:
+    """The engine core in a process of its own (spawned: it owns the GPUs; this process never touches CUDA),
+    talking over two pipes: requests, aborts and control calls in; each step's outputs, control replies and idle
+    unloads out."""
+
+    def __init__(self, settings: RegistrySettings, limits: EngineLimits, log_level: str = "WARNING") -> None:
+        context = multiprocessing.get_context("spawn")
+        core_reads, self._to_core = context.Pipe(duplex=False)
+        self._from_core, core_writes = context.Pipe(duplex=False)
+        # not a daemon: the core's compiler starts worker processes of its own
+        self._process = context.Process(target=run_core_process, name="devmap-engine-core",
+                                        args=(settings, limits, log_level, core_reads, core_writes))
+        self._process.start()
+        core_reads.close()
+        core_writes.close()
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._cards: dict[str, ModelCard] = {}
+        self._deliver: Deliver = lambda outputs: None
+        self._lost: Lost = lambda error: None
+        self.gone: ServiceError | None = None
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name="devmap-core-outputs", daemon=True)
+        self._reader.start()
+        atexit.register(self._stop_process)
+
+    def attach(self, deliver: Deliver, lost: Lost) -> None:
+        self._deliver, self._lost = deliver, lost
+
+    def start(self) -> None:
+        """The core's loop runs from its process's start."""
+
+    def close(self, timeout: float | None = None) -> None:
+        """The core finishes its queued and running requests, then its process ends."""
+        self._closing = True
+        if self.gone is None:
+            try:
+                self._send(("close",))
+            except ServiceError:
+                pass
+        self._process.join(timeout)
+        self._stop_process()
+
+    def add(self, job: Job) -> None:
+        self._send(("add", job.id, job.model_id, job.prompt_ids, job.params))
+
+    def abort(self, request_id: int) -> None:
+        try:
+            self._send(("abort", request_id))
+        except ServiceError:  # gone: nothing runs there any more
+            pass
+
+    def call(self, method: str, *args: Any) -> Any:
+        """One of the core's control methods, run in its process (blocks until it answers)."""
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        try:
+            self._send(("call", call_id, method, args))
+        except ServiceError:
+            self._calls.pop(call_id, None)
+            raise
+        return future.result()
+
+    def card(self, model_id: str) -> ModelCard:
+        card = self._cards.get(model_id)
+        if card is None:
+            described = self.call("describe", model_id)
+            path = Path(described["path"])
+            card = ModelCard(model_id, path, int(described["context_length"]), load_tokenizer(path))
+            self._cards[model_id] = card
+        return card
+
+    def forget(self, model_id: str) -> None:
+        self._cards.pop(model_id, None)
+
+    def _send(self, message: tuple) -> None:
+        if self.gone is not None:
+            raise self.gone
+        try:
+            with self._send_lock:
+                self._to_core.send(message)
+        except (OSError, EOFError):
+            raise self.gone or EngineGone("the engine core's process has ended; restart the service") from None
+
+    def _read(self) -> None:
+        """The core's messages, as they come: outputs to `deliver`, replies to their callers."""
+        while True:
+            try:
+                message = self._from_core.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "out":
+                self._deliver(message[1])
+            elif kind == "reply":
+                future = self._calls.pop(message[1], None)
+                if future is not None:
+                    if message[2]:
+                        future.set_result(message[3])
+                    else:
+                        future.set_exception(message[3])
+            elif kind == "unloaded":
+                self.forget(message[1])
+            elif kind == "closed":
+                break
+        self._process.join(5 if self._closing else 30)
+        code = self._process.exitcode
+        self.gone = EngineGone(f"the engine core's process has ended (exit code {code}); restart the service"
+                               if not self._closing else "the service is shutting down")
+        for future in list(self._calls.values()):
+            future.set_exception(self.gone)
+        self._calls.clear()
+        if not self._closing:
+            log.error("%s", self.gone.message)
+        self._lost(self.gone)
+
+    def _stop_process(self) -> None:
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(10)
+
+
+def _control(core: EngineCore, method: str, args: tuple) -> Any:
+    if method not in CONTROL:
+        raise ServiceError(f"the engine core has no call {method!r}")
+    return getattr(core, method)(*args)
+
+
+def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level: str, inbox: Connection,
+                     outbox: Connection) -> None:
+    """The engine core's process: a registry of models, the core's loop in its thread, and this thread reading
+    requests until the API asks it to close (or goes away)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the API side stops us
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")  # uvicorn's look
+    logging.getLogger("devmap").setLevel(log_level.upper())
+    lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with lock:
+            outbox.send(message)
+
+    registry = ModelRegistry(settings.model_root, settings.device_map, settings.max_memory, settings.dtype,
+                             quantization=settings.quantization, limits=limits)
+    core = EngineCore(registry, limits, lambda outputs: send(("out", outputs)),
+                      unloaded=lambda model_id: send(("unloaded", model_id)))
+    core.start()
+
+    def answer(call_id: int, method: str, args: tuple) -> None:
+        try:
+            result = (True, _control(core, method, args))
+        except ServiceError as exc:
+            result = (False, exc)
+        except Exception as exc:  # noqa: BLE001 - the API answers it; the core goes on
+            log.exception("control call %s failed", method)
+            result = (False, ServiceError(f"{method} failed: {type(exc).__name__}: {exc}"))
+        send(("reply", call_id, *result))
+
+    while True:
+        try:
+            message = inbox.recv()
+        except (EOFError, OSError):  # the API's process is gone: finish what runs, then end
+            message = ("close",)
+        kind = message[0]
+        if kind == "add":
+            core.add(Job(*message[1:]))
+        elif kind == "abort":
+            core.abort(message[1])
+        elif kind == "call":
+            threading.Thread(target=answer, args=message[1:], daemon=True).start()
+        elif kind == "close":
+            core.close()
+            try:
+                send(("closed",))
+            except (OSError, EOFError):
+                pass
+            return

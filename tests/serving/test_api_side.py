@@ -1,0 +1,119 @@
+"""The API side of the engine, over a stand-in core: a step's outputs reach each event loop in one wake-up however
+many steps it is behind, a slow reader gets what came as one chunk, a stop string ends the text and aborts the
+request in the core, the queue's bound counts requests with no token yet, and a core that is gone ends every open
+request with a 503."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from devmap.serving import Engine, EngineLimits, GenerationParams
+from devmap.serving.core_client import ModelCard
+from devmap.serving.errors import EngineGone, QueueFull
+from devmap.serving.jobs import TokenOutput
+
+
+class StandInCore:
+    """Records what the API asks of it; the test plays the core's outputs."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.added, self.aborted = tokenizer, [], []
+
+    def attach(self, deliver, lost) -> None:
+        self.deliver, self.lost = deliver, lost
+
+    def start(self) -> None:
+        pass
+
+    def close(self, timeout=None) -> None:
+        pass
+
+    def add(self, job) -> None:
+        self.added.append(job)
+
+    def abort(self, request_id: int) -> None:
+        self.aborted.append(request_id)
+
+    def card(self, model_id: str) -> ModelCard:
+        return ModelCard(model_id, Path("."), 0, self.tokenizer)
+
+    def forget(self, model_id: str) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_root):
+    return AutoTokenizer.from_pretrained(str(model_root / "tiny"), local_files_only=True)
+
+
+def engine_over(tokenizer, **limits):
+    core = StandInCore(tokenizer)
+    return Engine(None, EngineLimits(**limits), core=core), core
+
+
+def test_steps_an_event_loop_is_behind_on_arrive_in_one_wake_up_and_one_chunk(tokenizer):
+    engine, core = engine_over(tokenizer)
+    ids = tokenizer("the quick brown fox jumps", add_special_tokens=False)["input_ids"]
+
+    async def run() -> tuple:
+        loop = asyncio.get_running_loop()
+        wakes = []
+        original = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), original(*a))[1]  # type: ignore[method-assign]
+        job = engine.submit("m", [5, 6], GenerationParams(max_new_tokens=len(ids)))
+        for k, token in enumerate(ids):  # one output per step, none applied yet: the loop has not run
+            core.deliver([TokenOutput(job.id, [token], "length" if k == len(ids) - 1 else None)])
+        chunks = [c async for c in engine.stream(job)]
+        return chunks, job, len(wakes)
+
+    chunks, job, wakes = asyncio.run(run())
+    assert wakes == 1 and chunks == [tokenizer.decode(ids, skip_special_tokens=True)]
+    assert job.finish_reason == "length" and job.generated == ids and not core.aborted
+
+
+def test_a_stop_string_ends_the_text_and_aborts_the_request_in_the_core(tokenizer):
+    engine, core = engine_over(tokenizer)
+    ids = tokenizer("one two three four", add_special_tokens=False)["input_ids"]
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def run() -> tuple:
+        job = engine.submit("m", [5], GenerationParams(max_new_tokens=50, stop=("three",)))
+        core.deliver([TokenOutput(job.id, ids)])
+        text = "".join([c async for c in engine.stream(job)])
+        return text, job
+
+    text, job = asyncio.run(run())
+    assert text == whole[:whole.find("three")] and job.finish_reason == "stop"
+    assert core.aborted == [job.id]
+
+
+def test_the_queue_counts_requests_with_no_token_yet(tokenizer):
+    engine, core = engine_over(tokenizer, max_queue=2)
+
+    async def run() -> None:
+        first = engine.submit("m", [5], GenerationParams(max_new_tokens=4))
+        engine.submit("m", [5], GenerationParams(max_new_tokens=4))
+        with pytest.raises(QueueFull):
+            engine.submit("m", [5], GenerationParams(max_new_tokens=4))
+        core.deliver([TokenOutput(first.id, [7])])  # the first is in a batch now: room for one more
+        await asyncio.sleep(0)
+        engine.submit("m", [5], GenerationParams(max_new_tokens=4))
+
+    asyncio.run(run())
+    assert len(core.added) == 3
+
+
+def test_a_core_that_is_gone_ends_every_open_request_with_503(tokenizer):
+    engine, core = engine_over(tokenizer)
+
+    async def run() -> EngineGone:
+        job = engine.submit("m", [5], GenerationParams(max_new_tokens=4))
+        core.lost(EngineGone("the engine core's process has ended (exit code -9); restart the service"))
+        with pytest.raises(EngineGone) as gone:
+            async for _ in engine.stream(job):
+                pass
+        return gone.value
+
+    assert asyncio.run(run()).status == 503
