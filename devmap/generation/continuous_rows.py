@@ -13,6 +13,7 @@ import torch
 
 from ..errors import UsageError
 from .join_prefill import JoinPrefills
+from .lane_decode import computed_rows
 from .lane_runner import EOS_CHECK_LAG, LaneRunner, record_event
 from .row_types import Row, SlotRequest
 from .sampling import Sampling, choose
@@ -76,7 +77,10 @@ class ContinuousBatch(JoinPrefills):
         self.stats["joined"] += len(joining) if step > 1 else 0
         self.stats["join_seconds"] += time.perf_counter() - began
         for k, lane in enumerate(self.run.lanes):
-            self.finish(k, self.run.decode_step(lane), step)
+            held = [r for r, row in enumerate(self.rows[k]) if row.issued_to is not None]
+            rows = computed_rows(held[-1] if held else -1, lane.ids.shape[0])
+            steps = self.run.first_rows_steps(lane, rows, self.cache) if rows < lane.ids.shape[0] else None
+            self.finish(k, self.run.decode_step(lane, steps), step)
             self.count_issued(k)
         return True
 
@@ -122,8 +126,9 @@ class ContinuousBatch(JoinPrefills):
             token = choose(logits, self.sampling, self.generator)
             host = to_host(token)
             event = record_event(compute)
-        self.pending[k].append((step, event, host, None))
-        lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, event, 0, self.run.streams)
+        self.pending[k].append((step, event, host, None))  # the first rows' tokens: every held row's
+        lane.token_ready = copy_later(lane.steps[0].static_in.view(-1)[:token.shape[0]], token, event, 0,
+                                      self.run.streams)
 
     def deliver(self, limit: int | None, out: list[tuple[Any, int]]) -> None:
         """Append (owner, token) of every token of the steps up to `limit` (None: all issued) to `out`, in order."""
@@ -139,7 +144,7 @@ class ContinuousBatch(JoinPrefills):
                         lane[r].heard_by, lane[r].to_hear = request.owner, request.max_new_tokens
                         self._give(lane[r], tokens[index], out)
                     continue
-                for row, token in zip(lane, tokens):
+                for row, token in zip(lane, tokens):  # a step over the first rows had every row still owed one
                     if row.heard_by is not None:
                         self._give(row, token, out)
 

@@ -68,6 +68,17 @@ class LaneCache:
         self.slot.add_(1).remainder_(self.length)
         self.tick.add_(1)
 
+    def first_rows(self, rows: int) -> LaneCache:
+        """This cache's first `rows` rows as a cache of their own (views of the same buffers, the same slot): a decode
+        step over them reads and writes only those rows."""
+        view = object.__new__(LaneCache)
+        view.rows, view.max_len, view.device = rows, self.max_len, self.device
+        view.keys = {layer: keys[:rows] for layer, keys in self.keys.items()}
+        view.values = {layer: values[:rows] for layer, values in self.values.items()}
+        view.prefilling, view.start = False, self.start
+        view.slot, view.tick, view.length = self.slot, self.tick, self.length
+        return view
+
     def buffers(self) -> list[torch.Tensor]:
         """Every layer's keys and values (rows × KV heads × columns × head dim)."""
         return [*self.keys.values(), *self.values.values()]
@@ -138,6 +149,14 @@ class DecodeInputs:
         back = (slot - self.columns) % self.cache.max_len  # how many slots before `slot` each column is
         self.attended.index_copy_(0, rows, (back[None, :] >= 1) & (back[None, :] <= lengths[:, None]))
         self.offset.index_copy_(0, rows, (lengths - slot)[:, None])
+
+    def first_rows(self, rows: int) -> DecodeInputs:
+        """The inputs of a decode step over the first `rows` rows only (views: the same mask, offsets and cache)."""
+        view = object.__new__(DecodeInputs)
+        view.cache = self.cache.first_rows(rows)
+        view.attended, view.offset = self.attended[:rows], self.offset[:rows]
+        view.columns, view.float_mask_dtype = self.columns, self.float_mask_dtype
+        return view
 
     def mask(self) -> torch.Tensor:
         """The step's attention mask: the columns each row attends to, the one this step writes included (marked

@@ -17,6 +17,19 @@ from .step_cache import StepCache
 from ..pipelining.streams import copy_into, copy_later, to_host
 
 
+FEWEST_ROWS = 2  # a decode step over part of a lane computes a power of two of rows from this: a dynamic row count
+# of 1 would be specialized by the compiler (a compile of its own, tens of seconds)
+
+
+def computed_rows(highest: int, rows: int) -> int:
+    """The rows a decode step of a lane of `rows` rows computes when its last held row is `highest` (-1: none):
+    the smallest power of two from FEWEST_ROWS that holds it, at most the lane's rows. A continuous batch's rows are
+    taken first-free-first, so a batch with few requests decodes a few rows, not all its cache holds (at 13B, 8 rows
+    of attention over a 512-column cache cost 0.9 ms of an 8.7 ms step)."""
+    need = max(highest + 1, FEWEST_ROWS)
+    return min(rows, 1 << (need - 1).bit_length())
+
+
 class LaneDecode(LaneStreams):
     """Decode steps per (stage, lane), replayed as CUDA graphs, and the generate loop over them."""
 
@@ -25,6 +38,7 @@ class LaneDecode(LaneStreams):
         shapes when `entries` has them)."""
         if entries is not None and k in entries:
             lane.caches, lane.steps, lane.inputs = entries[k]
+            lane.row_steps = entries[("rows", k)]
             for item in lane.inputs:
                 item.reset(lane.mask)
             return
@@ -41,24 +55,42 @@ class LaneDecode(LaneStreams):
                 static_in = torch.zeros(rows, 1, dtype=torch.long, device=self.s.embed_device)
             else:
                 static_in = torch.zeros(rows, 1, self.s.config.hidden_size, dtype=self.s.dtype, device=stage.device)
-            # the last stage's step ends in the head: a copy to another device can't be captured (and a failed
-            # capture leaves the graph pool unusable), so that step stays eager when the head lives elsewhere
-            graphed = self.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
-            pool = cache.pool(stage.device, j) if cache is not None and graphed else None
-            capture = self._capture_stream(j) if graphed else None
             lane.caches.append(lane_cache)
-            if self.compile and self.dynamic:  # one compile for every rows × cache length (devmap.generation.compiled)
-                dynamic_dims(static_in, (0,))
-                for buffer in lane_cache.buffers():
-                    dynamic_dims(buffer, (0, 2))
-                dynamic_dims(inputs[-1].attended, (0, 1))
-                dynamic_dims(inputs[-1].offset, (0,))
-            body = grouped_query_decode(self.s.config,
-                                        self._compiled(lambda x, j=j, item=inputs[-1]: self.s.decode(j, x, item)))
-            lane.steps.append(GraphedStep(body, static_in, graphed, pool, capture))
+            lane.steps.append(self._decode_step(j, static_in, inputs[-1], cache))
         lane.inputs = inputs
+        lane.row_steps = {}
         if entries is not None:
             entries[k] = (lane.caches, lane.steps, inputs)
+            entries[("rows", k)] = lane.row_steps
+
+    def _decode_step(self, j: int, static_in: torch.Tensor, inputs: DecodeInputs,
+                     cache: StepCache | None) -> GraphedStep:
+        """Stage j's decode step reading `static_in` and `inputs` (a lane's, or its first rows'). One body for every
+        step: the compiled code is shared by all of them (torch keys it by the body's code)."""
+        stage = self.s.stages[j]
+        # the last stage's step ends in the head: a copy to another device can't be captured (and a failed
+        # capture leaves the graph pool unusable), so that step stays eager when the head lives elsewhere
+        graphed = self.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
+        pool = cache.pool(stage.device, j) if cache is not None and graphed else None
+        capture = self._capture_stream(j) if graphed else None
+        if self.compile and self.dynamic:  # one compile for every rows × cache length (devmap.generation.compiled)
+            dynamic_dims(static_in, (0,))
+            for buffer in inputs.cache.buffers():
+                dynamic_dims(buffer, (0, 2))
+            dynamic_dims(inputs.attended, (0, 1))
+            dynamic_dims(inputs.offset, (0,))
+        body = grouped_query_decode(self.s.config,
+                                    self._compiled(lambda x, j=j, item=inputs: self.s.decode(j, x, item)))
+        return GraphedStep(body, static_in, graphed, pool, capture)
+
+    def first_rows_steps(self, lane: Lane, rows: int, cache: StepCache | None) -> list[GraphedStep]:
+        """The lane's decode steps over its first `rows` rows (made at first use, kept with the lane's steps)."""
+        steps = lane.row_steps.get(rows)
+        if steps is None:
+            steps = lane.row_steps[rows] = [
+                self._decode_step(j, lane.steps[j].static_in[:rows], lane.inputs[j].first_rows(rows), cache)
+                for j in range(len(self.s.stages))]
+        return steps
 
     def generate(self, max_new_tokens: int, sampling: Sampling, eos: list[int], pad: int,
                  entries: dict | None, cache: StepCache | None, on_tokens: OnTokens | None = None) -> None:
@@ -113,17 +145,18 @@ class LaneDecode(LaneStreams):
         if on_tokens is not None:
             self.deliver(on_tokens, max_new_tokens, lag=0)
 
-    def decode_step(self, lane: Lane) -> torch.Tensor:
-        """One decode step of the lane through every stage (stage 0 reads its token once it is there); the last
-        stage's output (float logits)."""
+    def decode_step(self, lane: Lane, steps: list[GraphedStep] | None = None) -> torch.Tensor:
+        """One decode step of the lane through every stage (stage 0 reads its token once it is there): its own
+        steps, or `steps` over its first rows (`first_rows_steps`); the last stage's output (float logits)."""
+        steps = steps or lane.steps
         out = event = None
         for j in range(len(self.s.stages)):
             with self.on(j) as compute:
                 if j > 0:
-                    copy_into(lane.steps[j].static_in, out, event, j, self.streams, compute)
+                    copy_into(steps[j].static_in, out, event, j, self.streams, compute)
                 elif lane.token_ready is not None:
                     compute.wait_event(lane.token_ready)
-                out = lane.steps[j].handed_on(lane.steps[j](), j < len(self.s.stages) - 1)
+                out = steps[j].handed_on(steps[j](), j < len(self.s.stages) - 1)
                 event = record_event(compute)
         return out
 

@@ -28,6 +28,8 @@ class Lane:
     padded: bool
     caches: list[LaneCache] = field(default_factory=list)  # per stage
     steps: list[GraphedStep] = field(default_factory=list)  # decode step per stage
+    row_steps: dict[int, list[GraphedStep]] = field(default_factory=dict)  # decode steps over the first rows only,
+    # per row count (continuous batches whose held rows are fewer: `lane_decode.computed_rows`)
     inputs: list[DecodeInputs] = field(default_factory=list)  # decode-step inputs per stage
     tokens: list[torch.Tensor] = field(default_factory=list)
     unfinished: list[torch.Tensor] = field(default_factory=list)  # after each token: rows still generating

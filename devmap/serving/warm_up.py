@@ -34,9 +34,10 @@ def warm_up(model: nn.Module, max_rows: int, context: int) -> None:
     """Run a small continuous batch with compiled steps (compiling them), then free what it captured."""
     cache_len = min(CACHE_BUCKET, context) if context else CACHE_BUCKET
     prompt = [1] * 4
-    with continuous_batch(model, rows=min(MIN_ROWS, max_rows), first_slot=len(prompt), cache_len=cache_len,
-                          compile=True) as batch:
-        batch.step([SlotRequest(prompt, WARM_UP_STEPS + 1, object())])
+    rows = min(MIN_ROWS, max_rows)
+    with continuous_batch(model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True) as batch:
+        # every row held: the batch's own decode step compiles; steps over its first rows reuse that compile
+        batch.step([SlotRequest(prompt, WARM_UP_STEPS + 1, object()) for _ in range(rows)])
         for _ in range(WARM_UP_STEPS):
             if not batch.step([]):
                 break

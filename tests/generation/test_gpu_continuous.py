@@ -68,3 +68,32 @@ def test_generation_whose_caches_cannot_fit_is_refused_before_anything_is_alloca
     with pytest.raises(DoesNotFitError, match=f"devmap.generate of {rows} rows × 256 tokens needs .* on cuda:0"):
         generate(placed, torch.ones(rows, 128, dtype=torch.long), max_new_tokens=128)
     assert torch.cuda.memory_allocated(0) == before
+
+
+def test_compiled_steps_over_a_batchs_first_rows_compile_nothing_more_and_give_transformers_tokens(monkeypatch,
+                                                                                                   run_continuous):
+    """A batch of 8 rows holding one request decodes 2 rows, then 4, then all 8 as requests join: captures of the
+    same compiled step over the first rows (no recompile: a compile of a new row count would cost tens of seconds
+    in the middle of traffic), each request with transformers' greedy tokens."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(11)
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
+    placed = dispatch(AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval(), {"": 0})
+    placed.load_state_dict(reference.state_dict())
+    g = torch.Generator().manual_seed(12)
+    reqs = [SlotRequest(torch.randint(3, 1000, (int(n),), generator=g).tolist(), 8 + 3 * i, i)
+            for i, n in enumerate(torch.randint(3, 30, (9,), generator=g))]
+    tokens = {r.owner: reference.generate(torch.tensor([r.prompt], device="cuda:0"), max_new_tokens=r.max_new_tokens,
+                                          do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
+              .tolist() for r in reqs}
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    counters.clear()
+    graphs = None
+    for round in range(3):  # compile + run, capture, replay
+        got, left, _ = run_continuous(placed, reqs[:1], reqs[1:], rows=8, first_slot=32, cache_len=64, lanes=1, together=False,
+                                      compile=True)
+        assert not left and got == tokens
+        if round == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
