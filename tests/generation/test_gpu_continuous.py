@@ -91,8 +91,8 @@ def test_compiled_steps_over_a_batchs_first_rows_compile_nothing_more_and_give_t
     counters.clear()
     graphs = None
     for round in range(3):  # compile + run, capture, replay
-        got, left, _ = run_continuous(placed, reqs[:1], reqs[1:], rows=8, first_slot=32, cache_len=64, lanes=1, together=False,
-                                      compile=True)
+        got, left, _ = run_continuous(placed, reqs[:1], reqs[1:], rows=8, first_slot=32, cache_len=64, lanes=1,
+                                      together=False, compile=True)
         assert not left and got == tokens
         if round == 0:
             graphs = counters["stats"]["unique_graphs"]
