@@ -10,9 +10,10 @@ loading and planning; only the CLI imports this package.
 
 from __future__ import annotations
 
+from .core_client import RegistrySettings
 from .engine import Engine
 from .limits import EngineLimits
 from .jobs import GenerationParams
 from .registry import ModelRegistry, ResidentModel
 
-__all__ = ["Engine", "EngineLimits", "GenerationParams", "ModelRegistry", "ResidentModel"]
+__all__ = ["Engine", "EngineLimits", "GenerationParams", "ModelRegistry", "RegistrySettings", "ResidentModel"]
