@@ -188,14 +188,28 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 def engine_counters(url: str) -> dict[str, float]:
-    """devmap's engine-loop seconds per phase and its decode steps so far, from /metrics."""
+    """devmap's engine-loop seconds per phase, its decode steps and its time-to-first-token histogram (as
+    "ttft<=BOUND" counts) so far, from /metrics."""
     out: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("devmap_engine_seconds_total{"):
             out[line.split('phase="')[1].split('"')[0]] = float(line.split()[-1])
         elif line.startswith("devmap_decode_steps_total "):
             out["steps"] = float(line.split()[-1])
+        elif line.startswith("devmap_time_to_first_token_seconds_bucket{"):
+            out["ttft<=" + line.split('le="')[1].split('"')[0]] = float(line.split()[-1])
     return out
+
+
+def server_ttft_p99(before: dict[str, float], after: dict[str, float]) -> str:
+    """The server's own p99 time to first token over a window (submit to the first token's text, as the API side
+    saw it), as the histogram bucket it falls in: the part of the clients' figure the service itself spends."""
+    bounds = sorted((float(k[6:]), after[k] - before.get(k, 0)) for k in after if k.startswith("ttft<="))
+    total = bounds[-1][1] if bounds else 0
+    for bound, count in bounds:
+        if total and count >= 0.99 * total:
+            return f"<= {bound:g} s"
+    return "-"
 
 
 def hbm_bandwidth() -> float:
@@ -298,9 +312,10 @@ def main() -> None:
                     if before:  # where the engine loop's time went, per decode step (warm-up and first call too)
                         after = engine_counters(url)
                         steps = after.get("steps", 0) - before.get("steps", 0)
-                        row["engine_ms_per_step"] = {k: 1000 * (v - before.get(k, 0)) / steps
-                                                     for k, v in after.items() if k != "steps"} if steps else {}
+                        row["engine_ms_per_step"] = {k: 1000 * (v - before.get(k, 0)) / steps for k, v in after.items()
+                                                     if k != "steps" and not k.startswith("ttft")} if steps else {}
                         row["steps"] = steps
+                        row["server_ttft_p99"] = server_ttft_p99(before, after)
                     floor = floor_seconds(row, weights, kv_per_token, bandwidth, args.new)
                     rows.setdefault(system, []).append({**row, "cold_start_s": cold, "floor_s": floor,
                                                         "hbm_bytes_per_s": bandwidth})
@@ -331,7 +346,8 @@ def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int],
         for r in results:
             if r.get("engine_ms_per_step"):
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["engine_ms_per_step"].items()))
-                print(f"{system} {r['clients']} clients: engine loop ms per decode step ({r['steps']:.0f} steps): {parts}")
+                print(f"{system} {r['clients']} clients: engine loop ms per decode step ({r['steps']:.0f} steps): {parts}; "
+                      f"the server's own TTFT p99 {r.get('server_ttft_p99', '-')}")
     cold = ", ".join(f"{system} {results[0]['cold_start_s']:.1f} s" for system, results in rows.items() if results)
     print(f"cold start (a fresh server process until it answers): {cold}")
     if out:
