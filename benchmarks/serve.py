@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from queue import Empty
@@ -122,7 +123,8 @@ async def _window(url: str, model: str, clients: int, seconds: float, new: int, 
 
 def _client_process(url: str, model: str, clients: int, seconds: float, new: int, seed: int, lengths: list[int],
                     warmup: float, barrier: Any, results: Any) -> None:
-    """One client process: the warm-up window, then (once every process is through it) the timed window."""
+    """One client process: the warm-up window, then (once every process, and the parent, is through it) the timed
+    window."""
     rng = random.Random(seed)
     barrier.wait()
     if warmup > 0:
@@ -134,11 +136,12 @@ def _client_process(url: str, model: str, clients: int, seconds: float, new: int
 
 
 def load_test(url: str, model: str, clients: int, seconds: float, new: int, seed: int, lengths: list[int],
-              warmup: float = 0.0, processes: int = 1) -> dict[str, Any]:
+              warmup: float = 0.0, processes: int = 1, timed: Any = None) -> dict[str, Any]:
     """One request alone (the first call: compilation, graphs), then `clients` clients for `warmup` seconds
     (untimed: the servers' first batches of this load capture or compile their shapes), then for `seconds`.
     The clients are spread over `processes` processes, so that reading thousands of streamed chunks a second
-    does not delay the clients' own clocks (one Python event loop per process)."""
+    does not delay the clients' own clocks (one Python event loop per process). `timed()` is called as the timed
+    window starts (after the warm-up)."""
     async def first() -> float:
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
             start = time.monotonic()
@@ -148,13 +151,22 @@ def load_test(url: str, model: str, clients: int, seconds: float, new: int, seed
     first_call = asyncio.run(first())
     processes = max(1, min(processes, clients))
     context = multiprocessing.get_context("fork")  # this process holds no GPU context and runs no thread now
-    barrier, queue = context.Barrier(processes), context.Queue()
+    barrier, queue = context.Barrier(processes + 1), context.Queue()  # the parent waits with them
     shares = [clients // processes + (i < clients % processes) for i in range(processes)]
     workers = [context.Process(target=_client_process, args=(url, model, share, seconds, new, seed * 1000 + i,
                                                              lengths, warmup, barrier, queue))
                for i, share in enumerate(shares)]
     for worker in workers:
         worker.start()
+    try:
+        barrier.wait(timeout=300)  # they start the warm-up
+        barrier.wait(timeout=warmup + 900)  # every warm-up request has ended: the timed window starts
+    except threading.BrokenBarrierError:
+        for worker in workers:
+            worker.kill()
+        raise RuntimeError("the client processes did not get through their warm-up") from None
+    if timed is not None:
+        timed()
     parts: list[tuple[float, float, list[dict[str, Any]]]] = []
     while len(parts) < len(workers):
         try:
@@ -305,11 +317,16 @@ def main() -> None:
                 command, model = transformers_command(path, port), str(path)
             with server(command, port, system) as (url, cold):
                 for clients in counts:
-                    before = engine_counters(url) if system.startswith("devmap") else {}
+                    before: dict[str, float] = {}
+
+                    def timed(url: str = url) -> None:  # the timed window's counters, without its warm-up's
+                        before.update(engine_counters(url))
+
                     row = load_test(url, model, clients, args.seconds, args.new, seed=clients,
                                     lengths=[int(w) for w in args.prompt_words.split(",")], warmup=args.warmup,
-                                    processes=args.client_processes)
-                    if before:  # where the engine loop's time went, per decode step (warm-up and first call too)
+                                    processes=args.client_processes,
+                                    timed=timed if system.startswith("devmap") else None)
+                    if before:  # where the engine loop's time went in the timed window, per decode step
                         after = engine_counters(url)
                         steps = after.get("steps", 0) - before.get("steps", 0)
                         row["engine_ms_per_step"] = {k: 1000 * (v - before.get(k, 0)) / steps for k, v in after.items()
