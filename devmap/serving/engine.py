@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Protocol
 
+from ..errors import UsageError
 from .core_client import ModelCard, ProcessCore, RegistrySettings, ThreadCore
 from .errors import QueueFull, RequestTimeout, ServiceError, ShuttingDown
 from .jobs import Completion, GenerationParams, Job, TokenOutput
@@ -36,11 +37,14 @@ class Engine:
 
     def __init__(self, registry: ModelRegistry | None, limits: EngineLimits | None = None,
                  core: ThreadCore | ProcessCore | None = None) -> None:
+        if registry is None and core is None:
+            raise UsageError("an Engine needs a ModelRegistry (its core runs in a thread) or a core: "
+                             "Engine(registry) or Engine.spawned(RegistrySettings(...))")
         self.limits = limits or EngineLimits()
         if registry is not None:
             registry.limits = self.limits  # its loads make room for the batches these limits allow
         self.registry = registry  # None when the core runs in another process
-        self.core = core if core is not None else ThreadCore(registry, self.limits) if registry is not None else None
+        self.core = core if core is not None else ThreadCore(registry, self.limits)
         self.metrics = ApiMetrics()
         self._streams: dict[int, RequestStream] = {}  # open requests by id
         self._lock = threading.Lock()
@@ -48,8 +52,7 @@ class Engine:
         self._waiting = 0  # requests submitted that have no output yet (the queue's bound)
         self._inbox: dict[Any, list[tuple[RequestStream, TokenOutput]]] = {}  # per event loop, not yet applied
         self._closing = threading.Event()
-        if self.core is not None:
-            self.core.attach(self._deliver, self._lost)
+        self.core.attach(self._deliver, self._lost)
 
     @classmethod
     def spawned(cls, settings: RegistrySettings, limits: EngineLimits | None = None,
