@@ -50,7 +50,7 @@ from .options import load_options
 @click.option("--compile/--no-compile", "compile_steps", default=None,
               help="torch.compile each model's decode steps (fused kernels, one compile for every batch shape, at "
                    "load: see docs/serving.md). Default: on where every block is on a GPU and no weights are "
-                   "quantized.")
+                   "quantized; --compile compiles quantized models' steps too.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,

@@ -2,8 +2,9 @@
 
 A service compiles a model's decode steps (`devmap.generation.compiled`, dynamic sizes: one compile for every batch
 shape) where that wins: every block on a GPU and the weights in a floating-point dtype. torchao's quantized weights
-stay eager, their compile took minutes for a 13B model and was not faster. `--no-compile` turns it off;
-`--compile` asks for it where the model allows it. The compile happens at load, in a small continuous batch, so the
+stay eager by default: their compile took minutes for a 13B model when every batch shape compiled anew, and was not
+faster then; `--compile` asks for it (one dynamic compile, as for any model: its time and speed with quantized
+weights are not measured yet). `--no-compile` turns it off. The compile happens at load, in a small continuous batch, so the
 first request does not wait for it (tens of seconds the first time; inductor's on-disk cache makes a restart faster).
 """
 
@@ -22,9 +23,9 @@ WARM_UP_STEPS = 4  # the first decode step compiles, the second captures, the re
 
 
 def compiles(model: nn.Module, wanted: bool | None, quantization: Any) -> bool:
-    """Whether the service compiles `model`'s decode steps: `wanted` (None: where it wins), every block on a GPU,
-    no quantized weights."""
-    if wanted is False or quantization is not None:
+    """Whether the service compiles `model`'s decode steps: `wanted` (None: where it wins: no quantized weights),
+    every block on a GPU. Quantized weights compile only when asked (`--compile`)."""
+    if wanted is False or (quantization is not None and not wanted):
         return False
     devices = set(getattr(model, "hf_device_map", {"": "cpu"}).values())
     return torch.cuda.is_available() and all(isinstance(d, int) or str(d).startswith("cuda") for d in devices)

@@ -20,7 +20,8 @@ def test_a_service_compiles_unquantized_models_whose_blocks_are_all_on_gpus(monk
     assert compiles(Placed({"model": 0, "lm_head": 1}), None, None)
     assert compiles(Placed({"": 0}), True, None)
     assert not compiles(Placed({"": 0}), False, None)  # --no-compile
-    assert not compiles(Placed({"": 0}), None, "int8")  # torchao's weights stay eager
+    assert not compiles(Placed({"": 0}), None, "int8")  # torchao's weights stay eager by default
+    assert compiles(Placed({"": 0}), True, "int8")  # unless --compile asks
     assert not compiles(Placed({"model": 0, "lm_head": "cpu"}), None, None)  # offloaded: no graphs at all
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not compiles(Placed({"": "cpu"}), True, None)
