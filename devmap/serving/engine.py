@@ -14,11 +14,12 @@ import asyncio
 import itertools
 import threading
 import time
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from ..errors import UsageError
 from .core_client import ModelCard, ProcessCore, RegistrySettings, ThreadCore
 from .errors import QueueFull, RequestTimeout, ServiceError, ShuttingDown
+from .gc_pauses import watch_gc_pauses
 from .jobs import Completion, GenerationParams, Job, TokenOutput
 from .limits import EngineLimits
 from .metrics import ApiMetrics
@@ -52,6 +53,7 @@ class Engine:
         self._waiting = 0  # requests submitted that have no output yet (the queue's bound)
         self._inbox: dict[Any, list[tuple[RequestStream, TokenOutput]]] = {}  # per event loop, not yet applied
         self._closing = threading.Event()
+        self._unwatch_gc: Callable[[], None] = lambda: None  # set while it serves
         self.core.attach(self._deliver, self._lost)
 
     @classmethod
@@ -62,12 +64,15 @@ class Engine:
         return cls(None, limits, ProcessCore(settings, limits, log_level))
 
     def start(self) -> None:
+        self._unwatch_gc = watch_gc_pauses(observe=self.metrics.gc_pauses.observe)
         self.core.start()
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new requests, finish the queued and running ones, stop the core."""
         self._closing.set()
         self.core.close(timeout)
+        self._unwatch_gc()
+        self._unwatch_gc = lambda: None
 
     # -- models -------------------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from ..planning.devices import DeviceKey, device_label
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+GC_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 
 
 class ApiMetrics:
@@ -30,6 +31,8 @@ class ApiMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.first_token = Histogram("devmap_time_to_first_token_seconds", "Arrival to the first generated token",
                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.gc_pauses = Histogram("devmap_api_gc_pause_seconds", "Python garbage collections in the API's process "
+                                   "(each holds every stream of it)", buckets=GC_BUCKETS, registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -56,7 +59,7 @@ class EngineMetrics:
                               "(continuous batching)", registry=r)
         self.gc_pauses = Histogram("devmap_gc_pause_seconds", "Python garbage collections in the engine core's "
                                    "process (each holds every thread of it)",
-                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
+                                   buckets=GC_BUCKETS, registry=r)
         self.models = Gauge("devmap_resident_models", "Models loaded", registry=r)
         self.device_memory = Gauge("devmap_device_memory_bytes", "Memory allocated by torch on each GPU",
                                    ["device"], registry=r)
