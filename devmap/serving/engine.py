@@ -110,6 +110,7 @@ class Engine:
         """Queue a request (from a coroutine: its events arrive on the running loop)."""
         if self._closing.is_set():
             raise ShuttingDown("the service is shutting down")
+        # cached per model (a load fills it): only an id the API has not seen asks the core, once, from this loop
         card = self.card(model_id)
         self.check(card, prompt_ids, params)
         with self._lock:
