@@ -7,7 +7,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `call_decoder_layer`: the cache keyword of a decoder layer (`past_key_values`, renamed `cache`) | transformers | stages run the layers one run at a time with devmap's KV caches | 5.17, 5.24 |
 | `transformers_causal_mask`: `masking_utils.create_causal_mask` | transformers | prompt masks for attention kinds other than sdpa/eager (devmap builds those itself: `devmap.generation.masks`) | 5.17, 5.24 |
 | `attention_implementation`: `config._attn_implementation` | transformers | the decode mask's form (booleans for sdpa, floats for eager) | 5.17, 5.24 |
-| `grouped_query_decode`: `AttentionInterface.register`, `sdpa_attention_forward`, `config._attn_implementation` set for a step | transformers | with grouped KV heads and a mask, transformers' sdpa copies the cache to every query head on each decode step (17% of a 1.1B step) | 5.17, 5.24 |
+| `with_decode_attention`, `sdpa_attention`: `AttentionInterface.register`, `sdpa_attention_forward`, `config._attn_implementation` set for a step | transformers | decode steps attend over live cache columns only (`generation.decode_attention`); transformers' sdpa reads every column, and with grouped KV heads and a mask copies the cache to every query head (17% of a 1.1B step) | 5.17, 5.24 |
 | `own_forward`, `hook_execution_device`, `device_hooks_bypassed`: `_hf_hook`, `_old_forward`, `AlignDevicesHook` | accelerate | a placed model's device hooks re-check every argument (2x a decode step) and break compiled steps | 1.15 |
 | `raise_recompile_limit`: `torch._dynamo.config.recompile_limit` | torch | one compiled entry per stage, lane shape and kind | 2.11, 2.14 |
 | `fail_on_recompile`: `torch.compiler.set_stance` | torch | a CUDA-graph capture must never compile | 2.11, 2.14 |
@@ -66,47 +66,36 @@ def attention_implementation(config: Any) -> str:
     return getattr(config, "_attn_implementation", None) or "eager"
 
 
-GROUPED_DECODE = "devmap_grouped_decode_sdpa"
+DECODE_ATTENTION = "devmap_decode_sdpa"
 
 
-def grouped_query_decode(config: Any, step: Any) -> Any:
-    """`step` (a decode step of a model whose attention is sdpa with grouped KV heads) with an attention that takes
-    one query token against the cache without copying it to every query head: each KV head's query heads go in as
-    its queries (transformers 5.24's `pack_gqa`, applied there only without a mask). Anything else (a prompt of
-    several tokens) goes to transformers' own sdpa. Other models' steps are returned as they are."""
-    heads = config.num_attention_heads
-    if attention_implementation(config) != "sdpa" or (getattr(config, "num_key_value_heads", None) or heads) == heads:
+def with_decode_attention(config: Any, step: Any, attention: Any) -> Any:
+    """`step` (a decode step of a model whose attention is sdpa) run with `attention` in place of transformers' sdpa
+    (registered through `AttentionInterface` and chosen by `config._attn_implementation` while the step runs; it
+    takes sdpa's arguments and may hand any call on to `sdpa_attention`). Steps of other attentions are returned
+    as they are."""
+    if attention_implementation(config) != "sdpa":
         return step
-    _register_grouped_decode()
+    from transformers import AttentionInterface
 
-    def grouped(*args: Any, **kwargs: Any) -> Any:
-        config._attn_implementation = GROUPED_DECODE
+    AttentionInterface.register(DECODE_ATTENTION, attention)
+
+    def with_attention(*args: Any, **kwargs: Any) -> Any:
+        config._attn_implementation = DECODE_ATTENTION
         try:
             return step(*args, **kwargs)
         finally:
             config._attn_implementation = "sdpa"
 
-    return grouped
+    return with_attention
 
 
-def _register_grouped_decode() -> None:
-    from transformers import AttentionInterface
+def sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """transformers' own sdpa attention (its output in rows × tokens × heads × dim)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                  **kwargs: Any) -> tuple[torch.Tensor, None]:
-        rows, heads, length, dim = query.shape
-        groups = heads // key.shape[1]
-        if length != 1 or groups == 1 or (attention_mask is not None and attention_mask.shape[1] != 1):
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, **kwargs)
-        packed = query.reshape(rows, heads // groups, groups, dim)  # query head h serves KV head h // groups
-        out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
-                                                               dropout_p=dropout, scale=scaling)
-        return out.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register(GROUPED_DECODE, attention)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 # --- accelerate ---------------------------------------------------------------------------------------------------

@@ -173,35 +173,29 @@ def test_pipeline_stages_of_one_rank_train_without_talking_to_themselves(tmp_pat
         dist.destroy_process_group()
 
 
-def test_grouped_query_decode_attends_like_transformers_sdpa_without_copying_the_cache():
+def test_with_decode_attention_swaps_sdpa_for_the_step_only():
     from transformers import LlamaConfig
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from devmap.compat import GROUPED_DECODE, grouped_query_decode
+    from devmap.compat import DECODE_ATTENTION, sdpa_attention, with_decode_attention
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)
     config._attn_implementation = "sdpa"
+    attention = object()
     seen = []
-    step = grouped_query_decode(config, lambda: seen.append(config._attn_implementation))
+    step = with_decode_attention(config, lambda: seen.append(config._attn_implementation), attention)
     step()
-    assert seen == [GROUPED_DECODE] and config._attn_implementation == "sdpa"  # only while the step runs
-    attention = ALL_ATTENTION_FUNCTIONS[GROUPED_DECODE]
+    assert seen == [DECODE_ATTENTION] and config._attn_implementation == "sdpa"  # only while the step runs
+    assert ALL_ATTENTION_FUNCTIONS[DECODE_ATTENTION] is attention
+    eager = LlamaConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=1)
+    eager._attn_implementation = "eager"
+    plain = object()
+    assert with_decode_attention(eager, plain, attention) is plain  # eager attention adds float masks: kept
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 4, True
-    torch.manual_seed(0)
     query, key, value = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
     mask = torch.rand(3, 1, 1, 40) > 0.3
     mask[:, :, :, 0] = True
-    got, _ = attention(module, query, key, value, mask, scaling=0.25)
-    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
-    assert got.shape == expected.shape == (3, 1, 8, 16)
-    torch.testing.assert_close(got, expected)
-    prompt = torch.randn(3, 8, 5, 16)  # several query tokens: transformers' own sdpa
-    causal = torch.ones(3, 1, 5, 40, dtype=torch.bool)
-    torch.testing.assert_close(attention(module, prompt, key, value, causal)[0],
-                               sdpa_attention_forward(module, prompt, key, value, causal)[0])
-    mha = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=1)
-    mha._attn_implementation = "sdpa"
-    plain = object()
-    assert grouped_query_decode(mha, plain) is plain  # nothing to group
+    torch.testing.assert_close(sdpa_attention(module, query, key, value, mask, scaling=0.25)[0],
+                               sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)[0])

@@ -1,20 +1,18 @@
-"""GPU time of one decode step's attention (one query token per row against the cache, with the decode mask), per
-SDPA backend: which kernel a decode step should ask for.
+"""GPU time of one decode step's attention (one query token per row against the cache, with the decode mask):
+transformers' sdpa path (its default backend, over every column) against devmap's live-columns kernel
+(`devmap.generation.decode_attention`), and the floor of reading the live columns' keys and values once.
 
 Run on one GPU:  PYTHONPATH=. python3 benchmarks/probes/decode_attention.py
-Shapes: 13B (40 heads of 128, no grouping) and 1.1B grouped (4 KV heads, their 8 query heads each as queries, 64),
-at 8 and 32 rows and cache lengths of 512 and 2048; each call captured 100 times in a CUDA graph and replayed.
+Shapes: 13B (40 heads of 128, no grouping) and 1.1B (32 query heads over 4 KV heads of 64; sdpa gets each KV
+head's query heads packed as its queries, as devmap's decode step did before the kernel), at 1, 32 and 64 rows,
+caches of 512 and 2048 columns whose rows each hold a live span of a random share (up to `--live`) ending at one
+slot; each call captured 100 times in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "math": SDPBackend.MATH}
-
 
 def timed(call, repeat: int = 100) -> float:
     call()
@@ -39,31 +37,39 @@ def timed(call, repeat: int = 100) -> float:
 
 
 def main() -> None:
-    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}: microseconds per attention call")
-    for name, heads, queries, dim in (("13B", 40, 1, 128), ("1.1B grouped", 4, 8, 64)):
-        for rows in (8, 32):
+    import argparse
+
+    from devmap.generation.decode_attention import live_columns_attention
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--live", type=float, default=0.8, help="the largest share of a row's columns that is live")
+    args = parser.parse_args()
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    bandwidth = 2 * a.numel() / (timed(lambda: b.copy_(a), repeat=10) / 1e6)
+    del a, b
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, HBM {bandwidth / 1e12:.2f} TB/s (copy): "
+          "microseconds per attention call")
+    print("| model | rows | columns | live | sdpa | live-columns kernel | floor (live KV once) | sdpa ÷ kernel |")
+    print("|---|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for name, heads, kv_heads, dim in (("13B", 40, 40, 128), ("1.1B", 32, 4, 64)):
+        for rows in (1, 32, 64):
             for length in (512, 2048):
-                q = torch.randn(rows, heads, queries, dim, device="cuda", dtype=torch.bfloat16)
-                k = torch.randn(rows, heads, length, dim, device="cuda", dtype=torch.bfloat16)
+                q = torch.randn(rows, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(rows, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16)
                 v = torch.randn_like(k)
-                mask = torch.rand(rows, 1, 1, length, device="cuda") < 0.3
-                mask[..., 0] = True
-                cells = []
-                for label, backend in BACKENDS.items():
-                    def call(backend=backend) -> None:
-                        if backend is None:
-                            sdpa(q, k, v, attn_mask=mask)
-                        else:
-                            with sdpa_kernel(backend):
-                                sdpa(q, k, v, attn_mask=mask)
-                    try:
-                        cells.append(f"{label} {timed(call):6.1f}")
-                    except Exception as exc:
-                        cells.append(f"{label} n/a ({str(exc).splitlines()[0][:40]})")
-                kv_bytes = 2 * k.numel() * 2
-                floor = kv_bytes / 4.2e12 * 1e6
-                print(f"  {name:13s} rows {rows:2d} cache {length:4d}: " + ", ".join(cells) +
-                      f"; KV read floor {floor:.1f}", flush=True)
+                slot = int(torch.randint(length, (1,), generator=g))
+                spans = (torch.rand(rows, generator=g) * args.live * length).long() + 1
+                back = (slot - torch.arange(length)) % length
+                mask = (back[None, :] < spans[:, None]).cuda()[:, None, None, :]
+                packed = q.reshape(rows, kv_heads, heads // kv_heads, dim)
+                sdpa_us = timed(lambda: sdpa(packed, k, v, attn_mask=mask))
+                kernel_us = timed(lambda: live_columns_attention(q, k, v, mask))
+                live = int(mask.sum())
+                floor_us = 2 * live * kv_heads * dim * 2 / bandwidth * 1e6
+                print(f"| {name} | {rows} | {length} | {live / (rows * length):.0%} | {sdpa_us:.1f} | "
+                      f"{kernel_us:.1f} | {floor_us:.1f} | {sdpa_us / kernel_us:.2f}× |", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ..compat import dynamic_dims, grouped_query_decode
+from ..compat import dynamic_dims, with_decode_attention
+from .decode_attention import decode_step_attention
 from .lane_cache import DecodeInputs, LaneCache
 from .graphed_step import GraphedStep
 from .lanes import EOS_CHECK_LAG, Lane, LaneStreams, OnTokens, record_event
@@ -79,8 +80,9 @@ class LaneDecode(LaneStreams):
                 dynamic_dims(buffer, (0, 2))
             dynamic_dims(inputs.attended, (0, 1))
             dynamic_dims(inputs.offset, (0,))
-        body = grouped_query_decode(self.s.config,
-                                    self._compiled(lambda x, j=j, item=inputs: self.s.decode(j, x, item)))
+        body = with_decode_attention(self.s.config,
+                                     self._compiled(lambda x, j=j, item=inputs: self.s.decode(j, x, item)),
+                                     decode_step_attention)
         return GraphedStep(body, static_in, graphed, pool, capture)
 
     def first_rows_steps(self, lane: Lane, rows: int, cache: StepCache | None) -> list[GraphedStep]:

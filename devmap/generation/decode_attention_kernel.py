@@ -1,0 +1,72 @@
+"""The Triton kernels behind `decode_attention.live_columns_attention` (imported only where they run: Triton comes
+with torch's CUDA wheels). `partial_attention`: one program per row, KV head (all its query heads) and chunk of
+columns; `merge_chunks`: one program per row and query head, over that row's chunks."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def partial_attention(Query, Key, Value, Mask, Partial, LogSums,
+                      query_row, query_head, key_row, key_head, key_column,
+                      value_row, value_head, value_column, mask_row, mask_column,
+                      columns, scale,
+                      GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, CHUNK: tl.constexpr):
+    """Partial[row, head, chunk] = softmax-weighted values over the chunk's live columns (normalized within the
+    chunk), LogSums[row, head, chunk] = the log of its softmax denominator (-inf when no column is live). Keys and
+    values of columns the mask leaves out are not read (masked loads fetch nothing)."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    chunk = tl.program_id(2)
+    chunks = tl.num_programs(2)
+    in_group = tl.arange(0, BLOCK_GROUP)
+    heads = kv_head * GROUP + in_group
+    real = in_group < GROUP
+    dims = tl.arange(0, DIM)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    live = tl.load(Mask + row * mask_row + cols * mask_column, mask=cols < columns, other=0) != 0
+    query = tl.load(Query + row * query_row + heads[:, None] * query_head + dims[None, :], mask=real[:, None],
+                    other=0.0)
+    key = tl.load(Key + row * key_row + kv_head * key_head + cols[:, None] * key_column + dims[None, :],
+                  mask=live[:, None], other=0.0)
+    value = tl.load(Value + row * value_row + kv_head * value_head + cols[:, None] * value_column + dims[None, :],
+                    mask=live[:, None], other=0.0)
+    scores = (tl.dot(query, tl.trans(key)) * scale).to(tl.float32)  # a compiled caller may pass scale as fp64
+    scores = tl.where(live[None, :], scores, float("-inf"))
+    best = tl.max(scores, 1)
+    seen = best > float("-inf")
+    weights = tl.exp(scores - tl.where(seen, best, 0.0)[:, None])
+    total = tl.sum(weights, 1)
+    out = tl.dot(weights.to(value.dtype), value).to(tl.float32) / tl.where(seen, total, 1.0)[:, None]
+    log_sum = tl.where(seen, best + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    place = (row * (GROUP * tl.num_programs(1)) + heads) * chunks + chunk
+    tl.store(Partial + place[:, None] * DIM + dims[None, :], out, mask=real[:, None])
+    tl.store(LogSums + place, log_sum, mask=real)
+
+
+@triton.jit
+def merge_chunks(Partial, LogSums, Out, chunks, out_row, out_head, DIM: tl.constexpr):
+    """Out[row, 0, head] = the chunks' partial outputs weighted by their share of the softmax denominator."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    heads = tl.num_programs(1)
+    dims = tl.arange(0, DIM)
+    base = (row * heads + head) * chunks
+    best = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([DIM], tl.float32)
+    one = tl.arange(0, 1)
+    for chunk in range(0, chunks):
+        log_sum = tl.load(LogSums + base + chunk + one)
+        part = tl.load(Partial + (base + chunk) * DIM + dims)
+        new_best = tl.maximum(best, log_sum)
+        anchor = tl.where(new_best > float("-inf"), new_best, 0.0)
+        carried = tl.exp(best - anchor)
+        weight = tl.exp(log_sum - anchor)
+        acc = acc * carried + weight * part
+        total = total * carried + weight
+        best = new_best
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(Out + row * out_row + head * out_head + dims, out.to(Out.dtype.element_ty))
