@@ -1,99 +1,87 @@
-"""Requests joining a continuous batch together: prefills of a step's joiners in sub-groups, each left-padded to a
-bucketed shape, their causal mask built on the device (no host reads).
+"""Requests joining a continuous batch together: one step's joiners' prompts packed end to end into a few sequences
+(packs) of one row each, whose attention mask keeps every prompt to its own tokens, causally, and whose positions
+count from each prompt's start. Nothing is padded but a pack's tail.
 
-An eager prefill of a LLaMA stage costs the same few hundred small kernels for one row as for thirty, much host
-time (transformers' Python) during which the host issues nothing else. So each group
-shape's prefill is a captured graph, replayed from its second use on; a step's joiners go in as few sub-groups of
-similar lengths (little padding), which the stages run at once, one sub-group behind the other.
+Left-padding joiners to a shared width, as a batched prefill does, costs what the padding costs: with prompts of
+mixed lengths, sub-groups of power-of-two widths and rows computed about 1.5 times their tokens. A pack computes
+its prompts' tokens and the few padding tokens up to its width's bucket. Each bucket's prefill is a captured graph,
+replayed from its second use on (an eager prefill of a LLaMA stage is a few hundred small kernels of host time).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .causal_lm import positions
+
+PACK_TOKENS = 2048  # tokens of a pack at most (or the batch's first slot, if longer: any prompt fits one pack):
+# several packs in a step keep the stages busy at once (pack g on stage 1 while g+1 runs on stage 0), while each
+# one's matrix products stay large enough to run near the GPUs' peak
 
 
-GROUP_TOKENS = 1024  # padded prompt tokens of a joining sub-group (beyond 4 rows): several sub-groups per step
-# keep the stages busy at once (sub-group g on stage 1 while g+1 runs on stage 0) and pad little, while each one's
-# matrix products stay large enough to run near the GPUs' peak
+def pack_limit(cache_len: int, rows: int) -> int:
+    """The most tokens of one pack for a batch of `rows` rows of `cache_len` tokens: PACK_TOKENS, or the cache
+    length if longer (any prompt fits one pack), or the batch's whole cache if smaller (its rows' prompts together)."""
+    return min(rows * cache_len, max(PACK_TOKENS, cache_len))
 
 
-def group_width(longest: int, first_slot: int) -> int:
-    """Columns of a joining sub-group's prefill: a power of two from 64 up, or the batch's first slot (which every
-    prompt that may join fits, and no wider: the group's columns end at the lanes' slot)."""
-    width = 64
-    while width < longest:
-        width *= 2
-    return min(width, first_slot)
-
-
-def join_groups(lengths: list[int], first_slot: int, most: int) -> list[tuple[list[int], int, int]]:
-    """The joiners (by prompt length) as sub-groups (indices, rows, width) of similar lengths: a sub-group's rows
-    are a power of two up to what fits GROUP_TOKENS at its width (at least 4, never more than `most`), so that a
-    service sees few prefill shapes, each captured once."""
-    by_width: dict[int, list[int]] = {}
-    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
-        by_width.setdefault(group_width(lengths[index], first_slot), []).append(index)
-    groups = []
-    for width, indices in by_width.items():
-        cap = _rows_cap(width, most)
-        for begin in range(0, len(indices), cap):
-            chunk = indices[begin:begin + cap]
-            groups.append((chunk, min(cap, 1 << (len(chunk) - 1).bit_length()), width))
-    return groups
-
-
-def join_shapes(first_slot: int, most: int) -> list[tuple[int, int]]:
-    """Every (rows, width) of a sub-group `join_groups` can make for a batch of `most` rows and this first slot."""
+def pack_widths(limit: int) -> list[int]:
+    """Every width a pack of at most `limit` tokens can take: multiples of 64 up to 256, then four widths per
+    doubling (320, 384, 448, 512, 640, ...), and `limit` itself: less than a quarter of a pack is padding, and a batch
+    captures sixteen widths up to 2048 tokens."""
     widths, width = [], 64
-    while width < first_slot:
+    while width < limit:
         widths.append(width)
-        width *= 2
-    shapes = []
-    for width in [*widths, first_slot]:
-        cap, rows = _rows_cap(width, most), 1
-        while rows < cap:
-            shapes.append((rows, width))
-            rows *= 2
-        shapes.append((cap, width))
-    return shapes
+        width += max(64, (1 << (width.bit_length() - 1)) // 4)
+    return [*widths, limit]
 
 
-def _rows_cap(width: int, most: int) -> int:
-    """The most rows of a sub-group of this width: a power of two fitting GROUP_TOKENS, at least 4, at most `most`."""
-    return min(most, max(4, 1 << max((GROUP_TOKENS // width).bit_length() - 1, 0)))
+def pack_width(tokens: int, limit: int) -> int:
+    """The width of a pack of `tokens` prompt tokens: the smallest of `pack_widths(limit)` that holds them."""
+    return next(width for width in pack_widths(limit) if width >= tokens)
 
 
-def arena_tokens(most: int, cache_len: int) -> int:
-    """Tokens (rows × columns) of the largest sub-group `join_groups` makes for a batch of `most` rows and a cache
-    of `cache_len` columns: every sub-group's scratch cache fits one arena of this size."""
-    return min(most * cache_len, max(GROUP_TOKENS, 4 * cache_len))
+def packs(lengths: list[int], limit: int) -> list[list[int]]:
+    """The joiners (by prompt length, each at most `limit`) as packs of indices of at most `limit` tokens each:
+    longest first, each into the first pack with room (few packs, so few replays and little tail padding)."""
+    filled: list[tuple[list[int], int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for n, (members, tokens) in enumerate(filled):
+            if tokens + lengths[index] <= limit:
+                filled[n] = (members + [index], tokens + lengths[index])
+                break
+        else:
+            filled.append(([index], lengths[index]))
+    return [members for members, _ in filled]
 
 
-def padded_prompts(prompts: list[list[int]], pad: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask) of the prompts left-padded to `width` (default: the longest), on the host."""
-    length = width or max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), length), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), length), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, length - len(prompt):] = torch.tensor(prompt)
-        mask[row, length - len(prompt):] = 1
-    return ids, mask
+def packed_prompts(prompts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, segments, positions), each 1 × `width`, of the prompts end to end on the host: a token's segment is its
+    prompt's index (each padding token past them a segment of its own), its position its index within its prompt."""
+    ids = torch.zeros((1, width), dtype=torch.long)
+    segments = torch.arange(len(prompts), len(prompts) + width, dtype=torch.long)[None]
+    positions = torch.zeros((1, width), dtype=torch.long)
+    begin = 0
+    for index, prompt in enumerate(prompts):
+        end = begin + len(prompt)
+        ids[0, begin:end] = torch.tensor(prompt)
+        segments[0, begin:end] = index
+        positions[0, begin:end] = torch.arange(len(prompt))
+        begin = end
+    return ids, segments, positions
 
 
-def group_context(mask: torch.Tensor, float_mask_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The group's 4-D attention mask and position ids, on the mask's device without reading it on the host: a
-    token attends to the attended tokens up to itself (a padding position to itself only, so no row is empty).
+def packed_context(segments: torch.Tensor, positions: torch.Tensor,
+                   float_mask_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """A pack's 4-D attention mask and position ids on the segments' device, without reading them on the host: a
+    token attends to the tokens of its own prompt up to itself (a padding token to itself only, so no row is empty).
     Booleans for sdpa, additive floats (`float_mask_dtype`) for eager attention."""
-    length = mask.shape[1]
-    own = torch.eye(length, dtype=torch.bool, device=mask.device)
-    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
-    keep = (causal[None] & (mask.bool()[:, None, :] | own[None]))[:, None]
+    width = segments.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segments.device).tril()
+    keep = (causal & (segments[0][:, None] == segments[0][None, :]))[None, None]
     if float_mask_dtype is not None:
-        zero = torch.zeros((), dtype=float_mask_dtype, device=mask.device)
+        zero = torch.zeros((), dtype=float_mask_dtype, device=segments.device)
         keep = torch.where(keep, zero, torch.finfo(float_mask_dtype).min)
-    return {"attention_mask": keep, "position_ids": positions(mask, length)}
+    return {"attention_mask": keep, "position_ids": positions}
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -83,18 +83,12 @@ class LaneCache:
         """Every layer's keys and values (rows × KV heads × columns × head dim)."""
         return [*self.keys.values(), *self.values.values()]
 
-    def take_rows(self, other: LaneCache, index: torch.Tensor, rows: torch.Tensor, start: int, end: int) -> None:
-        """Rows `index` of `other`'s keys and values (all its columns) into rows `rows`, at the slots start..end-1
-        (counted without wrapping: columns start % max_len on, around the cache's end if need be)."""
-        first = start % self.max_len
-        spans = [(0, first, min(end - start, self.max_len - first))]
-        if end - start > spans[0][2]:
-            spans.append((spans[0][2], 0, end - start - spans[0][2]))
+    def take_prompts(self, other: LaneCache, begin: int, end: int, rows: torch.Tensor, columns: torch.Tensor) -> None:
+        """Columns begin..end-1 of `other`'s one row (prompts packed end to end) into this cache: token t of them
+        into row `rows[t]`, column `columns[t]` (index tensors on this cache's device). One write per buffer."""
         for layer, keys in other.keys.items():
             for source, target in ((keys, self.keys[layer]), (other.values[layer], self.values[layer])):
-                picked = source.index_select(0, index)
-                for begin, column, count in spans:
-                    target[:, :, column:column + count].index_copy_(0, rows, picked[:, :, begin:begin + count])
+                target.transpose(1, 2).index_put_((rows, columns), source[0, :, begin:end].transpose(0, 1))
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

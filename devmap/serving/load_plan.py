@@ -4,9 +4,9 @@ largest batch, so that a model the service admits never runs out of memory at th
 A batch has at most the service's `max_batch` rows, or as many as fit beside the weights (`devmap.planning.rows_fit`:
 the most whose plan keeps as much of the model on the GPUs as its weights alone); each row's cache holds the
 longest cache a request within the limits may need (`scheduler.largest_cache`). Prompts join a running batch in
-groups (`generation.joins`): the plan counts the largest group's prefill and the scratch cache its keys and values
-pass through, not a prefill of every row at once, and the hidden states every captured joining shape keeps. `devmap serve` and
-`devmap plan --for serve` plan through here, so both show the same plan.
+packs (`generation.joins`): the plan counts the largest pack's prefill and the scratch cache its keys and values
+pass through, not a prefill of every row at once, and the hidden states every captured pack width keeps.
+`devmap serve` and `devmap plan --for serve` plan through here, so both show the same plan.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..generation.joins import arena_tokens, join_shapes
+from ..generation.joins import pack_limit, pack_widths
 from ..planning.planner import Plan
 from ..planning.rows_fit import rows_that_fit
 from ..planning.workload import Workload, parse_workload
@@ -47,8 +47,8 @@ def plan_serving(model_source: Any, limits: EngineLimits, plan_with: Callable[[W
     def plan_for(rows: int | None) -> Plan:
         if rows is None:
             return plan_with(None)
-        joining = -(-arena_tokens(rows, cache_len) // cache_len)  # rows of the largest joining group's scratch
-        captured = sum(group * width for group, width in join_shapes(cache_len, rows))
+        joining = -(-pack_limit(cache_len, rows) // cache_len)  # rows of cache_len tokens holding the largest pack
+        captured = sum(pack_widths(pack_limit(cache_len, rows)))
         return plan_with(parse_workload("serve", causal_lm=True, context=context, batch=rows, seq_len=cache_len,
                                         chunks=min(limits.lanes or 1, rows), prefill_rows=min(joining, rows),
                                         captured_tokens=captured))

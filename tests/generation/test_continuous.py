@@ -62,10 +62,10 @@ def test_a_later_first_slot_lets_longer_prompts_join_at_once(model, run):
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
-def test_joiners_of_mixed_lengths_go_in_sub_groups_and_get_their_own_tokens(model, run, monkeypatch):
-    """One step's joiners of 3 to 150 tokens: sub-groups of 64, 128 and 256 columns, several of one shape in a step
-    (GROUP_TOKENS made small), their scratch caches sharing one arena."""
-    monkeypatch.setattr(joins, "GROUP_TOKENS", 128)
+def test_joiners_of_mixed_lengths_go_in_packs_and_get_their_own_tokens(model, run, monkeypatch):
+    """One step's joiners of 3 to 150 tokens packed end to end, several packs in a step (PACK_TOKENS made small),
+    their scratch caches sharing one arena, their columns wrapping around the cache's end."""
+    monkeypatch.setattr(joins, "PACK_TOKENS", 200)
     g = torch.Generator().manual_seed(5)
     lengths = [3, 150, 40, 70, 9, 120, 64, 65, 20, 31, 5, 100]
     reqs = [SlotRequest(torch.randint(3, 512, (n,), generator=g).tolist(), 3 + i % 4, f"m{i}")
@@ -74,6 +74,23 @@ def test_joiners_of_mixed_lengths_go_in_sub_groups_and_get_their_own_tokens(mode
     assert not left and not queue
     for r in reqs:
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
+
+
+def test_a_pack_keeps_each_prompt_to_its_own_tokens():
+    """The mask of prompts of 3 and 2 tokens packed in 7: causal within each prompt, nothing across, padding
+    tokens attending to themselves; positions from each prompt's start."""
+    ids, segments, positions = joins.packed_prompts([[5, 6, 7], [8, 9]], 7)
+    assert ids.tolist() == [[5, 6, 7, 8, 9, 0, 0]] and positions.tolist() == [[0, 1, 2, 0, 1, 0, 0]]
+    keep = joins.packed_context(segments, positions, None)["attention_mask"][0, 0].int().tolist()
+    assert keep == [[1, 0, 0, 0, 0, 0, 0],
+                    [1, 1, 0, 0, 0, 0, 0],
+                    [1, 1, 1, 0, 0, 0, 0],
+                    [0, 0, 0, 1, 0, 0, 0],
+                    [0, 0, 0, 1, 1, 0, 0],
+                    [0, 0, 0, 0, 0, 1, 0],
+                    [0, 0, 0, 0, 0, 0, 1]]
+    additive = joins.packed_context(segments, positions, torch.float32)["attention_mask"][0, 0]
+    assert torch.equal(additive == 0, torch.tensor(keep, dtype=torch.bool))
 
 
 def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypatch):
@@ -91,30 +108,34 @@ def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypa
                   and key[0] == "join"}
     finally:
         release_graphs(model)
-    assert shapes == set(joins.join_shapes(12, 4))
+    assert shapes == {(width,) for width in joins.pack_widths(joins.pack_limit(24, 4))}
     assert not left and not queue
     for r in reqs:
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
-def test_join_groups_cover_every_joiner_once_in_few_shapes():
+def test_packs_hold_every_joiner_once_within_their_limit_in_few_widths():
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
 
     @hypothesis.settings(max_examples=200, deadline=None, derandomize=True)
-    @hypothesis.given(lengths=st.lists(st.integers(1, 600), min_size=1, max_size=64), most=st.integers(1, 64),
-                      extra=st.integers(0, 300))
-    def check(lengths, most, extra):
-        first_slot = max(lengths) + extra
-        lengths = lengths[:most]
-        groups = joins.join_groups(lengths, first_slot, most)
-        assert sorted(i for indices, _, _ in groups for i in indices) == list(range(len(lengths)))
-        assert {(rows, width) for _, rows, width in groups} <= set(joins.join_shapes(first_slot, most))
-        for indices, rows, width in groups:
-            assert len(indices) <= rows <= most and rows & (rows - 1) == 0 or rows == most
-            assert max(lengths[i] for i in indices) <= width <= first_slot
-            assert width == first_slot or width & (width - 1) == 0
-            assert rows * width <= joins.arena_tokens(most, first_slot)
+    @hypothesis.given(lengths=st.lists(st.integers(1, 600), min_size=1, max_size=64), extra=st.integers(0, 3000),
+                      rows=st.integers(1, 64))
+    def check(lengths, extra, rows):
+        cache_len = max(lengths) + extra
+        lengths = lengths[:rows]
+        limit = joins.pack_limit(cache_len, rows)
+        assert cache_len <= limit <= max(joins.PACK_TOKENS, cache_len)
+        groups = joins.packs(lengths, limit)
+        assert sorted(i for members in groups for i in members) == list(range(len(lengths)))
+        widths = joins.pack_widths(limit)
+        assert widths == sorted(set(widths)) and widths[-1] == limit and len(widths) <= 24
+        for members in groups:
+            tokens = sum(lengths[i] for i in members)
+            width = joins.pack_width(tokens, limit)
+            assert tokens <= width <= limit and width in widths
+            assert width - tokens < max(64, tokens // 4 + 1)  # padding: less than a bucket's step
+        assert len(groups) <= 2 * -(-sum(lengths) // limit)  # first fit, longest first: at most twice the fewest
 
     check()
 

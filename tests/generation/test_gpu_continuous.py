@@ -18,7 +18,7 @@ CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_a
 def test_continuous_batch_on_one_gpu_wraps_its_cache_and_gives_each_request_its_tokens(monkeypatch, run_continuous,
                                                                                        requests_and_their_tokens):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(joins, "GROUP_TOKENS", 128)  # several sub-groups of one shape in a step
+    monkeypatch.setattr(joins, "PACK_TOKENS", 64)  # several packs in a step
     torch.manual_seed(5)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
     placed = dispatch(AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval(), {"": 0})

@@ -130,7 +130,7 @@ def test_compiled_steps_over_stages_on_one_gpu(models):
 def test_continuous_joins_over_stages_on_one_gpu(models, run_continuous, requests_and_their_tokens, monkeypatch,
                                                   stages):
     reference, placed = models
-    monkeypatch.setattr(joins, "GROUP_TOKENS", 128)  # several sub-groups per step
+    monkeypatch.setattr(joins, "PACK_TOKENS", 48)  # several packs per step
     reqs, expected = requests_and_their_tokens(reference, 20 + stages, 30, 40, 10)
     for _ in range(2):  # capture, then replay
         got, left, queue = run_continuous(placed, reqs[:3], reqs[3:], rows=9, first_slot=40, cache_len=52, lanes=3,

@@ -44,7 +44,7 @@ def test_a_load_gets_the_most_rows_its_budget_has_room_for(model_root):
     usage = resident.model.devmap_plan.devices["cpu"]
     assert resident.planned["cpu"] == usage.total
     assert resident.kv_room == resident.max_rows * row_bytes(path)
-    scratch = min(8, resident.max_rows)  # a joining group's scratch rows: 1024 tokens of 128, at most the rows
+    scratch = min(16, resident.max_rows)  # a joining pack's scratch rows: 2048 tokens of 128, at most the rows
     assert usage.kv_cache_bytes == (resident.max_rows + scratch) * row_bytes(path)
     assert resident.describe()["max_batch"] == resident.max_rows
     assert registry.planned() == resident.planned
