@@ -42,6 +42,11 @@ WORDS = ("the quick brown fox jumps over the lazy dog devmap spreads one model o
          "makes them work together a pipeline splits the batch into micro batches").split()
 
 
+def label(system: str) -> str:
+    """A system's name as part of a file name."""
+    return system.replace("/", "_").replace("@", "-")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,11 +54,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(command: list[str], port: int, name: str, timeout: float = 600) -> Iterator[tuple[str, float]]:
+def server(command: list[str], port: int, name: str, timeout: float = 600, env: dict[str, str] | None = None,
+           cwd: str | None = None) -> Iterator[tuple[str, float]]:
     """Start a server process and wait for it to answer; yields its URL and the seconds until it answered (the
     cold start); always stopped after."""
-    log = open(Path(os.environ.get("SERVE_BENCH_LOGS", tempfile.gettempdir())) / f"serve-bench-{name}.log", "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    log = open(Path(os.environ.get("SERVE_BENCH_LOGS", tempfile.gettempdir())) / f"serve-bench-{label(name)}.log", "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     try:
@@ -288,26 +294,37 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=3.0,
                         help="seconds of the same load before each timed window (steady state after first batches)")
     parser.add_argument("--new", type=int, default=64, help="max_tokens of each request")
-    parser.add_argument("--systems", default="devmap,transformers")
+    parser.add_argument("--systems", default="devmap,transformers",
+                        help="devmap, transformers, or devmap@DIR: devmap's sources in DIR (another release of it, "
+                             "as a baseline in the same run)")
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
     parser.add_argument("--devmap-args", default="--device-map balanced",
                         help="extra flags of devmap serve (e.g. add --no-compile: captured eager steps)")
     parser.add_argument("--client-processes", type=int, default=4,
                         help="processes the clients are spread over (one event loop each)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="the checkpoint folder: used if it holds one, else written there (default: a temporary "
+                             "folder); several runs then share one")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     rows: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("DEVMAP_BENCH_TMP")) as folder:
-        path = Path(folder) / args.model
-        subprocess.run([sys.executable, "-m", "devmap", "save", args.model, str(path), "--dtype", "bfloat16"],
-                       check=True, stdout=subprocess.DEVNULL)
+        path = Path(args.checkpoint).resolve() if args.checkpoint else Path(folder) / args.model
+        if not (path / "config.json").exists():
+            subprocess.run([sys.executable, "-m", "devmap", "save", args.model, str(path), "--dtype", "bfloat16"],
+                           check=True, stdout=subprocess.DEVNULL)
         bandwidth = hbm_bandwidth()
         weights, kv_per_token = model_bytes(path)
         print(f"HBM {bandwidth / 1e12:.2f} TB/s (copy, this GPU); weights read per step {weights / 1e9:.2f} GB; "
               f"KV {kv_per_token / 1024:.0f} KiB per token", flush=True)
         for system in args.systems.split(","):
             port = free_port()
+            env = tree = None
+            if "@" in system:  # devmap from another source tree (run from there: `-m` puts the cwd first)
+                tree = str(Path(system.split("@", 1)[1]).resolve())
+                paths = [tree, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(Path(p).resolve()) for p in paths)}
             if system.startswith("devmap"):
                 command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype",
                            "bfloat16", "--log-level", "debug", "--max-queue", "4096",
@@ -315,7 +332,7 @@ def main() -> None:
                 model = path.name
             else:
                 command, model = transformers_command(path, port), str(path)
-            with server(command, port, system) as (url, cold):
+            with server(command, port, system, env=env, cwd=tree) as (url, cold):
                 for clients in counts:
                     before: dict[str, float] = {}
 
@@ -336,9 +353,9 @@ def main() -> None:
                     floor = floor_seconds(row, weights, kv_per_token, bandwidth, args.new)
                     rows.setdefault(system, []).append({**row, "cold_start_s": cold, "floor_s": floor,
                                                         "hbm_bytes_per_s": bandwidth})
-                    if args.out and system.startswith("devmap"):  # batch sizes and first-token times as the server saw them
+                    if args.out and system.startswith("devmap"):  # batch sizes, first-token times: as the server saw them
                         Path(args.out).mkdir(parents=True, exist_ok=True)
-                        (Path(args.out) / f"metrics_{system}_{args.model}_{clients}.txt").write_text(
+                        (Path(args.out) / f"metrics_{label(system)}_{args.model}_{clients}.txt").write_text(
                             httpx.get(url + "/metrics", timeout=10).text)
                     print(f"  {system} {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
                           f"ttft p50 {row['ttft_p50']} p99 {row['ttft_p99']}", flush=True)
