@@ -3,8 +3,8 @@
 Run on a GPU machine:  PYTHONPATH=. python3 benchmarks/probes/join_probe.py --model llama-2-13b [--profile]
 Each of `--clients` clients sends its next request the moment its last one ends (prompt lengths drawn from
 --lengths, in tokens), as `benchmarks/serve.py`'s clients do over HTTP. Prints tokens/s, time to first token
-p50/p99, the host time spent issuing joins, and the GPU time of one join of every client at once, padded as one
-group and as devmap's sub-groups; `--profile` adds the join's top kernels.
+p50/p99, the host time spent issuing joins, and the GPU time of one join of every client at once, in devmap's packs
+of several sizes and as one pack; `--profile` adds the join's top kernels.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="24,90,170,330", help="prompt lengths drawn from, in tokens")
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--group-tokens", default="1024,4096,8192", help="GROUP_TOKENS values to time joins with")
+    parser.add_argument("--pack-tokens", default="1024,4096,8192", help="PACK_TOKENS values to time joins with")
     parser.add_argument("--budgets", default="none,2048,1024", help="closed loops' join budgets (prompt tokens)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compile", action="store_true", help="last: joins of compiled steps (inductor)")
@@ -115,12 +115,11 @@ def main() -> None:
     rng = random.Random(1)
     prompts = [[rng.randrange(3, min(1000, model.config.vocab_size)) for _ in range(rng.choice(lengths))] for _ in range(args.clients)]
     real = sum(len(p) for p in prompts)
-    sizes, default = [int(n) for n in args.group_tokens.split(",")], devmap.generation.joins.GROUP_TOKENS
-    for label, groups in [("sub-groups", None), *((f"sub-groups of {n} tokens", n) for n in sizes),
-                          ("one group", 1 << 30)]:
+    sizes, default = [int(n) for n in args.pack_tokens.split(",")], devmap.generation.joins.PACK_TOKENS
+    for label, groups in [("packs", None), *((f"packs of {n} tokens", n) for n in sizes), ("one pack", 1 << 30)]:
         if groups is not None:
-            devmap.generation.joins.GROUP_TOKENS = groups
-            devmap.release_graphs(model)  # the joins' scratch arena is sized by GROUP_TOKENS
+            devmap.generation.joins.PACK_TOKENS = groups
+            devmap.release_graphs(model)  # the joins' scratch arena is sized by PACK_TOKENS
         times = [one_join(model, prompts, rows, first_slot, cache_len) for _ in range(4)]
         print(f"join of {args.clients} prompts ({real} tokens) as {label}: {[round(t * 1e3, 1) for t in times]} ms",
               flush=True)
@@ -130,11 +129,11 @@ def main() -> None:
                 one_join(model, prompts, rows, first_slot, cache_len, graphs=False)
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
             from devmap.generation.lane_cache import LaneCache
-            take_rows, LaneCache.take_rows = LaneCache.take_rows, lambda *a: None
+            take, LaneCache.take_prompts = LaneCache.take_prompts, lambda *a: None
             bare = [one_join(model, prompts, rows, first_slot, cache_len) for _ in range(3)]
-            LaneCache.take_rows = take_rows
+            LaneCache.take_prompts = take
             print(f"  without copying keys and values into rows: {[round(t * 1e3, 1) for t in bare]} ms", flush=True)
-    devmap.generation.joins.GROUP_TOKENS = default  # the closed loops run devmap's own sub-groups
+    devmap.generation.joins.PACK_TOKENS = default  # the closed loops run devmap's own packs
     devmap.release_graphs(model)
     with torch.no_grad():
         ids = torch.randint(3, min(1000, model.config.vocab_size), (args.clients, first_slot),

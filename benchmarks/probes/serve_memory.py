@@ -2,7 +2,7 @@
 
 Run on one GPU: PYTHONPATH=. python3 benchmarks/probes/serve_memory.py --model tinyllama-1.1b --rows 64 \
     --first-slot 1984 --cache-len 2048
-Prints, in MiB: the weights; the lanes' caches and decode steps; each joining sub-group shape's captured prefill
+Prints, in MiB: the weights; the lanes' caches and decode steps; each joining pack width's captured prefill
 (static buffers and pool); the whole setup against rows × cache KV; the peak.
 """
 

@@ -67,10 +67,10 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     stages.check_window(cache_len)
     stages.float_mask_dtype()
     # the lanes start empty: each row attends to one (zero) column before the first slot, so that rows nobody
-    # holds decode finite garbage; every request, the first ones too, comes in through a joining group's prefill
+    # holds decode finite garbage; every request, the first ones too, comes in through a joining pack's prefill
     ids = torch.zeros((rows, 1), dtype=torch.long)
     lane_list = split_lanes(stages, ids, torch.ones_like(ids), lanes, default=len(stages.stages))
-    # compile=True compiles the decode steps only: a batch meets one decode shape but many joining sub-group shapes,
+    # compile=True compiles the decode steps only: a batch meets one decode shape but many joining pack widths,
     # whose prefills are long enough for captured eager kernels (and would each cost a compile on first use). The
     # decode step is compiled with dynamic sizes, once for all the batch shapes a service goes through
     run = LaneRunner(stages, lane_list, graphs, compile, compile_prefill=False, dynamic=True)

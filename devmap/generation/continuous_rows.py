@@ -28,7 +28,7 @@ class ContinuousBatch(JoinPrefills):
     def __init__(self, run: LaneRunner, first_slot: int, cache_len: int, sampling: Sampling, cache: StepCache,
                  entries: dict[Any, Any]) -> None:
         self.run, self.s = run, run.s
-        self.cache, self.entries = cache, entries  # captured steps kept for this batch shape (joining groups')
+        self.cache, self.entries = cache, entries  # captured steps kept for this batch shape (joining packs')
         self.first_slot, self.cache_len = first_slot, cache_len
         self.sampling = sampling
         head = self.s.head_device

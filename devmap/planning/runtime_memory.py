@@ -2,7 +2,7 @@
 module), measured on the meta device: no memory is allocated and no weights are read.
 
 - KV cache (generate, serve): per decoder layer, 2 × kv_heads × head_dim × dtype bytes × batch × seq_len (serve:
-  and the joining groups' scratch cache, prefill_rows × seq_len).
+  and the joining packs' scratch cache, prefill_rows × seq_len).
 - Transient activations: what a unit's forward creates and frees, at its peak, for one micro-batch (or lane;
   generate and serve: also a decode step's attention over the whole cache, `decode_attention_bytes`):
   every tensor an operator returns is counted while it is alive (views are not), so Python's freeing of
@@ -215,7 +215,7 @@ def _run(recorder: _Recorder, body: Callable[[], None]) -> None:
 
 def _measure_causal(model: nn.Module, workload: Workload, out: dict[str, UnitRuntime],
                     saved: set[int] | None) -> None:
-    """One micro-batch (lane, joining group) of prompts through the layers one by one, as devmap's stages call
+    """One micro-batch (lane, joining pack) of prompts through the layers one by one, as devmap's stages call
     them."""
     recorder = _Recorder(out, saved, workload.chunks)
     base, rows, length = model.model, workload.prefill_batch, workload.seq_len

@@ -5,9 +5,9 @@ shapes, validated once here (the CLI's and the Python API's boundary).
   a vision model: one sample of `input_shape`);
 - `generate` and `serve`: a LLaMA generating up to `seq_len` tokens per row (prompt + new), `batch` rows, with a
   KV cache of `seq_len` tokens per row on every layer's device; its prompts prefilled in `chunks` lanes, or (serve)
-  in joining groups of at most `prefill_rows` rows, whose keys and values go through a scratch cache of that many
-  rows before they reach theirs, and whose captured steps (`captured_tokens` over all their shapes) keep their
-  input and output hidden states;
+  in joining packs of at most `prefill_rows` × `seq_len` tokens, whose keys and values go through a scratch cache
+  of that many tokens before they reach their rows, and whose captured steps (`captured_tokens` over all their
+  widths) keep their input and output hidden states;
 - `train`: forward and backward of `batch` rows in `chunks` micro-batches, with gradients and `optimizer` state.
 """
 
@@ -42,7 +42,7 @@ class Workload:
 
     @property
     def prefill_batch(self) -> int:
-        """Rows prefilled at once: a joining group's, or a micro-batch's (lane's)."""
+        """Rows prefilled at once: a micro-batch's (lane's), or a joining pack's tokens in rows of `seq_len`."""
         return self.prefill_rows or self.micro_batch
 
     def describe(self) -> str:

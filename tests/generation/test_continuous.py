@@ -95,7 +95,7 @@ def test_a_pack_keeps_each_prompt_to_its_own_tokens():
 
 def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypatch):
     """With captured steps (here: the cached-step path on CPU, eager), a batch prepares the prefill of every
-    sub-group shape up front, and joins still give each request its tokens."""
+    pack width up front, and joins still give each request its tokens."""
     from devmap.generation import lanes
     from devmap.generation.step_cache import release_graphs, step_cache
 

@@ -1,4 +1,4 @@
-"""GPU-only, one GPU: a continuous batch's captured steps, its joining sub-groups and its wrapping cache give each
+"""GPU-only, one GPU: a continuous batch's captured steps, its joining packs and its wrapping cache give each
 request transformers' greedy tokens (fp32), eager and compiled."""
 
 import torch
