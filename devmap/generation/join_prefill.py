@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from .joins import on_device, pack_limit, pack_width, pack_widths, packed_context, packed_prompts, packs, to_device
+from .joins import (on_device, pack_limit, pack_width, pack_widths, packed_context, packed_prompts, packs,
+                    prompt_columns, to_device)
 from .lane_cache import LaneCache
 from .lane_runner import record_event
 from .row_types import SlotRequest
@@ -77,25 +78,21 @@ class JoinPrefills:
         before `slot`; returns the prompts' first tokens (on the last stage's stream)."""
         lanes = self.run.lanes
         prompts = [r.prompt for r, _, _ in members]
-        # per lane: [first token, end, row and column of each token, joined rows, their prompt lengths]
-        per_lane: dict[int, list[Any]] = {}
-        ends, begin = [], 0
+        per_lane: dict[int, list[tuple[int, int]]] = {}  # lane: (row, prompt length), side by side in the pack
         for request, k, row in members:
-            n = len(request.prompt)
-            span = per_lane.setdefault(k, [begin, begin, [], [], [], []])
-            span[1] = begin + n
-            span[2] += [row] * n
-            span[3] += [(slot - n + t) % self.cache_len for t in range(n)]  # the columns right before the slot
-            span[4].append(row)
-            span[5].append(n)
-            begin += n
-            ends.append(begin - 1)
+            per_lane.setdefault(k, []).append((row, len(request.prompt)))
+        spans, begin = {}, 0  # lane: its tokens' span in the pack, and its joined rows and their lengths (host)
+        for k, items in per_lane.items():
+            rows, lengths = torch.tensor([row for row, _ in items]), torch.tensor([n for _, n in items])
+            spans[k] = (begin, begin + int(lengths.sum()), rows, lengths)
+            begin = spans[k][1]
+        ends = (torch.tensor([len(p) for p in prompts]).cumsum(0) - 1).tolist()  # each prompt's last token
 
         def into_rows(j: int, device: torch.device, scratch: LaneCache) -> None:
-            for k, (first, end, token_rows, columns, rows, lengths) in per_lane.items():
-                lanes[k].caches[j].take_prompts(scratch, first, end, on_device(token_rows, device),
-                                                on_device(columns, device))
-                lanes[k].inputs[j].join(on_device(rows, device), on_device(lengths, device), slot)
+            for k, (first, end, rows, lengths) in spans.items():
+                lanes[k].caches[j].take_prompts(scratch, first, end, to_device(rows.repeat_interleave(lengths), device),
+                                                to_device(prompt_columns(lengths, slot, self.cache_len), device))
+                lanes[k].inputs[j].join(to_device(rows, device), to_device(lengths, device), slot)
 
         width = pack_width(begin, self.pack_limit)
         out = self._through_stages(width, *self._pack_inputs(prompts, width), into_rows)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 
-PACK_TOKENS = 2048  # tokens of a pack at most (or the batch's first slot, if longer: any prompt fits one pack):
+PACK_TOKENS = 2048  # tokens of a pack at most (or the batch's cache length, if longer: any prompt fits one pack):
 # several packs in a step keep the stages busy at once (pack g on stage 1 while g+1 runs on stage 0), while each
 # one's matrix products stay large enough to run near the GPUs' peak
 
@@ -68,6 +68,13 @@ def packed_prompts(prompts: list[list[int]], width: int) -> tuple[torch.Tensor, 
         positions[0, begin:end] = torch.arange(len(prompt))
         begin = end
     return ids, segments, positions
+
+
+def prompt_columns(lengths: torch.Tensor, slot: int, cache_len: int) -> torch.Tensor:
+    """The cache column of every token of prompts of `lengths` tokens (end to end) that end right before `slot`
+    (counted without wrapping), in a cache of `cache_len` columns reused around its end."""
+    within = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
+    return (slot - lengths.repeat_interleave(lengths) + within) % cache_len
 
 
 def packed_context(segments: torch.Tensor, positions: torch.Tensor,

@@ -91,6 +91,8 @@ def test_a_pack_keeps_each_prompt_to_its_own_tokens():
                     [0, 0, 0, 0, 0, 0, 1]]
     additive = joins.packed_context(segments, positions, torch.float32)["attention_mask"][0, 0]
     assert torch.equal(additive == 0, torch.tensor(keep, dtype=torch.bool))
+    # their keys go right before slot 11 of a 10-column cache (slot 1 once wrapped): the first prompt's around the end
+    assert joins.prompt_columns(torch.tensor([3, 2]), 11, 10).tolist() == [8, 9, 0, 9, 0]
 
 
 def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypatch):
