@@ -66,8 +66,8 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     check_length(model.config, cache_len)
     stages.check_window(cache_len)
     stages.float_mask_dtype()
-    # the lanes start empty: each row attends to one (zero) column before the first slot, so that rows nobody
-    # holds decode finite garbage; every request, the first ones too, comes in through a joining pack's prefill
+    # the lanes start empty: each row is vacant (it attends to the column its step writes only, so that rows nobody
+    # holds decode finite garbage); every request, the first ones too, comes in through a joining pack's prefill
     ids = torch.zeros((rows, 1), dtype=torch.long)
     lane_list = split_lanes(stages, ids, torch.ones_like(ids), lanes, default=len(stages.stages))
     # compile=True compiles the decode steps only: a batch meets one decode shape but many joining pack widths,
@@ -84,6 +84,7 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
             run.prepare_decode(k, lane, cache_len, entries, cache)
             for j, inputs in enumerate(lane.inputs):
                 inputs.reset(lane.mask, first_slot - 1)
+                inputs.vacate()
                 lane.caches[j].start_decoding(first_slot)
         if run.graphs:
             batch.capture_joins()

@@ -93,12 +93,12 @@ class ContinuousBatch(JoinPrefills):
 
     def release(self, owner: Any) -> None:
         """`owner` needs no more tokens (it ended, or went away): its row is free for the next joiner."""
-        for lane in self.rows:
-            for row in lane:
+        for k, lane in enumerate(self.rows):
+            for r, row in enumerate(lane):
                 if row.heard_by is owner:
                     row.heard_by = None
                 if row.issued_to is owner:
-                    row.issued_to = None
+                    self.vacate(k, r)
 
     def unfinished(self) -> list[Any]:
         """The owners still holding rows (to continue elsewhere, from their prompt plus the tokens they got)."""
@@ -108,11 +108,19 @@ class ContinuousBatch(JoinPrefills):
         """One more token issued for lane k's held rows (or `rows`): a row whose request has all its tokens issued
         is free for the next joiner (its last tokens still reach its owner)."""
         lane = self.rows[k]
-        for row in (lane[r] for r in rows) if rows is not None else lane:
-            if row.issued_to is not None:
-                row.to_issue -= 1
-                if row.to_issue <= 0:
-                    row.issued_to = None
+        for r in rows if rows is not None else range(len(lane)):
+            if lane[r].issued_to is not None:
+                lane[r].to_issue -= 1
+                if lane[r].to_issue <= 0:
+                    self.vacate(k, r)
+
+    def vacate(self, k: int, r: int) -> None:
+        """Lane k's row r is issued no more work for its request: free for the next joiner, and until one comes its
+        steps on every stage read no keys and values (issued on the stages' streams, after its last step)."""
+        self.rows[k][r].issued_to = None
+        for j, inputs in enumerate(self.run.lanes[k].inputs):
+            with self.run.on(j):
+                inputs.vacate(r)
 
     def free_rows(self) -> list[tuple[int, int]]:
         """(lane, row) of every free row, the lanes taking turns (joiners spread over the lanes)."""
@@ -150,12 +158,11 @@ class ContinuousBatch(JoinPrefills):
 
     @staticmethod
     def _give(row: Row, token: int, out: list[tuple[Any, int]]) -> None:
-        owner = row.heard_by
-        out.append((owner, token))
+        """Hand `token` to the row's owner; after its last token the row is heard by nobody (its issuing ended
+        earlier, in `count_issued`, and the row may serve another request already)."""
+        out.append((row.heard_by, token))
         row.to_hear -= 1
-        if row.to_hear <= 0:  # its last token: the row is free (it may have been taken already, once all issued)
+        if row.to_hear <= 0:
             row.heard_by = None
-            if row.issued_to is owner:
-                row.issued_to = None
 
 

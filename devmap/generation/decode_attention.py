@@ -26,6 +26,7 @@ from torch import nn
 
 from ..compat import sdpa_attention
 
+MERGED_CHUNKS = 16  # chunks the merge reads at once: a 1,024-column cache's in one load
 CHUNK = 64  # columns per program: a 512-column cache of one row and 40 heads makes 320 programs, each reading its
 # keys and values in one go (longer chunks, looping, measured latency-bound at under half the bandwidth)
 LEAST_QUERY_BLOCK = 16  # tl.dot's smallest block: a KV head's query heads are padded up to it
@@ -83,7 +84,8 @@ def live_columns_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(3),
         columns, scale,
         GROUP=group, BLOCK_GROUP=max(LEAST_QUERY_BLOCK, 1 << (group - 1).bit_length()), DIM=dim, CHUNK=CHUNK)
-    merge_chunks[(rows, heads)](partial, log_sums, out, chunks, out.stride(0), out.stride(2), DIM=dim)
+    merge_chunks[(rows, heads)](partial, log_sums, out, chunks, out.stride(0), out.stride(2), DIM=dim,
+                                BLOCK=MERGED_CHUNKS)
     return out
 
 

@@ -47,26 +47,28 @@ def partial_attention(Query, Key, Value, Mask, Partial, LogSums,
 
 
 @triton.jit
-def merge_chunks(Partial, LogSums, Out, chunks, out_row, out_head, DIM: tl.constexpr):
-    """Out[row, 0, head] = the chunks' partial outputs weighted by their share of the softmax denominator."""
+def merge_chunks(Partial, LogSums, Out, chunks, out_row, out_head, DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """Out[row, 0, head] = the chunks' partial outputs weighted by their share of the softmax denominator, read
+    BLOCK chunks at a time (independent loads, not one dependent load per chunk)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     heads = tl.num_programs(1)
     dims = tl.arange(0, DIM)
     base = (row * heads + head) * chunks
-    best = tl.full([1], float("-inf"), tl.float32)
-    total = tl.zeros([1], tl.float32)
+    best = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
     acc = tl.zeros([DIM], tl.float32)
-    one = tl.arange(0, 1)
-    for chunk in range(0, chunks):
-        log_sum = tl.load(LogSums + base + chunk + one)
-        part = tl.load(Partial + (base + chunk) * DIM + dims)
-        new_best = tl.maximum(best, log_sum)
+    for first in range(0, chunks, BLOCK):
+        which = first + tl.arange(0, BLOCK)
+        there = which < chunks
+        log_sums = tl.load(LogSums + base + which, mask=there, other=float("-inf"))
+        parts = tl.load(Partial + (base + which)[:, None] * DIM + dims[None, :], mask=there[:, None], other=0.0)
+        new_best = tl.maximum(best, tl.max(log_sums, 0))
         anchor = tl.where(new_best > float("-inf"), new_best, 0.0)
         carried = tl.exp(best - anchor)
-        weight = tl.exp(log_sum - anchor)
-        acc = acc * carried + weight * part
-        total = total * carried + weight
+        weights = tl.exp(log_sums - anchor)
+        acc = acc * carried + tl.sum(weights[:, None] * parts, 0)
+        total = total * carried + tl.sum(weights, 0)
         best = new_best
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(Out + row * out_row + head * out_head + dims, out.to(Out.dtype.element_ty))

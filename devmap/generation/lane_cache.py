@@ -119,6 +119,9 @@ class DecodeInputs:
         device = cache.device
         self.cache = cache
         self.attended = torch.ones(prompt_mask.shape[0], cache.max_len, dtype=torch.bool, device=device)
+        # rows × 1: whether a row serves a request; a row nobody holds attends to the column its step writes only,
+        # so that it reads no keys and values (a continuous batch's free rows would otherwise collect every column)
+        self.live = torch.ones(prompt_mask.shape[0], 1, dtype=torch.bool, device=device)
         self.offset = torch.zeros(prompt_mask.shape[0], 1, dtype=torch.long, device=device)
         self.columns = torch.arange(cache.max_len, device=device)
         self.float_mask_dtype = float_mask_dtype  # eager attention adds its mask; sdpa takes booleans
@@ -132,6 +135,7 @@ class DecodeInputs:
         self.attended[:, :start].fill_(False)
         self.attended[:, start:end].copy_(mask.bool())
         self.attended[:, end:].fill_(False)  # each decode step marks the column it writes
+        self.live.fill_(True)
         self.offset.copy_(mask.long().sum(-1, keepdim=True) - end)
         self.cache.prefilling = True
         self.cache.start = start
@@ -143,18 +147,25 @@ class DecodeInputs:
         back = (slot - self.columns) % self.cache.max_len  # how many slots before `slot` each column is
         self.attended.index_copy_(0, rows, (back[None, :] >= 1) & (back[None, :] <= lengths[:, None]))
         self.offset.index_copy_(0, rows, (lengths - slot)[:, None])
+        self.live.index_fill_(0, rows, True)
+
+    def vacate(self, row: int | None = None) -> None:
+        """Row `row` (None: every row) serves no request from the next step on: it attends to the column its step
+        writes only."""
+        (self.live if row is None else self.live[row]).fill_(False)
 
     def first_rows(self, rows: int) -> DecodeInputs:
         """The inputs of a decode step over the first `rows` rows only (views: the same mask, offsets and cache)."""
         view = object.__new__(DecodeInputs)
         view.cache = self.cache.first_rows(rows)
-        view.attended, view.offset = self.attended[:rows], self.offset[:rows]
+        view.attended, view.offset, view.live = self.attended[:rows], self.offset[:rows], self.live[:rows]
         view.columns, view.float_mask_dtype = self.columns, self.float_mask_dtype
         return view
 
     def mask(self) -> torch.Tensor:
         """The step's attention mask: the columns each row attends to, the one this step writes included (marked
-        here, inside the step)."""
+        here, inside the step); a vacant row's, that column only."""
+        self.attended.logical_and_(self.live)
         self.attended.index_fill_(1, self.cache.slot, True)
         keep = self.attended[:, None, None, :]
         if self.float_mask_dtype is None:

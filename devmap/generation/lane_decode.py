@@ -80,6 +80,7 @@ class LaneDecode(LaneStreams):
                 dynamic_dims(buffer, (0, 2))
             dynamic_dims(inputs.attended, (0, 1))
             dynamic_dims(inputs.offset, (0,))
+            dynamic_dims(inputs.live, (0,))
         body = with_decode_attention(self.s.config,
                                      self._compiled(lambda x, j=j, item=inputs: self.s.decode(j, x, item)),
                                      decode_step_attention)

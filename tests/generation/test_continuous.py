@@ -6,7 +6,7 @@ import torch
 from devmap import generate
 from devmap.errors import UsageError
 from devmap.generation import joins
-from devmap.generation.continuous import SlotRequest, generate_continuous
+from devmap.generation.continuous import SlotRequest, continuous_batch, generate_continuous
 from devmap.generation.sampling import Sampling
 
 
@@ -150,6 +150,39 @@ def test_a_batch_runs_past_its_cache_length_reusing_columns(model, run):
     assert not left and not queue
     assert sum(r.max_new_tokens for r in reqs) > 3 * 20
     for r in reqs:
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
+
+
+def test_a_vacant_row_attends_to_the_column_its_step_writes_only(model):
+    """Rows nobody holds (never taken, or whose request ended) read one column per step, not every column the steps
+    wrote since; a row taken again attends to its new prompt and tokens only, and gets the tokens of generating
+    alone."""
+    short, long = SlotRequest(list(range(5, 9)), 3, "short"), SlotRequest(list(range(20, 27)), 12, "long")
+    later = SlotRequest(list(range(40, 46)), 5, "later")
+    got: dict = {"short": [], "long": [], "later": []}
+
+    def attended() -> list[list[int]]:  # per row of the first stage: the columns its next step attends to
+        inputs = batch.run.lanes[0].inputs[0]
+        return [row.nonzero().flatten().tolist() for row in inputs.attended]
+
+    with continuous_batch(model, rows=4, first_slot=8, cache_len=24, lanes=1, split_layers=[2]) as batch:
+        batch.step([short, long])
+        for _ in range(5):
+            batch.step()
+            for owner, token in batch.collect():
+                got[owner].append(token)
+        slot = batch.first_slot + batch.steps - 1  # the column the last step wrote
+        columns = attended()
+        assert len(columns[2]) == len(columns[3]) == 1  # never taken (nor computed: steps cover the first 2 rows)
+        assert columns[0] == [slot]  # `short` had its 3 tokens issued: vacant since
+        assert len(columns[1]) == len(long.prompt) + batch.steps  # `long`: its prompt and its steps' columns
+        batch.step([later])  # takes row 0
+        while batch.step():
+            for owner, token in batch.collect():
+                got[owner].append(token)
+        for owner, token in batch.collect(everything=True):
+            got[owner].append(token)
+    for r in (short, long, later):
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 

@@ -17,8 +17,10 @@ KERNEL_CHECK = textwrap.dedent("""
     from devmap.generation.decode_attention import live_columns_attention, reference_attention
 
     torch.manual_seed(0)
-    # (rows, heads, KV heads, columns, head size): grouped and plain heads; columns over several chunks, one not whole
-    for rows, heads, kv_heads, columns, dim in [(4, 8, 2, 600, 64), (3, 4, 4, 300, 32), (2, 2, 1, 40, 16)]:
+    # (rows, heads, KV heads, columns, head size): grouped and plain heads; columns over several chunks, one not whole,
+    # and over more chunks than the merge reads at once
+    for rows, heads, kv_heads, columns, dim in [(4, 8, 2, 600, 64), (3, 4, 4, 300, 32), (2, 2, 1, 40, 16),
+                                                (3, 4, 2, 1100, 32)]:
         query = torch.randn(rows, heads, 1, dim, dtype=torch.float16)
         key = torch.randn(rows + 1, kv_heads, columns, dim, dtype=torch.float16)[:rows]  # a batch's first rows
         value = torch.randn(rows + 1, kv_heads, columns, dim, dtype=torch.float16)[:rows]
