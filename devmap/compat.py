@@ -7,7 +7,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `call_decoder_layer`: the cache keyword of a decoder layer (`past_key_values`, renamed `cache`) | transformers | stages run the layers one run at a time with devmap's KV caches | 5.17, 5.24 |
 | `transformers_causal_mask`: `masking_utils.create_causal_mask` | transformers | prompt masks for attention kinds other than sdpa/eager (devmap builds those itself: `devmap.generation.masks`) | 5.17, 5.24 |
 | `attention_implementation`: `config._attn_implementation` | transformers | the decode mask's form (booleans for sdpa, floats for eager) | 5.17, 5.24 |
-| `with_decode_attention`, `sdpa_attention`: `AttentionInterface.register`, `sdpa_attention_forward`, `config._attn_implementation` set for a step | transformers | decode steps attend over live cache columns only (`generation.decode_attention`); transformers' sdpa reads every column, and with grouped KV heads and a mask copies the cache to every query head (17% of a 1.1B step) | 5.17, 5.24 |
+| `with_decode_attention`, `sdpa_attention`, `attention_function`: `AttentionInterface.register`, `sdpa_attention_forward`, `ALL_ATTENTION_FUNCTIONS`, `config._attn_implementation` set for a step | transformers | decode steps attend over live cache columns only (`generation.decode_attention`); transformers' sdpa reads every column, and with grouped KV heads and a mask copies the cache to every query head (17% of a 1.1B step) | 5.17, 5.24 |
 | `own_forward`, `hook_execution_device`, `device_hooks_bypassed`: `_hf_hook`, `_old_forward`, `AlignDevicesHook` | accelerate | a placed model's device hooks re-check every argument (2x a decode step) and break compiled steps | 1.15 |
 | `raise_recompile_limit`: `torch._dynamo.config.recompile_limit` | torch | one compiled entry per stage, lane shape and kind | 2.11, 2.14 |
 | `fail_on_recompile`: `torch.compiler.set_stance` | torch | a CUDA-graph capture must never compile | 2.11, 2.14 |
@@ -88,6 +88,14 @@ def with_decode_attention(config: Any, step: Any, attention: Any) -> Any:
             config._attn_implementation = "sdpa"
 
     return with_attention
+
+
+def attention_function(config: Any) -> Any:
+    """The attention function a transformers layer of `config` calls now (`ALL_ATTENTION_FUNCTIONS`, by
+    `config._attn_implementation`: inside a `with_decode_attention` step, the step's)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[attention_implementation(config)]
 
 
 def sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

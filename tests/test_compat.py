@@ -178,15 +178,17 @@ def test_with_decode_attention_swaps_sdpa_for_the_step_only():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from devmap.compat import DECODE_ATTENTION, sdpa_attention, with_decode_attention
+    from devmap.compat import DECODE_ATTENTION, attention_function, sdpa_attention, with_decode_attention
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)
     config._attn_implementation = "sdpa"
     attention = object()
     seen = []
-    step = with_decode_attention(config, lambda: seen.append(config._attn_implementation), attention)
+    step = with_decode_attention(config, lambda: seen.append((config._attn_implementation,
+                                                              attention_function(config))), attention)
     step()
-    assert seen == [DECODE_ATTENTION] and config._attn_implementation == "sdpa"  # only while the step runs
+    assert seen == [(DECODE_ATTENTION, attention)] and config._attn_implementation == "sdpa"  # only in the step
+    assert attention_function(config) is sdpa_attention_forward
     assert ALL_ATTENTION_FUNCTIONS[DECODE_ATTENTION] is attention
     eager = LlamaConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=1)
     eager._attn_implementation = "eager"

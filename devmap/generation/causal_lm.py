@@ -19,6 +19,7 @@ from ..compat import (attention_implementation, cache_keyword, call_decoder_laye
                       hook_execution_device, own_forward, transformers_causal_mask)
 from ..errors import PipelineError, UsageError
 from ..planning.devices import offloaded, parse_device_key
+from .joined_projections import JoinedLayer
 from .masks import prompt_mask
 
 # model types whose base model's forward is LLaMA's glue (embed, one rotary, causal mask, layers, norm): the glue
@@ -80,6 +81,11 @@ class CausalLMStages:
         # tied embeddings put lm_head with embed_tokens (the first GPU), the final norm stays after the last layer
         self.norm_device = _device_of(base.norm)
         self.cache_keyword = cache_keyword(base.layers[0])
+        # layers whose projections were joined (`join_projections`) decode with two products for five; sdpa models
+        # only, whose decode attention devmap chooses (eager ones keep transformers' float-mask attention)
+        sdpa = attention_implementation(model.config) == "sdpa"
+        self.joined = {id(layer): joined for layer in base.layers
+                       if sdpa and (joined := JoinedLayer.of(layer, model_type)) is not None}
         self._rotary: dict[torch.device, nn.Module] = {}
         for device in {*self.devices, self.embed_device}:  # copied here, not inside a compiled step
             self._rotary[device] = module_on(self.base.rotary_emb, device)
@@ -171,7 +177,12 @@ class CausalLMStages:
         position_ids = inputs.position_ids()
         context = {"attention_mask": inputs.mask(), "position_ids": position_ids,
                    "position_embeddings": self.rotary(hidden, position_ids)}
-        hidden = self.run(stage, hidden, context, inputs.cache)
+        for layer in self.stages[stage].layers:
+            joined = self.joined.get(id(layer))
+            if joined is not None:
+                hidden = joined(hidden, inputs.cache, context)
+            else:
+                hidden = call_decoder_layer(layer, hidden, inputs.cache, context, self.cache_keyword)
         inputs.cache.advance()
         if stage + 1 < len(self.stages):
             return hidden

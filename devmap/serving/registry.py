@@ -106,7 +106,10 @@ class ModelRegistry:
 
     def load(self, path: Path, model_id: str | None = None, device_map: Any = None,
              max_memory: str | Mapping[Any, Any] | None = None, dtype: str | None = None) -> ResidentModel:
-        """Load the directory onto its devices (within what the budget has left) and make it resident."""
+        """Load the directory onto its devices (within what the budget has left) and make it resident, its LLaMA
+        layers' input projections joined (`generation.joined_projections`: two products where transformers runs
+        five per decode step)."""
+        from ..generation.joined_projections import join_projections
         from ..loading.loader import load
 
         model_id = model_id or path.name
@@ -128,6 +131,8 @@ class ModelRegistry:
             except DevmapError as exc:
                 raise ServiceError(f"cannot load {model_id}: {exc}") from None
             try:
+                joined = join_projections(model)  # the service owns the model and never saves it: see there
+                log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
                 tokenizer = load_tokenizer(path)
                 context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
                 compiled = _compiled(model, self.limits.compile, self.quantization, rows, context)

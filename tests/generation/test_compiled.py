@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from devmap import generate
 from devmap.errors import PipelineError, UsageError
 from devmap.generation import compiled, forward, lanes
+from devmap.generation.joined_projections import join_projections
 
 SIZES = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -31,12 +32,15 @@ def build(config):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def test_compiled_steps_give_the_same_tokens_and_compile_once(monkeypatch):
+@pytest.mark.parametrize("joined", [False, True], ids=["transformers-layers", "joined-projections"])
+def test_compiled_steps_give_the_same_tokens_and_compile_once(monkeypatch, joined):
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)  # the cached-step paths
     torch._dynamo.reset()
     counters.clear()
     model = build(LlamaConfig(**SIZES))
+    if joined:
+        assert join_projections(model) == 2 * SIZES["num_hidden_layers"]
     ids, mask = prompts()
     want = expected(model, ids, mask)
     kwargs = dict(max_new_tokens=8, lanes=2, split_layers=[2], eos_token_id=[], compile=True)

@@ -1,0 +1,73 @@
+"""Joined projections: a LLaMA layer's query/key/value and gate/up weights end to end in one buffer each, the Linear
+modules' weights views into them; decode steps over them give transformers' outputs and greedy tokens."""
+
+import copy
+
+import torch
+from torch import nn
+
+from devmap import generate
+from devmap.generation.causal_lm import CausalLMStages
+from devmap.generation.continuous import SlotRequest
+from devmap.generation.joined_projections import JoinedLayer, join_projections
+
+
+def joined_copy(model):
+    clone = copy.deepcopy(model)
+    assert join_projections(clone) == 2 * len(clone.model.layers)
+    return clone
+
+
+def test_joining_keeps_every_weight_and_shares_one_buffer_per_group(model):
+    clone = joined_copy(model)
+    for name, value in model.state_dict().items():
+        assert torch.equal(clone.state_dict()[name], value), name
+    attention = clone.model.layers[0].self_attn
+    storages = {p.weight.untyped_storage().data_ptr() for p in (attention.q_proj, attention.k_proj, attention.v_proj)}
+    assert len(storages) == 1
+    assert join_projections(clone) == 0  # already joined
+    ids = torch.randint(3, 500, (2, 9))
+    torch.testing.assert_close(clone(ids).logits, model(ids).logits, rtol=0, atol=0)  # transformers' own forward
+
+
+def test_only_joined_sdpa_llama_layers_decode_joined(model, tiny_llama):
+    assert not CausalLMStages(model).joined  # weights apart: transformers' forward
+    assert len(CausalLMStages(joined_copy(model)).joined) == len(model.model.layers)
+    eager = tiny_llama(attn_implementation="eager")
+    join_projections(eager)
+    assert not CausalLMStages(eager).joined  # eager attention keeps its float masks and transformers' layers
+    quantized_like = joined_copy(model)
+    quantized_like.model.layers[0].mlp.up_proj = nn.Linear(64, 160, bias=False)  # no longer in the buffer
+    stages = CausalLMStages(quantized_like)
+    assert id(quantized_like.model.layers[0]) not in stages.joined and len(stages.joined) == 3
+    assert JoinedLayer.of(quantized_like.model.layers[1], "qwen3") is None
+
+
+def test_a_joined_model_decodes_transformers_greedy_tokens(model, monkeypatch):
+    clone = joined_copy(model)
+    calls = []
+    forward = JoinedLayer.__call__
+    monkeypatch.setattr(JoinedLayer, "__call__", lambda self, *a: calls.append(1) or forward(self, *a))
+    ids = torch.randint(3, 500, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a left-padded row
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    got = generate(clone, ids, attention_mask=mask, max_new_tokens=12, split_layers=[2], eos_token_id=[])
+    assert torch.equal(got, expected)
+    # every decode step's layers, of each lane (the prompt's run transformers' forward)
+    assert calls and len(calls) % (11 * len(model.model.layers)) == 0
+
+
+def test_a_joined_model_in_a_continuous_batch_gets_each_request_its_tokens(model, run_continuous):
+    clone = joined_copy(model)
+    g = torch.Generator().manual_seed(5)
+    reqs = [SlotRequest(torch.randint(3, 500, (n,), generator=g).tolist(), m, f"r{i}")
+            for i, (n, m) in enumerate([(5, 6), (9, 3), (3, 8), (11, 4), (7, 7)])]
+    got, left, queue = run_continuous(clone, reqs[:2], reqs[2:], rows=3, first_slot=12, cache_len=30, lanes=1,
+                                      split_layers=[2])
+    assert not left and not queue
+    for r in reqs:
+        alone = model.generate(torch.tensor([r.prompt]), max_new_tokens=r.max_new_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        assert got[r.owner] == alone[0, len(r.prompt):].tolist(), r.owner
