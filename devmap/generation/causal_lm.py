@@ -81,8 +81,8 @@ class CausalLMStages:
         # tied embeddings put lm_head with embed_tokens (the first GPU), the final norm stays after the last layer
         self.norm_device = _device_of(base.norm)
         self.cache_keyword = cache_keyword(base.layers[0])
-        # layers whose projections were joined (`join_projections`) decode with two products for five; sdpa models
-        # only, whose decode attention devmap chooses (eager ones keep transformers' float-mask attention)
+        # layers whose projections were joined (`join_projections`) run with two products for five; sdpa models
+        # only (eager ones keep transformers' layers and their float-mask attention)
         sdpa = attention_implementation(model.config) == "sdpa"
         self.joined = {id(layer): joined for layer in base.layers
                        if sdpa and (joined := JoinedLayer.of(layer, model_type)) is not None}
@@ -143,9 +143,14 @@ class CausalLMStages:
         return {"attention_mask": mask, "position_ids": position_ids}
 
     def run(self, stage: int, hidden: torch.Tensor, context: dict[str, Any], cache: Any) -> torch.Tensor:
-        """Stage `stage`'s decoder layers; `context` tensors must already be on the stage's device."""
+        """Stage `stage`'s decoder layers; `context` tensors must already be on the stage's device (its rotary
+        cos/sin under `position_embeddings`). Layers with joined projections run devmap's forward over them."""
         for layer in self.stages[stage].layers:
-            hidden = call_decoder_layer(layer, hidden, cache, context, self.cache_keyword)
+            joined = self.joined.get(id(layer))
+            if joined is not None:
+                hidden = joined(hidden, cache, context)
+            else:
+                hidden = call_decoder_layer(layer, hidden, cache, context, self.cache_keyword)
         return hidden
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,12 +182,7 @@ class CausalLMStages:
         position_ids = inputs.position_ids()
         context = {"attention_mask": inputs.mask(), "position_ids": position_ids,
                    "position_embeddings": self.rotary(hidden, position_ids)}
-        for layer in self.stages[stage].layers:
-            joined = self.joined.get(id(layer))
-            if joined is not None:
-                hidden = joined(hidden, inputs.cache, context)
-            else:
-                hidden = call_decoder_layer(layer, hidden, inputs.cache, context, self.cache_keyword)
+        hidden = self.run(stage, hidden, context, inputs.cache)
         inputs.cache.advance()
         if stage + 1 < len(self.stages):
             return hidden

@@ -3,10 +3,11 @@ key and value, and the MLP's gate and up. A decode step of one or a few rows is 
 products of a layer become two (fewer launches, each long enough to reach the memory's pace).
 
 `join_projections(model)` stores each group's weights end to end in one buffer; the Linear modules keep their
-weights, as views into it (no second copy; transformers' forward, prefills and the weights' values are unchanged).
+weights, as views into it (no second copy; transformers' own forward and the weights' values are unchanged).
 A model whose weights share buffers this way must not be saved with safetensors, which refuses shared memory: the
 serving engine, which owns its models and never saves them, joins them at load. `JoinedLayer.of` finds such buffers
-in any model and runs a decode step's layer on them; layers it finds none in run transformers' own forward.
+in any model, and devmap's stages run such layers (prefills and decode steps) on them; layers it finds none in run
+transformers' own forward.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _joined_weight(group: Sequence[nn.Module], name: str = "weight") -> torch.Te
 
 @dataclass
 class JoinedLayer:
-    """A LLaMA decoder layer's joined projections (see `join_projections`), and its decode forward over them."""
+    """A LLaMA decoder layer's joined projections (see `join_projections`), and its forward over them."""
 
     layer: nn.Module
     qkv: torch.Tensor
@@ -125,7 +126,8 @@ class JoinedLayer:
 
     def __call__(self, hidden: torch.Tensor, cache: Any, context: dict[str, Any]) -> torch.Tensor:
         """The layer's forward as transformers' `LlamaDecoderLayer` computes it, with two products for its five
-        input projections; `context` holds the mask and the rotary cos/sin (`position_embeddings`)."""
+        input projections (`cache`: None, or transformers' `Cache.update` protocol); `context` holds the mask and
+        the rotary cos/sin (`position_embeddings`)."""
         layer = self.layer
         attention, mlp = layer.self_attn, layer.mlp
         normed = own_forward(layer.input_layernorm)(hidden)

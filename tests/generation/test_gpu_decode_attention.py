@@ -94,14 +94,18 @@ def _half_precision_models(requests_and_their_tokens):
     return reference, placed, reqs, tokens
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["transformers-layers", "joined-projections"])
 def test_half_precision_model_decodes_transformers_greedy_tokens_with_the_kernel(monkeypatch, run_continuous,
-                                                                                 requests_and_their_tokens):
+                                                                                 requests_and_their_tokens, joined):
     from devmap import generate
+    from devmap.generation.joined_projections import join_projections
 
     calls = []
     kernel = decode_attention.live_columns_attention
     monkeypatch.setattr(decode_attention, "live_columns_attention", lambda *a: calls.append(1) or kernel(*a))
     reference, placed, reqs, tokens = _half_precision_models(requests_and_their_tokens)
+    if joined:
+        assert join_projections(placed) == 2 * CONFIG["num_hidden_layers"]
     ids = torch.randint(3, 1000, (4, 12), device="cuda:0")
     expected = reference.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None).cpu()
     for compile in (False, True):
@@ -113,12 +117,17 @@ def test_half_precision_model_decodes_transformers_greedy_tokens_with_the_kernel
     assert calls
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["transformers-layers", "joined-projections"])
 def test_half_precision_steps_over_a_batchs_first_rows_compile_once_with_the_kernel(run_continuous,
-                                                                                   requests_and_their_tokens):
+                                                                                   requests_and_their_tokens, joined):
     """One request, then one joiner a step: the compiled step (the kernel in it) over 2, 4 and 8 rows."""
     from torch._dynamo.utils import counters
 
+    from devmap.generation.joined_projections import join_projections
+
     _, placed, reqs, tokens = _half_precision_models(requests_and_their_tokens)
+    if joined:
+        join_projections(placed)
     counters.clear()
     torch._logging.set_logs(recompiles=True)  # a failure's log says which guard failed
     graphs = None

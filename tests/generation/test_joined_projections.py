@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from devmap import generate
+from devmap.generation import forward
 from devmap.generation.causal_lm import CausalLMStages
 from devmap.generation.continuous import SlotRequest
 from devmap.generation.joined_projections import JoinedLayer, join_projections
@@ -28,6 +29,7 @@ def test_joining_keeps_every_weight_and_shares_one_buffer_per_group(model):
     assert join_projections(clone) == 0  # already joined
     ids = torch.randint(3, 500, (2, 9))
     torch.testing.assert_close(clone(ids).logits, model(ids).logits, rtol=0, atol=0)  # transformers' own forward
+    torch.testing.assert_close(forward(clone, ids, split_layers=[2]), model(ids).logits)  # devmap's, joined
 
 
 def test_only_joined_sdpa_llama_layers_decode_joined(model, tiny_llama):
@@ -55,8 +57,8 @@ def test_a_joined_model_decodes_transformers_greedy_tokens(model, monkeypatch):
                               pad_token_id=0)
     got = generate(clone, ids, attention_mask=mask, max_new_tokens=12, split_layers=[2], eos_token_id=[])
     assert torch.equal(got, expected)
-    # every decode step's layers, of each lane (the prompt's run transformers' forward)
-    assert calls and len(calls) % (11 * len(model.model.layers)) == 0
+    # the prompt's and every decode step's layers, of each lane
+    assert calls and len(calls) % (12 * len(model.model.layers)) == 0
 
 
 def test_a_joined_model_in_a_continuous_batch_gets_each_request_its_tokens(model, run_continuous):
