@@ -35,8 +35,7 @@ def join_projections(model: nn.Module) -> int:
     joined = 0
     for layer in model.model.layers:
         for group in _groups(layer):
-            if _joinable(group) and _joined_weight(group) is None:
-                _join(group)
+            if _joinable(group) and _joined_weight(group) is None and _join(group):
                 joined += 1
     return joined
 
@@ -64,17 +63,22 @@ def _joinable(group: Sequence[nn.Module]) -> bool:
 
 
 @torch.no_grad()
-def _join(group: Sequence[nn.Module]) -> None:
-    for name in ("weight", "bias"):
-        parts = [getattr(linear, name) for linear in group]
-        if parts[0] is None:
-            continue
-        buffer = torch.cat([p.detach() for p in parts])
+def _join(group: Sequence[nn.Module]) -> bool:
+    """Join the group's weights (and biases); False, the group left as it was, when its device has no room for the
+    joined buffer beside the parts for a moment."""
+    names = [name for name in ("weight", "bias") if getattr(group[0], name) is not None]
+    try:
+        buffers = {name: torch.cat([getattr(linear, name).detach() for linear in group]) for name in names}
+    except torch.OutOfMemoryError:
+        return False
+    for name, buffer in buffers.items():
         begin = 0
-        for linear, part in zip(group, parts):
+        for linear in group:
+            part = getattr(linear, name)
             end = begin + part.shape[0]
             setattr(linear, name, nn.Parameter(buffer[begin:end], requires_grad=part.requires_grad))
             begin = end
+    return True
 
 
 def _joined_weight(group: Sequence[nn.Module], name: str = "weight") -> torch.Tensor | None:

@@ -32,6 +32,19 @@ def test_joining_keeps_every_weight_and_shares_one_buffer_per_group(model):
     torch.testing.assert_close(forward(clone, ids, split_layers=[2]), model(ids).logits)  # devmap's, joined
 
 
+def test_a_group_without_room_to_join_stays_as_it_was(model, monkeypatch):
+    clone = copy.deepcopy(model)
+    weights = {name: p.data_ptr() for name, p in clone.named_parameters()}
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(torch, "cat", no_room)
+    assert join_projections(clone) == 0
+    assert {name: p.data_ptr() for name, p in clone.named_parameters()} == weights
+    assert not CausalLMStages(clone).joined
+
+
 def test_only_joined_sdpa_llama_layers_decode_joined(model, tiny_llama):
     assert not CausalLMStages(model).joined  # weights apart: transformers' forward
     assert len(CausalLMStages(joined_copy(model)).joined) == len(model.model.layers)
