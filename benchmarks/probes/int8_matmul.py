@@ -1,0 +1,166 @@
+"""GPU time of a decode step's products with int8 weights (one scale per output row, as `--quantize int8` stores
+them), against the same products in bf16 and the floor of reading the weights once: torchao's `Int8Tensor` in
+eager mode (what quantized serving runs by default), the same under torch.compile, and a Triton kernel that reads
+the int8 weights and converts them in registers (one program per block of output rows, optionally splitting the
+inner dimension), over a few block shapes.
+
+It answers whether an int8 model can decode faster than bf16 at 1-64 rows, and with which product, before any of
+it goes into devmap's quantized path.
+
+Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/int8_matmul.py [--rows 2,32,64]
+Check the kernel on CPU (Triton's interpreter):  TRITON_INTERPRET=1 python3 benchmarks/probes/int8_matmul.py --check
+Shapes: LLaMA-2-13B's layer (hidden 5120, MLP 13824), its query/key/value and gate/up products joined (as
+`devmap.generation.joined_projections` runs them). Each call captured 50 times in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+SHAPES = {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)}  # (out, in)
+
+
+@triton.jit
+def int8_rows_matmul(X, W, Scale, Y, rows, outs, ins, x_row, w_row, y_row,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
+                     SPLIT: tl.constexpr):
+    """Y[rows, outs] (+)= X[rows, ins] · (W[outs, ins] as X's dtype)ᵀ · Scale[outs]: program (o, s) takes output rows
+    o·BLOCK_OUT.. and every SPLIT-th block of the inner dimension from s on (SPLIT > 1: Y is float32, added to)."""
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    row = tl.arange(0, BLOCK_ROWS)
+    out = block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
+    for start in range(split * BLOCK_IN, ins, BLOCK_IN * SPLIT):
+        inner = start + tl.arange(0, BLOCK_IN)
+        x = tl.load(X + row[:, None] * x_row + inner[None, :], mask=(row[:, None] < rows) & (inner[None, :] < ins),
+                    other=0.0)
+        w = tl.load(W + out[:, None] * w_row + inner[None, :], mask=(out[:, None] < outs) & (inner[None, :] < ins),
+                    other=0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    acc = acc * tl.load(Scale + out, mask=out < outs, other=0.0)[None, :]
+    place = Y + row[:, None] * y_row + out[None, :]
+    keep = (row[:, None] < rows) & (out[None, :] < outs)
+    if SPLIT == 1:
+        tl.store(place, acc.to(Y.dtype.element_ty), mask=keep)
+    else:
+        tl.atomic_add(place, acc, mask=keep)
+
+
+def int8_matmul(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, block_out: int, block_in: int,
+                split: int, warps: int, stages: int) -> torch.Tensor:
+    """x (rows × in) times int8 weights (out × in) with per-row float scales (out or out × 1)."""
+    rows, ins = x.shape
+    outs = qdata.shape[0]
+    block_rows = max(16, triton.next_power_of_2(rows))
+    y = (torch.empty if split == 1 else torch.zeros)((rows, outs), device=x.device,
+                                                     dtype=x.dtype if split == 1 else torch.float32)
+    int8_rows_matmul[(triton.cdiv(outs, block_out), split)](
+        x, qdata, scale, y, rows, outs, ins, x.stride(0), qdata.stride(0), y.stride(0),
+        BLOCK_ROWS=block_rows, BLOCK_OUT=block_out, BLOCK_IN=block_in, SPLIT=split, num_warps=warps,
+        num_stages=stages)
+    return y if split == 1 else y.to(x.dtype)
+
+
+# (output rows per program, inner block, inner splits, warps, stages): 18 compiles per row block, ~1 min in all
+CONFIGS = list(itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (4,), (3,)))
+
+
+def timed(call, repeat: int = 50) -> float:
+    call()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 5 / repeat * 1000  # microseconds per call
+
+
+def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 (torchao's PerRow int8 weight-only: scale = max |w| / 127)."""
+    scale = weight.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+    return (weight.float() / scale).round().clamp(-128, 127).to(torch.int8), scale
+
+
+def check() -> None:
+    """The kernel against the plain computation, every split, on whatever device torch gives (the interpreter)."""
+    torch.manual_seed(0)
+    for rows, outs, ins in ((2, 96, 200), (17, 64, 128), (33, 40, 300)):
+        x = torch.randn(rows, ins, dtype=torch.float16)
+        qdata, scale = quantized(torch.randn(outs, ins))
+        want = (x.float() @ qdata.float().t()) * scale.t()
+        for split in (1, 2, 3):
+            got = int8_matmul(x, qdata, scale, 32, 64, split, 4, 2)
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    print("int8 kernel: equal to the plain product")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="2,32,64")
+    parser.add_argument("--check", action="store_true", help="check the kernel (on CPU, under TRITON_INTERPRET=1)")
+    parser.add_argument("--no-compile", action="store_true", help="leave out torchao under torch.compile")
+    args = parser.parse_args()
+    if args.check:
+        check()
+        return
+    from torchao.quantization import Int8Tensor, Int8WeightOnlyConfig
+
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    bandwidth = 2 * a.numel() / (timed(lambda: b.copy_(a), repeat=10) / 1e6)
+    del a, b
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, HBM {bandwidth / 1e12:.2f} TB/s (copy): "
+          "microseconds per product")
+    print("| product | rows | bf16 | bf16 floor | torchao int8 eager | torchao int8 compiled | Triton int8 (best config) "
+          "| int8 floor | bf16 ÷ best int8 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    granularity = Int8WeightOnlyConfig().granularity
+    for name, (outs, ins) in SHAPES.items():
+        weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) / ins ** 0.5
+        qdata, scale = quantized(weight)
+        torchao_weight = Int8Tensor.from_hp(weight, granularity)
+        compiled = None if args.no_compile else torch.compile(lambda x: torch.nn.functional.linear(x, torchao_weight))
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
+            bf16 = timed(lambda: torch.nn.functional.linear(x, weight))
+            eager = timed(lambda: torch.nn.functional.linear(x, torchao_weight))
+            compiled_us = timed(lambda: compiled(x)) if compiled is not None else float("nan")
+            want = torch.nn.functional.linear(x, weight).float()
+            best, best_config = float("inf"), None
+            for config in CONFIGS:
+                try:
+                    got = int8_matmul(x, qdata, scale, *config)
+                except Exception:  # a block shape this GPU cannot hold (shared memory)
+                    continue
+                if (got.float() - want).abs().max() > 0.05 * want.abs().max():
+                    raise AssertionError(f"{name} {rows} {config}: the kernel's product is wrong")
+                us = timed(lambda config=config: int8_matmul(x, qdata, scale, *config))
+                if us < best:
+                    best, best_config = us, config
+            bf16_floor = outs * ins * 2 / bandwidth * 1e6
+            int8_floor = outs * ins / bandwidth * 1e6
+            fastest = min(eager, compiled_us if compiled_us == compiled_us else eager, best)
+            print(f"| {name} {outs}×{ins} | {rows} | {bf16:.1f} | {bf16_floor:.1f} | {eager:.1f} | {compiled_us:.1f} "
+                  f"| {best:.1f} {best_config} | {int8_floor:.1f} | {bf16 / fastest:.2f}× |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
