@@ -2,7 +2,7 @@
 transformers' sdpa path (its default backend, over every column) against devmap's live-columns kernel
 (`devmap.generation.decode_attention`), and the floor of reading the live columns' keys and values once.
 
-Run on one GPU:  PYTHONPATH=. python3 benchmarks/probes/decode_attention.py
+Run on one GPU:  PYTHONPATH=. python3 benchmarks/probes/decode_attention.py [--chunks 64,32,128]
 Shapes: 13B (40 heads of 128, no grouping) and 1.1B (32 query heads over 4 KV heads of 64; sdpa gets each KV
 head's query heads packed as its queries, as devmap's decode step did before the kernel), at 1, 32 and 64 rows,
 caches of 512 and 2048 columns whose rows each hold a live span of a random share (up to `--live`) ending at one
@@ -39,19 +39,32 @@ def timed(call, repeat: int = 100) -> float:
 def main() -> None:
     import argparse
 
+    from devmap.generation import decode_attention
     from devmap.generation.decode_attention import live_columns_attention
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--live", type=float, default=0.8, help="the largest share of a row's columns that is live")
+    parser.add_argument("--chunks", default=str(decode_attention.CHUNK),
+                        help="columns per program to time the kernel with, comma-separated (devmap's CHUNK first)")
     args = parser.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",")]
+
+    def kernel_at(chunk: int, *tensors: torch.Tensor) -> float:
+        decode_attention.CHUNK = chunk  # read by the kernel's launch at each call
+        try:
+            return timed(lambda: live_columns_attention(*tensors))
+        finally:
+            decode_attention.CHUNK = chunks[0]
+
     a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     bandwidth = 2 * a.numel() / (timed(lambda: b.copy_(a), repeat=10) / 1e6)
     del a, b
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, HBM {bandwidth / 1e12:.2f} TB/s (copy): "
           "microseconds per attention call")
-    print("| model | rows | columns | live | sdpa | live-columns kernel | floor (live KV once) | sdpa ÷ kernel |")
-    print("|---|---|---|---|---|---|---|---|")
+    others = "".join(f" kernel, {c} columns per program |" for c in chunks[1:])
+    print(f"| model | rows | columns | live | sdpa | live-columns kernel |{others} floor (live KV once) | sdpa ÷ kernel |")
+    print("|---|---|---|---|---|---|" + "---|" * (len(chunks) - 1) + "---|---|")
     g = torch.Generator().manual_seed(0)
     for name, heads, kv_heads, dim in (("13B", 40, 40, 128), ("1.1B", 32, 4, 64)):
         for rows in (1, 32, 64):
@@ -65,11 +78,12 @@ def main() -> None:
                 mask = (back[None, :] < spans[:, None]).cuda()[:, None, None, :]
                 packed = q.reshape(rows, kv_heads, heads // kv_heads, dim)
                 sdpa_us = timed(lambda: sdpa(packed, k, v, attn_mask=mask))
-                kernel_us = timed(lambda: live_columns_attention(q, k, v, mask))
+                kernel_us = [kernel_at(chunk, q, k, v, mask) for chunk in chunks]
                 live = int(mask.sum())
                 floor_us = 2 * live * kv_heads * dim * 2 / bandwidth * 1e6
+                timings = " | ".join(f"{us:.1f}" for us in kernel_us)
                 print(f"| {name} | {rows} | {length} | {live / (rows * length):.0%} | {sdpa_us:.1f} | "
-                      f"{kernel_us:.1f} | {floor_us:.1f} | {sdpa_us / kernel_us:.2f}× |", flush=True)
+                      f"{timings} | {floor_us:.1f} | {sdpa_us / kernel_us[0]:.2f}× |", flush=True)
 
 
 if __name__ == "__main__":
