@@ -74,6 +74,16 @@ def test_a_joined_model_decodes_transformers_greedy_tokens(model, monkeypatch):
     assert calls and len(calls) % (12 * len(model.model.layers)) == 0
 
 
+def test_projections_with_biases_join_with_their_biases(tiny_llama):
+    torch.manual_seed(1)
+    model = tiny_llama(attention_bias=True, mlp_bias=True)
+    clone = joined_copy(model)
+    assert JoinedLayer.of(clone.model.layers[0], "llama").qkv_bias is not None
+    ids = torch.randint(3, 500, (2, 6))
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(clone, ids, max_new_tokens=8, split_layers=[2], eos_token_id=[]), expected)
+
+
 def test_a_joined_model_in_a_continuous_batch_gets_each_request_its_tokens(model, run_continuous):
     clone = joined_copy(model)
     g = torch.Generator().manual_seed(5)
