@@ -1,4 +1,5 @@
-"""Helpers the benchmark scripts share: the W2 training step and its timing, and W1's host time per statement.
+"""Helpers the benchmark scripts share: the W2 training step and its timing, W1's host time per statement, and the
+probes' GPU time per call (replayed from a CUDA graph) and copy bandwidth.
 
 Scripts run as `PYTHONPATH=. python3 benchmarks/NAME.py`; Python puts benchmarks/ on the path, so each
 imports these with `from common import ...`.
@@ -103,3 +104,34 @@ def cold_process(command: list[str], label: str) -> dict[str, float]:
         reported = json.loads(result.stdout.strip().splitlines()[-1])
     row.update({"call_s": reported["load"]["seconds"]} if "load" in reported else reported)
     return row
+
+
+def graph_timed_us(call, repeat: int = 100) -> float:  # type: ignore[no-untyped-def]
+    """GPU microseconds per call of `call`: warmed up (also on a side stream, as a capture needs), captured `repeat`
+    times into one CUDA graph, the graph replayed five times."""
+    call()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 5 / repeat * 1000
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second the GPU reads and writes: a 1 GiB copy (read and written once), timed as above."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (graph_timed_us(lambda: b.copy_(a), repeat=10) / 1e6)

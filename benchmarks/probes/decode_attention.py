@@ -11,29 +11,14 @@ slot; each call captured 100 times in a CUDA graph and replayed.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-def timed(call, repeat: int = 100) -> float:
-    call()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 5 / repeat * 1000  # microseconds per call
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
+from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
 
 def main() -> None:
@@ -52,14 +37,11 @@ def main() -> None:
     def kernel_at(chunk: int, *tensors: torch.Tensor) -> float:
         decode_attention.CHUNK = chunk  # read by the kernel's launch at each call
         try:
-            return timed(lambda: live_columns_attention(*tensors))
+            return graph_timed_us(lambda: live_columns_attention(*tensors))
         finally:
             decode_attention.CHUNK = chunks[0]
 
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    bandwidth = 2 * a.numel() / (timed(lambda: b.copy_(a), repeat=10) / 1e6)
-    del a, b
+    bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, HBM {bandwidth / 1e12:.2f} TB/s (copy): "
           "microseconds per attention call")
     others = "".join(f" kernel, {c} columns per program |" for c in chunks[1:])
@@ -77,7 +59,7 @@ def main() -> None:
                 back = (slot - torch.arange(length)) % length
                 mask = (back[None, :] < spans[:, None]).cuda()[:, None, None, :]
                 packed = q.reshape(rows, kv_heads, heads // kv_heads, dim)
-                sdpa_us = timed(lambda: sdpa(packed, k, v, attn_mask=mask))
+                sdpa_us = graph_timed_us(lambda: sdpa(packed, k, v, attn_mask=mask))
                 kernel_us = [kernel_at(chunk, q, k, v, mask) for chunk in chunks]
                 live = int(mask.sum())
                 floor_us = 2 * live * kv_heads * dim * 2 / bandwidth * 1e6

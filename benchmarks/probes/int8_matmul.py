@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
+from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
 SHAPES = {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)}  # (out, in)
 
@@ -72,28 +77,6 @@ def int8_matmul(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, block
 CONFIGS = list(itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (4,), (3,)))
 
 
-def timed(call, repeat: int = 50) -> float:
-    call()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 5 / repeat * 1000  # microseconds per call
-
-
 def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 (torchao's PerRow int8 weight-only: scale = max |w| / 127)."""
     scale = weight.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
@@ -127,10 +110,7 @@ def main() -> None:
         return
     from torchao.quantization import Int8Tensor, Int8WeightOnlyConfig
 
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    bandwidth = 2 * a.numel() / (timed(lambda: b.copy_(a), repeat=10) / 1e6)
-    del a, b
+    bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, HBM {bandwidth / 1e12:.2f} TB/s (copy): "
           "microseconds per product")
     print("| product | rows | bf16 | bf16 floor | torchao int8 eager | torchao int8 compiled | torchao int8 max-autotune "
@@ -146,10 +126,10 @@ def main() -> None:
                                mode="max-autotune-no-cudagraphs") if args.autotune else None)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
-            bf16 = timed(lambda: torch.nn.functional.linear(x, weight))
-            eager = timed(lambda: torch.nn.functional.linear(x, torchao_weight))
-            compiled_us = timed(lambda: compiled(x)) if compiled is not None else float("nan")
-            tuned_us = timed(lambda: tuned(x)) if tuned is not None else float("nan")
+            bf16 = graph_timed_us(lambda: torch.nn.functional.linear(x, weight), repeat=50)
+            eager = graph_timed_us(lambda: torch.nn.functional.linear(x, torchao_weight), repeat=50)
+            compiled_us = graph_timed_us(lambda: compiled(x), repeat=50) if compiled is not None else float("nan")
+            tuned_us = graph_timed_us(lambda: tuned(x), repeat=50) if tuned is not None else float("nan")
             want = torch.nn.functional.linear(x, weight).float()
             best, best_config = float("inf"), None
             for config in CONFIGS:
@@ -159,7 +139,7 @@ def main() -> None:
                     continue
                 if (got.float() - want).abs().max() > 0.05 * want.abs().max():
                     raise AssertionError(f"{name} {rows} {config}: the kernel's product is wrong")
-                us = timed(lambda config=config: int8_matmul(x, qdata, scale, *config))
+                us = graph_timed_us(lambda config=config: int8_matmul(x, qdata, scale, *config), repeat=50)
                 if us < best:
                     best, best_config = us, config
             bf16_floor = outs * ins * 2 / bandwidth * 1e6
