@@ -45,7 +45,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, HBM {bandwidth / 1e12:.2f} TB/s (copy): "
           "microseconds per attention call")
     others = "".join(f" kernel, {c} columns per program |" for c in chunks[1:])
-    print(f"| model | rows | columns | live | sdpa | live-columns kernel |{others} floor (live KV once) | sdpa ÷ kernel |")
+    print(f"| model | rows | columns | live | sdpa | live-columns kernel |{others} floor (live KV once) "
+          "| sdpa ÷ kernel |")
     print("|---|---|---|---|---|---|" + "---|" * (len(chunks) - 1) + "---|---|")
     g = torch.Generator().manual_seed(0)
     for name, heads, kv_heads, dim in (("13B", 40, 40, 128), ("1.1B", 32, 4, 64)):

@@ -113,8 +113,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, HBM {bandwidth / 1e12:.2f} TB/s (copy): "
           "microseconds per product")
-    print("| product | rows | bf16 | bf16 floor | torchao int8 eager | torchao int8 compiled | torchao int8 max-autotune "
-          "| Triton int8 (best config) | int8 floor | bf16 ÷ best int8 |")
+    print("| product | rows | bf16 | bf16 floor | torchao int8 eager | torchao int8 compiled "
+          "| torchao int8 max-autotune | Triton int8 (best config) | int8 floor | bf16 ÷ best int8 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     granularity = Int8WeightOnlyConfig().granularity
     for name, (outs, ins) in SHAPES.items():
