@@ -81,17 +81,21 @@ class JoinPrefills:
         per_lane: dict[int, list[tuple[int, int]]] = {}  # lane: (row, prompt length), side by side in the pack
         for request, k, row in members:
             per_lane.setdefault(k, []).append((row, len(request.prompt)))
-        spans, begin = {}, 0  # lane: its tokens' span in the pack, and its joined rows and their lengths (host)
+        # lane: its tokens' span in the pack, its joined rows and their lengths, and each token's row and cache column
+        # (host tensors, computed once for every stage)
+        spans, begin = {}, 0
         for k, items in per_lane.items():
             rows, lengths = torch.tensor([row for row, _ in items]), torch.tensor([n for _, n in items])
-            spans[k] = (begin, begin + int(lengths.sum()), rows, lengths)
-            begin = spans[k][1]
+            end = begin + int(lengths.sum())
+            spans[k] = (begin, end, rows, lengths, rows.repeat_interleave(lengths),
+                        prompt_columns(lengths, slot, self.cache_len))
+            begin = end
         ends = (torch.tensor([len(p) for p in prompts]).cumsum(0) - 1).tolist()  # each prompt's last token
 
         def into_rows(j: int, device: torch.device, scratch: LaneCache) -> None:
-            for k, (first, end, rows, lengths) in spans.items():
-                lanes[k].caches[j].take_prompts(scratch, first, end, to_device(rows.repeat_interleave(lengths), device),
-                                                to_device(prompt_columns(lengths, slot, self.cache_len), device))
+            for k, (first, end, rows, lengths, token_rows, columns) in spans.items():
+                lanes[k].caches[j].take_prompts(scratch, first, end, to_device(token_rows, device),
+                                                to_device(columns, device))
                 lanes[k].inputs[j].join(to_device(rows, device), to_device(lengths, device), slot)
 
         width = pack_width(begin, self.pack_limit)
