@@ -6,8 +6,8 @@ continuous batch of 32 rows over 512 columns of a 13B model reads 13 GB of keys 
 columns are often a third of that. `live_columns_attention` is a Triton split-KV kernel (flash-decoding): each
 program takes one row, one KV head (all its query heads) and one chunk of columns, reads the chunk's mask, and the
 keys and values of its live columns only (masked loads); a second kernel merges the chunks' partial results by
-their log-sum-exp. The mask is the only thing it needs, so the wrap-around,
-joins and ended rows need no bookkeeping of their own.
+their log-sum-exp. The mask is the only thing it needs, so the wrap-around, joins and ended rows need no
+bookkeeping of their own.
 
 It runs on CUDA for fp16/bf16 caches with a power-of-two head size; `supports` says when. `decode_step_attention`
 is the attention a decode step runs with (`compat.with_decode_attention`): this kernel where it runs, else sdpa with
@@ -18,7 +18,6 @@ query head), else transformers' sdpa. `reference_attention` is the kernel's comp
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import torch
