@@ -55,8 +55,10 @@ def test_int8_half_precision_model_decodes_torchaos_greedy_tokens(monkeypatch, r
     reqs, tokens = requests_and_their_tokens(reference, 23, 8, 30, 10)
     ids = torch.randint(3, 1000, (4, 12), device="cuda:0")
     expected = reference.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None).cpu()
-    for _ in range(2):  # run, then capture and replay
-        assert torch.equal(generate(joined, ids, max_new_tokens=12, eos_token_id=[]), expected)
-        got, left, _ = run_continuous(joined, reqs[:3], reqs[3:], rows=4, first_slot=32, cache_len=48)
-        assert not left and got == tokens
+    for compile in (False, True):  # the kernel in captured eager steps, and inside torch.compile's graphs
+        for _ in range(2):  # run (and compile), then capture and replay
+            assert torch.equal(generate(joined, ids, max_new_tokens=12, eos_token_id=[], compile=compile), expected)
+            got, left, _ = run_continuous(joined, reqs[:3], reqs[3:], rows=4, first_slot=32, cache_len=48,
+                                          compile=compile)
+            assert not left and got == tokens
     assert calls
