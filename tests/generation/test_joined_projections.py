@@ -133,12 +133,46 @@ def test_int8_projections_join_their_data_and_scales_and_decode_torchaos_tokens(
     assert torch.equal(generate(clone, ids, max_new_tokens=10, split_layers=[2], eos_token_id=[]), expected)
 
 
+def test_int8_joined_steps_compile_once_for_every_batch_size(model, run_continuous, monkeypatch):
+    """The int8 product is an operator of its own: a compiled continuous batch (aot_eager: inductor's tracing and
+    guards) traces it whole and never guards on its rows, so batches of other sizes compile nothing more, and the
+    tokens equal the eager batch's."""
+    from torch._dynamo.utils import counters
+
+    from devmap.generation import compiled, lanes
+    from devmap.generation.step_cache import release_graphs
+
+    pytest.importorskip("torchao")
+    clone = joined_copy(int8_copy(model))
+    g = torch.Generator().manual_seed(8)
+    reqs = [SlotRequest(torch.randint(3, 500, (n,), generator=g).tolist(), m, f"r{i}")
+            for i, (n, m) in enumerate([(5, 6), (9, 3), (3, 8), (11, 4), (7, 7), (4, 5)])]
+    eager, left, _ = run_continuous(clone, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=40, lanes=1)
+    assert not left
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for round, rows in enumerate((4, 6, 8)):
+            got, left, _ = run_continuous(clone, reqs[:2], reqs[2:], rows=rows, first_slot=12, cache_len=40,
+                                          lanes=1, together=False, compile=True)
+            assert not left and got == eager
+            if round == 0:
+                graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    finally:
+        release_graphs(clone)
+        torch._dynamo.reset()
+
+
 INT8_KERNEL_CHECK = textwrap.dedent("""
     import torch
     from devmap.generation.int8_products import _kernel_product
 
     torch.manual_seed(0)
-    for rows, outs, ins in ((1, 96, 200), (5, 64, 128), (33, 40, 300)):
+    # every block shape: narrow (split in 4, 8 (more splits than inner blocks) and 2 shares), wide (no split)
+    for rows, outs, ins in ((1, 96, 200), (5, 64, 128), (20, 64, 260), (33, 40, 300), (3, 8200, 130)):
         x = torch.randn(rows, ins, dtype=torch.float16)
         weight = torch.randn(outs, ins)
         scale = weight.abs().amax(1, keepdim=True) / 127
