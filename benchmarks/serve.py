@@ -44,7 +44,7 @@ WORDS = ("the quick brown fox jumps over the lazy dog devmap spreads one model o
 
 def label(system: str) -> str:
     """A system's name as part of a file name."""
-    return system.replace("/", "_").replace("@", "-")
+    return system.replace("/", "_").replace("@", "-").replace("+", "-")
 
 
 def free_port() -> int:
