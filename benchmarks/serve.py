@@ -44,7 +44,7 @@ WORDS = ("the quick brown fox jumps over the lazy dog devmap spreads one model o
 
 def label(system: str) -> str:
     """A system's name as part of a file name."""
-    return system.replace("/", "_").replace("@", "-")
+    return system.replace("/", "_").replace("@", "-").replace("+", "-")
 
 
 def free_port() -> int:
@@ -243,26 +243,47 @@ def hbm_bandwidth() -> float:
     return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
 
 
-def model_bytes(path: Path) -> tuple[int, int]:
+def model_bytes(path: Path, quantize: str | None = None) -> tuple[int, int]:
     """(bytes a decode step reads of the weights: all but the input embedding, of which it reads a row each; KV
-    cache bytes per token of context) of a saved checkpoint."""
+    cache bytes per token of context) of a saved bf16 checkpoint, served as it is or with `--quantize`: the blocks'
+    Linear weights then at the scheme's bytes per weight plus the scales its library keeps beside them."""
     from safetensors import safe_open
 
+    from devmap.planning.quantization import parse_quantization, weight_extra_bytes
+
+    quantization = parse_quantization(quantize)
     weights = 0
     for file in path.glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:
             for name in f.keys():
                 if "embed_tokens" not in name:
-                    piece = f.get_slice(name)
+                    shape = f.get_slice(name).get_shape()
                     count = 1
-                    for n in piece.get_shape():
+                    for n in shape:
                         count *= n
-                    weights += count * 2  # bf16
+                    if quantization is not None and ".layers." in name and name.endswith(".weight") and len(shape) == 2:
+                        weights += count * quantization.bits // 8 + weight_extra_bytes(quantization, *shape)
+                    else:
+                        weights += count * 2  # bf16
     config = json.loads((path / "config.json").read_text())
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 2
     return weights, kv
+
+
+def devmap_variant(system: str) -> tuple[list[str], str | None]:
+    """`devmap+int8+compile@DIR` → (the extra flags of devmap serve, the --quantize scheme or None): `+int8`,
+    `+int4`, `+nf4` serve quantized, `+compile` / `+no-compile` set compiling."""
+    flags, scheme = [], None
+    for part in system.split("@", 1)[0].split("+")[1:]:
+        if part in ("int8", "int4", "nf4"):
+            flags, scheme = [*flags, "--quantize", part], part
+        elif part in ("compile", "no-compile"):
+            flags.append(f"--{part}")
+        else:
+            raise SystemExit(f"unknown variant +{part} in {system!r}: use +int8, +int4, +nf4, +compile or +no-compile")
+    return flags, scheme
 
 
 def floor_seconds(row: dict[str, Any], weights: int, kv_per_token: int, bandwidth: float, new: int) -> float | None:
@@ -296,7 +317,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64, help="max_tokens of each request")
     parser.add_argument("--systems", default="devmap,transformers",
                         help="devmap, transformers, or devmap@DIR: devmap's sources in DIR (another release of it, "
-                             "as a baseline in the same run)")
+                             "as a baseline in the same run); devmap+int8 (+int4, +nf4): served with --quantize, "
+                             "its floor reading the quantized weights; +compile / +no-compile")
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
     parser.add_argument("--devmap-args", default="--device-map balanced",
                         help="extra flags of devmap serve (e.g. add --no-compile: captured eager steps)")
@@ -318,7 +340,9 @@ def main() -> None:
         weights, kv_per_token = model_bytes(path)
         print(f"HBM {bandwidth / 1e12:.2f} TB/s (copy, this GPU); weights read per step {weights / 1e9:.2f} GB; "
               f"KV {kv_per_token / 1024:.0f} KiB per token", flush=True)
-        for system in args.systems.split(","):
+        systems = args.systems.split(",")
+        variants = {system: devmap_variant(system) for system in systems if system.startswith("devmap")}
+        for system in systems:
             port = free_port()
             env = tree = None
             if "@" in system:  # devmap from another source tree (run from there: `-m` puts the cwd first)
@@ -328,7 +352,7 @@ def main() -> None:
             if system.startswith("devmap"):
                 command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype",
                            "bfloat16", "--log-level", "debug", "--max-queue", "4096",
-                           *args.devmap_args.split()]
+                           *args.devmap_args.split(), *variants[system][0]]
                 model = path.name
             else:
                 command, model = transformers_command(path, port), str(path)
@@ -350,7 +374,9 @@ def main() -> None:
                                                      if k != "steps" and not k.startswith("ttft")} if steps else {}
                         row["steps"] = steps
                         row["server_ttft_p99"] = server_ttft_p99(before, after)
-                    floor = floor_seconds(row, weights, kv_per_token, bandwidth, args.new)
+                    scheme = variants.get(system, ([], None))[1]
+                    floor = floor_seconds(row, model_bytes(path, scheme)[0] if scheme else weights, kv_per_token,
+                                          bandwidth, args.new)
                     rows.setdefault(system, []).append({**row, "cold_start_s": cold, "floor_s": floor,
                                                         "hbm_bytes_per_s": bandwidth})
                     if args.out and system.startswith("devmap"):  # batch sizes, first-token times: as the server saw them

@@ -17,7 +17,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `gpu_sleep`: `torch.cuda._sleep` | torch | DEVMAP_STREAM_CHECK's delays on hand-off streams | 2.11, 2.14 |
 | `foreach_add_`, `foreach_zero_`, `foreach_copies`: `torch._foreach_*` | torch | gradient sums in one fused launch per group | 2.11, 2.14 |
 | `pipeline_stage_fixed`: `PipelineStage._shape_inference`, `_get_init_p2p_neighbors_ops` | torch | torch 2.11's shape inference moves BatchNorm statistics, and its start-up handshake sends to its own rank when a V schedule puts neighbouring stages on one rank (gloo refuses: "Pair is not connected") | 2.11, 2.14 |
-| `torchao_int8_rows`, `torchao_flat_state_dict`: `Int8Tensor` fields, `flatten_tensor_state_dict` | torchao | int8 per weight shape (2.5x less host time than `quantize_` per Linear); pre-quantized saves | 0.18 |
+| `torchao_int8_rows`, `torchao_int8_parts`, `torchao_int8_weight`, `torchao_flat_state_dict`: `Int8Tensor` fields, `flatten_tensor_state_dict` | torchao | int8 per weight shape (2.5x less host time than `quantize_` per Linear); int8 weights joined and read by devmap's decode products (`generation.int8_products`); pre-quantized saves | 0.18 |
 | `stored_tensors`: `tensor_data_names`, `quant_state.absmax`, `SCB` | torchao, bitsandbytes | what a quantized weight stores, for plans and saves | torchao 0.18, bitsandbytes 0.50 |
 """
 
@@ -112,22 +112,18 @@ def sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
 def own_forward(module: nn.Module) -> Any:
     """The module's own forward, past accelerate's AlignDevicesHook (its per-call device checks doubled a decode
     step's cost): callers pass arguments already on the right device."""
-    if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward"):
-        return module._old_forward
-    return module
+    hooked = getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward")
+    return module._old_forward if hooked else module
 
 
 def hook_execution_device(module: nn.Module) -> torch.device | None:
     """Where accelerate's hook runs the module (its execution device when weights are offloaded), or None."""
     execution = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
-    if execution is None:
-        return None
-    return torch.device(f"cuda:{execution}" if isinstance(execution, int) else execution)
+    return None if execution is None else torch.device(f"cuda:{execution}" if isinstance(execution, int) else execution)
 
 
 def _only_moves_arguments(hook: Any) -> bool:
-    """The hook (or every hook of a SequentialHook) is an AlignDevicesHook without offload: skipping it changes
-    nothing for arguments that already are on the module's device."""
+    """Every hook (of a SequentialHook too) is an AlignDevicesHook without offload: skipping it moves nothing."""
     from accelerate.hooks import AlignDevicesHook
 
     hooks = getattr(hook, "hooks", None) or [hook]
@@ -144,9 +140,8 @@ def device_hooks_bypassed(model: nn.Module) -> Iterator[None]:
         hook = getattr(module, "_hf_hook", None)
         hooked = module.__dict__.get("forward")
         own = getattr(module, "_old_forward", None)
-        if module is model or hook is None or hooked is None or own is None or hooked is own:
-            continue
-        if not _only_moves_arguments(hook):
+        if module is model or hook is None or hooked is None or own is None or hooked is own \
+                or not _only_moves_arguments(hook):
             continue
         swapped.append((module, hooked))
         module.forward = own
@@ -163,9 +158,7 @@ def device_hooks_bypassed(model: nn.Module) -> Iterator[None]:
 def raise_recompile_limit(limit: int) -> None:
     """Let dynamo keep at least `limit` compiled entries per function (its default of 8 is too few for one entry per
     stage, lane shape and kind of step)."""
-    config = torch._dynamo.config
-    if config.recompile_limit < limit:
-        config.recompile_limit = limit
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
 
 
 @contextlib.contextmanager
@@ -261,15 +254,29 @@ def torchao_int8_rows(layers: list[nn.Module], config: Any) -> None:
         recommended_inductor_config_setter()
     groups: dict[tuple, list[nn.Module]] = {}
     for layer in layers:
-        weight = layer.weight
-        groups.setdefault((tuple(weight.shape), weight.dtype, weight.device), []).append(layer)
+        groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype, layer.weight.device), []).append(layer)
     for same in groups.values():
         stacked = Int8Tensor.from_hp(torch.stack([layer.weight.detach() for layer in same]), config.granularity)
         for i, layer in enumerate(same):
             zero = None if stacked.zero_point is None else stacked.zero_point[i].clone()
-            weight = Int8Tensor(stacked.qdata[i].clone(), stacked.scale[i].clone(), list(stacked.block_size[1:]),
-                                stacked.dtype, zero_point=zero)
+            weight = torchao_int8_weight(stacked.qdata[i].clone(), stacked.scale[i].clone(), zero, stacked)
             layer.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def torchao_int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(int8 data: out × in, scales: out × 1, zero point or None) of torchao's int8 weight-only weight with a scale per
+    output row (`Int8Tensor`, no activation quantization); None for any other tensor (no torchao import for those)."""
+    if (type(weight).__name__ != "Int8Tensor" or weight.act_quant_kwargs is not None or weight.qdata.dim() != 2
+            or weight.act_pre_scale is not None or list(weight.block_size) != [1, weight.qdata.shape[1]]):
+        return None
+    return weight.qdata, weight.scale, weight.zero_point
+
+
+def torchao_int8_weight(qdata: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, like: Any) -> Any:
+    """torchao's int8 weight-only weight of these tensors (a scale per output row), in `like`'s dtype."""
+    from torchao.quantization import Int8Tensor
+
+    return Int8Tensor(qdata, scale, [1, qdata.shape[1]], like.dtype, zero_point=zero)
 
 
 def torchao_flat_state_dict(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -286,11 +293,6 @@ def stored_tensors(param: torch.Tensor) -> list[torch.Tensor]:
     names = getattr(param, "tensor_data_names", None)  # torchao's tensor subclasses
     if names:
         return [getattr(param, n) for n in names]
-    out = [param.data]
-    state = getattr(param, "quant_state", None)
-    if state is not None:
-        out.append(state.absmax)
-    scb = getattr(param, "SCB", None)
-    if isinstance(scb, torch.Tensor):
-        out.append(scb)
-    return out
+    state, scb = getattr(param, "quant_state", None), getattr(param, "SCB", None)
+    return [param.data, *([state.absmax] if state is not None else []),
+            *([scb] if isinstance(scb, torch.Tensor) else [])]

@@ -121,6 +121,12 @@ def test_int8_by_weight_shape_equals_torchao_s_quantize():
             assert torch.equal(a, b)
     flat, metadata = compat.torchao_flat_state_dict({"layer.weight": layers[0].weight})
     assert flat and metadata
+    qdata, scale, zero = compat.torchao_int8_parts(layers[0].weight)
+    assert qdata.dtype == torch.int8 and qdata.shape == (32, 64) and scale.shape == (32, 1)
+    rebuilt = compat.torchao_int8_weight(qdata, scale, zero, layers[0].weight)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    assert torch.equal(nn.functional.linear(x, rebuilt), layers[0](x))
+    assert compat.torchao_int8_parts(nn.Linear(4, 4).weight) is None  # plain weights: no torchao import
 
 
 @pytest.mark.gpu

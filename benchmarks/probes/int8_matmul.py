@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -73,8 +74,9 @@ def int8_matmul(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, block
     return y if split == 1 else y.to(x.dtype)
 
 
-# (output rows per program, inner block, inner splits, warps, stages): 18 compiles per row block, ~1 min in all
-CONFIGS = list(itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (4,), (3,)))
+# (output rows per program, inner block, inner splits, warps, stages): 36 compiles per row block, ~2 min in all
+CONFIGS = (list(itertools.product((16, 32, 64, 128), (128, 256, 512), (1,), (4, 8), (3,)))
+           + list(itertools.product((32, 64), (128, 256), (2, 4, 8), (4,), (3,))))
 
 
 def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +106,7 @@ def main() -> None:
     parser.add_argument("--autotune", action="store_true",
                         help="also torchao under torch.compile's max-autotune, whose Triton matmul templates can take "
                              "the int8-to-bf16 conversion into the product (minutes of autotuning)")
+    parser.add_argument("--times", default=None, help="write every block shape's time (JSON) here")
     args = parser.parse_args()
     if args.check:
         check()
@@ -114,8 +117,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, HBM {bandwidth / 1e12:.2f} TB/s (copy): "
           "microseconds per product")
     print("| product | rows | bf16 | bf16 floor | torchao int8 eager | torchao int8 compiled "
-          "| torchao int8 max-autotune | Triton int8 (best config) | int8 floor | bf16 ÷ best int8 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| torchao int8 max-autotune | Triton int8 (best config) | Triton int8, no split (best) | devmap's int8 product "
+          "| int8 floor | bf16 ÷ best int8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    try:
+        from devmap.generation.int8_products import int8_product
+    except ImportError:  # a devmap without its own int8 product
+        int8_product = None
+    every: dict[str, dict[str, float]] = {}
     granularity = Int8WeightOnlyConfig().granularity
     for name, (outs, ins) in SHAPES.items():
         weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) / ins ** 0.5
@@ -132,6 +141,8 @@ def main() -> None:
             tuned_us = graph_timed_us(lambda: tuned(x), repeat=50) if tuned is not None else float("nan")
             want = torch.nn.functional.linear(x, weight).float()
             best, best_config = float("inf"), None
+            unsplit, unsplit_config = float("inf"), None
+            times = every.setdefault(f"{name} {rows}", {})
             for config in CONFIGS:
                 try:
                     got = int8_matmul(x, qdata, scale, *config)
@@ -140,14 +151,21 @@ def main() -> None:
                 if (got.float() - want).abs().max() > 0.05 * want.abs().max():
                     raise AssertionError(f"{name} {rows} {config}: the kernel's product is wrong")
                 us = graph_timed_us(lambda config=config: int8_matmul(x, qdata, scale, *config), repeat=50)
+                times[str(config)] = round(us, 1)
                 if us < best:
                     best, best_config = us, config
+                if config[2] == 1 and us < unsplit:
+                    unsplit, unsplit_config = us, config
+            ours = (graph_timed_us(lambda: int8_product(x, qdata, scale), repeat=50) if int8_product is not None
+                    else float("nan"))
             bf16_floor = outs * ins * 2 / bandwidth * 1e6
             int8_floor = outs * ins / bandwidth * 1e6
-            fastest = min(us for us in (eager, compiled_us, tuned_us, best) if us == us)  # NaN: not run
+            fastest = min(us for us in (eager, compiled_us, tuned_us, best, ours) if us == us)  # NaN: not run
             print(f"| {name} {outs}×{ins} | {rows} | {bf16:.1f} | {bf16_floor:.1f} | {eager:.1f} | {compiled_us:.1f} "
-                  f"| {tuned_us:.1f} | {best:.1f} {best_config} | {int8_floor:.1f} | {bf16 / fastest:.2f}× |",
-                  flush=True)
+                  f"| {tuned_us:.1f} | {best:.1f} {best_config} | {unsplit:.1f} {unsplit_config} | {ours:.1f} "
+                  f"| {int8_floor:.1f} | {bf16 / fastest:.2f}× |", flush=True)
+    if args.times:
+        Path(args.times).write_text(json.dumps(every, indent=1))
 
 
 if __name__ == "__main__":

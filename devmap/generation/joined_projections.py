@@ -2,12 +2,13 @@
 key and value, and the MLP's gate and up. A decode step of one or a few rows is bound by reading weights, and five
 products of a layer become two (fewer launches, each long enough to reach the memory's pace).
 
-`join_projections(model)` stores each group's weights end to end in one buffer; the Linear modules keep their
-weights, as views into it (no second copy; transformers' own forward and the weights' values are unchanged).
-A model whose weights share buffers this way must not be saved with safetensors, which refuses shared memory: the
-serving engine, which owns its models and never saves them, joins them at load. `JoinedLayer.of` finds such buffers
-in any model, and devmap's stages run such layers (prefills and decode steps) on them; layers it finds none in run
-transformers' own forward.
+`join_projections(model)` stores each group's weights end to end in one buffer (for int8 weights with a scale per
+output row, their int8 data and their scales, each in one buffer); the Linear modules keep their weights, as views
+into it (no second copy; transformers' own forward and the weights' values are unchanged). A model whose weights
+share buffers this way must not be saved with safetensors, which refuses shared memory: the serving engine, which
+owns its models and never saves them, joins them at load. `JoinedLayer.of` finds such buffers in any model, and
+devmap's stages run such layers (prefills and decode steps) on them, int8 products through
+`int8_products.int8_product`; layers it finds none in run transformers' own forward.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..compat import attention_function, own_forward
+from ..compat import attention_function, own_forward, torchao_int8_parts, torchao_int8_weight
+from .int8_products import int8_product
 
 JOINED_MODEL_TYPES = ("llama",)  # whose decoder layer `JoinedLayer.__call__` redoes (qwen3 adds norms of q and k,
 # mistral and qwen2 pass sliding windows to their attention)
@@ -27,15 +29,16 @@ JOINED_MODEL_TYPES = ("llama",)  # whose decoder layer `JoinedLayer.__call__` re
 
 def join_projections(model: nn.Module) -> int:
     """Store each LLaMA decoder layer's query, key and value weights (and biases) end to end in one buffer, and its
-    gate and up weights in another, the Linear modules' parameters becoming views into them. Layers whose
-    projections are not plain Linear modules on one device in one dtype (quantized, offloaded) stay as they are.
+    gate and up weights in another, the Linear modules' parameters becoming views into them. Full-precision weights
+    and torchao's int8 weights with one scale per output row are joined; others (4-bit, bitsandbytes, offloaded,
+    mixed) stay as they are, as does a group whose device has no room for the joined buffer for a moment.
     Returns the groups joined (two per layer at most)."""
     if getattr(model.config, "model_type", None) not in JOINED_MODEL_TYPES:
         return 0
     joined = 0
     for layer in model.model.layers:
         for group in _groups(layer):
-            if _joinable(group) and _joined_weight(group) is None and _join(group):
+            if _joinable(group) and Product.of(group) is None and _join(group):
                 joined += 1
     return joined
 
@@ -50,42 +53,63 @@ def _groups(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
     return groups
 
 
+def _stored(linear: nn.Module) -> list[torch.Tensor] | None:
+    """The plain tensors a Linear's weight is stored as: [weight] (full precision) or [int8 data, scales] (and the
+    zero point when it has one); None for a weight of any other form."""
+    weight = getattr(linear, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    if type(weight.data) is torch.Tensor:
+        return [weight.data]
+    parts = torchao_int8_parts(weight)
+    if parts is None:
+        return None
+    qdata, scale, zero_point = parts
+    return [qdata, scale] if zero_point is None else [qdata, scale, zero_point]
+
+
 def _joinable(group: Sequence[nn.Module]) -> bool:
-    """Plain Linear modules over one input size, their weights plain tensors on one real device in one dtype, all
-    with biases or none."""
+    """Plain Linear modules over one input size, their weights stored the same way (full precision, or int8) in
+    contiguous tensors on one real device, all with biases or none."""
     if any(type(linear) is not nn.Linear for linear in group):
         return False
-    weights = [linear.weight for linear in group]
-    first = weights[0]
-    return (all(type(w.data) is torch.Tensor and w.device == first.device and w.dtype == first.dtype
-                and w.shape[1] == first.shape[1] and w.is_contiguous() for w in weights)
-            and first.device.type != "meta" and len({linear.bias is None for linear in group}) == 1)
+    stored = [_stored(linear) for linear in group]
+    if any(parts is None for parts in stored):
+        return False
+    first = stored[0]
+    return (first[0].device.type != "meta" and len({linear.bias is None for linear in group}) == 1
+            and all(len(parts) == len(first) and all(
+                p.device == f.device and p.dtype == f.dtype and p.shape[1:] == f.shape[1:] and p.is_contiguous()
+                for p, f in zip(parts, first)) for parts in stored)
+            and all(linear.weight.shape[1] == group[0].weight.shape[1] for linear in group))
 
 
 @torch.no_grad()
 def _join(group: Sequence[nn.Module]) -> bool:
     """Join the group's weights (and biases); False, the group left as it was, when its device has no room for the
-    joined buffer beside the parts for a moment."""
-    names = [name for name in ("weight", "bias") if getattr(group[0], name) is not None]
+    joined buffers beside the parts for a moment."""
+    stored = [_stored(linear) for linear in group]
+    biases = [linear.bias for linear in group]
     try:
-        buffers = {name: torch.cat([getattr(linear, name).detach() for linear in group]) for name in names}
+        buffers = [torch.cat([parts[i] for parts in stored]) for i in range(len(stored[0]))]
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     except torch.OutOfMemoryError:
         return False
-    for name, buffer in buffers.items():
-        begin = 0
-        for linear in group:
-            part = getattr(linear, name)
-            end = begin + part.shape[0]
-            setattr(linear, name, nn.Parameter(buffer[begin:end], requires_grad=part.requires_grad))
-            begin = end
+    begin = 0
+    for linear, parts in zip(group, stored):
+        end = begin + parts[0].shape[0]
+        views = [buffer[begin:end] for buffer in buffers]
+        weight = views[0] if len(views) == 1 else torchao_int8_weight(views[0], views[1], (views + [None])[2],
+                                                                       linear.weight)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[begin:end], requires_grad=linear.bias.requires_grad)
+        begin = end
     return True
 
 
-def _joined_weight(group: Sequence[nn.Module], name: str = "weight") -> torch.Tensor | None:
-    """The group's `name` tensors as one (a view of the buffer they lie in end to end), or None when they don't."""
-    parts = [getattr(linear, name, None) for linear in group]
-    if any(p is None or not isinstance(p, torch.Tensor) or type(p.data) is not torch.Tensor for p in parts):
-        return None
+def _end_to_end(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """`parts` as one tensor (a view of the buffer they lie in end to end, in order), or None when they don't."""
     first = parts[0]
     offset = first.storage_offset()
     for part in parts:
@@ -95,38 +119,75 @@ def _joined_weight(group: Sequence[nn.Module], name: str = "weight") -> torch.Te
             return None
         offset += part.numel()
     rows = sum(p.shape[0] for p in parts)
-    return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+@dataclass
+class Product:
+    """A product of a layer's input with one or more Linear modules' weights lying end to end in one buffer:
+    full-precision (`weight`) or int8 with a scale per output row (`qdata`, `scale`), and the biases if any."""
+
+    weight: torch.Tensor | None
+    qdata: torch.Tensor | None
+    scale: torch.Tensor | None
+    bias: torch.Tensor | None
+    sizes: list[int]  # each module's output size, in order
+
+    @classmethod
+    def of(cls, group: Sequence[nn.Module]) -> Product | None:
+        """The group's product, or None when its weights (or biases) do not lie end to end in one buffer each."""
+        stored = [_stored(linear) for linear in group]
+        if any(parts is None for parts in stored) or len({len(parts) for parts in stored}) != 1:
+            return None
+        joined = [_end_to_end([parts[i].detach() for parts in stored]) for i in range(len(stored[0]))]
+        bias = None
+        if group[0].bias is not None:
+            if any(linear.bias is None for linear in group):
+                return None
+            bias = _end_to_end([linear.bias.detach() for linear in group])
+            if bias is None:
+                return None
+        if any(part is None for part in joined):
+            return None
+        sizes = [parts[0].shape[0] for parts in stored]
+        if len(joined) == 1:
+            return cls(joined[0], None, None, bias, sizes)
+        return cls(None, joined[0], joined[1], bias, sizes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qdata is not None:
+            return int8_product(x, self.qdata, self.scale, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The product, cut into each module's output."""
+        return self(x).split(self.sizes, dim=-1)
 
 
 @dataclass
 class JoinedLayer:
-    """A LLaMA decoder layer's joined projections (see `join_projections`), and its forward over them."""
+    """A LLaMA decoder layer's products over its joined projections (see `join_projections`), and its forward."""
 
     layer: nn.Module
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    qkv_sizes: list[int]
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    gate_up_sizes: list[int]
+    qkv: Product
+    out: Product
+    gate_up: Product
+    down: Product
 
     @classmethod
     def of(cls, layer: nn.Module, model_type: str | None) -> JoinedLayer | None:
-        """The layer's joined projections, or None when its weights are not joined (or it is no LLaMA layer)."""
+        """The layer's products, or None when its weights are not joined (or it is no LLaMA layer)."""
         if model_type not in JOINED_MODEL_TYPES:
             return None
         groups = _groups(layer)
-        if len(groups) != 2:
+        if len(groups) != 2 or not all(_joinable(g) for g in groups):
             return None
-        (attention_group, mlp_group) = groups
-        qkv, gate_up = _joined_weight(attention_group), _joined_weight(mlp_group)
-        if qkv is None or gate_up is None:
+        attention, mlp = layer.self_attn, layer.mlp
+        products = [Product.of(g) for g in (groups[0], (attention.o_proj,), groups[1], (mlp.down_proj,))]
+        if any(p is None for p in products) or any(type(m) is not nn.Linear for m in (attention.o_proj,
+                                                                                       mlp.down_proj)):
             return None
-        biases = [_joined_weight(g, "bias") if g[0].bias is not None else None for g in groups]
-        if any(b is None and g[0].bias is not None for b, g in zip(biases, groups)):
-            return None
-        return cls(layer, qkv, biases[0], [p.weight.shape[0] for p in attention_group],
-                   gate_up, biases[1], [p.weight.shape[0] for p in mlp_group])
+        return cls(layer, *products)
 
     def __call__(self, hidden: torch.Tensor, cache: Any, context: dict[str, Any]) -> torch.Tensor:
         """The layer's forward as transformers' `LlamaDecoderLayer` computes it, with two products for its five
@@ -136,18 +197,17 @@ class JoinedLayer:
         attention, mlp = layer.self_attn, layer.mlp
         normed = own_forward(layer.input_layernorm)(hidden)
         shape = (*normed.shape[:-1], -1, attention.head_dim)
-        query, key, value = (part.view(shape).transpose(1, 2)
-                             for part in F.linear(normed, self.qkv, self.qkv_bias).split(self.qkv_sizes, dim=-1))
+        query, key, value = (part.view(shape).transpose(1, 2) for part in self.qkv.split(normed))
         cos, sin = context["position_embeddings"]
         query, key = _rotated(query, cos, sin), _rotated(key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, attention.layer_idx)
         out, _ = attention_function(attention.config)(attention, query, key, value, context["attention_mask"],
                                                       dropout=0.0, scaling=attention.scaling)
-        hidden = hidden + own_forward(attention.o_proj)(out.reshape(*normed.shape[:-1], -1).contiguous())
+        hidden = hidden + self.out(out.reshape(*normed.shape[:-1], -1).contiguous())
         normed = own_forward(layer.post_attention_layernorm)(hidden)
-        gate, up = F.linear(normed, self.gate_up, self.gate_up_bias).split(self.gate_up_sizes, dim=-1)
-        return hidden + own_forward(mlp.down_proj)(mlp.act_fn(gate) * up)
+        gate, up = self.gate_up.split(normed)
+        return hidden + self.down(mlp.act_fn(gate) * up)
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,14 @@
-"""Joined projections: a LLaMA layer's query/key/value and gate/up weights end to end in one buffer each, the Linear
-modules' weights views into them; decode steps over them give transformers' outputs and greedy tokens."""
+"""Joined projections: a LLaMA layer's query/key/value and gate/up weights end to end in one buffer each (int8 data
+and scales too), the Linear modules' weights views into them; decode steps over them give transformers' (and
+torchao's) outputs and greedy tokens; the int8 product's kernel in Triton's interpreter."""
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
+import pytest
 import torch
 from torch import nn
 
@@ -78,7 +84,7 @@ def test_projections_with_biases_join_with_their_biases(tiny_llama):
     torch.manual_seed(1)
     model = tiny_llama(attention_bias=True, mlp_bias=True)
     clone = joined_copy(model)
-    assert JoinedLayer.of(clone.model.layers[0], "llama").qkv_bias is not None
+    assert JoinedLayer.of(clone.model.layers[0], "llama").qkv.bias is not None
     ids = torch.randint(3, 500, (2, 6))
     expected = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(generate(clone, ids, max_new_tokens=8, split_layers=[2], eos_token_id=[]), expected)
@@ -96,3 +102,93 @@ def test_a_joined_model_in_a_continuous_batch_gets_each_request_its_tokens(model
         alone = model.generate(torch.tensor([r.prompt]), max_new_tokens=r.max_new_tokens, do_sample=False,
                                eos_token_id=None, pad_token_id=0)
         assert got[r.owner] == alone[0, len(r.prompt):].tolist(), r.owner
+
+
+def int8_copy(model):
+    """The model with every decoder layer's Linear weights int8 with a scale per output row, as --quantize int8."""
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    from devmap.compat import torchao_int8_rows
+
+    clone = copy.deepcopy(model)
+    linears = [m for layer in clone.model.layers for m in layer.modules() if type(m) is nn.Linear]
+    torchao_int8_rows(linears, Int8WeightOnlyConfig(set_inductor_config=False))
+    return clone
+
+
+def test_int8_projections_join_their_data_and_scales_and_decode_torchaos_tokens(model, monkeypatch):
+    pytest.importorskip("torchao")
+    quantized = int8_copy(model)
+    clone = copy.deepcopy(quantized)
+    assert join_projections(clone) == 2 * len(model.model.layers)
+    attention = clone.model.layers[0].self_attn
+    assert len({p.weight.qdata.untyped_storage().data_ptr()
+                for p in (attention.q_proj, attention.k_proj, attention.v_proj)}) == 1
+    layer = JoinedLayer.of(clone.model.layers[0], "llama")
+    assert layer.qkv.qdata is not None and layer.down.qdata is not None and layer.qkv.weight is None
+    assert len(CausalLMStages(clone).joined) == len(model.model.layers)
+    ids = torch.randint(3, 500, (2, 9))
+    torch.testing.assert_close(clone(ids).logits, quantized(ids).logits, rtol=0, atol=0)  # torchao's forward
+    expected = quantized.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(clone, ids, max_new_tokens=10, split_layers=[2], eos_token_id=[]), expected)
+
+
+def test_int8_joined_steps_compile_once_for_every_batch_size(model, run_continuous, monkeypatch):
+    """The int8 product is an operator of its own: a compiled continuous batch (aot_eager: inductor's tracing and
+    guards) traces it whole and never guards on its rows, so batches of other sizes compile nothing more, and the
+    tokens equal the eager batch's."""
+    from torch._dynamo.utils import counters
+
+    from devmap.generation import compiled, lanes
+    from devmap.generation.step_cache import release_graphs
+
+    pytest.importorskip("torchao")
+    clone = joined_copy(int8_copy(model))
+    g = torch.Generator().manual_seed(8)
+    reqs = [SlotRequest(torch.randint(3, 500, (n,), generator=g).tolist(), m, f"r{i}")
+            for i, (n, m) in enumerate([(5, 6), (9, 3), (3, 8), (11, 4), (7, 7), (4, 5)])]
+    eager, left, _ = run_continuous(clone, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=40, lanes=1)
+    assert not left
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for round, rows in enumerate((4, 6, 8)):
+            got, left, _ = run_continuous(clone, reqs[:2], reqs[2:], rows=rows, first_slot=12, cache_len=40,
+                                          lanes=1, together=False, compile=True)
+            assert not left and got == eager
+            if round == 0:
+                graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    finally:
+        release_graphs(clone)
+        torch._dynamo.reset()
+
+
+INT8_KERNEL_CHECK = textwrap.dedent("""
+    import torch
+    from devmap.generation.int8_products import _kernel_product
+
+    torch.manual_seed(0)
+    # every block shape: narrow (split in 4, 8 (more splits than inner blocks) and 2 shares), wide (no split)
+    for rows, outs, ins in ((1, 96, 200), (5, 64, 128), (20, 64, 260), (33, 40, 300), (3, 8200, 130)):
+        x = torch.randn(rows, ins, dtype=torch.float16)
+        weight = torch.randn(outs, ins)
+        scale = weight.abs().amax(1, keepdim=True) / 127
+        qdata = (weight / scale).round().clamp(-128, 127).to(torch.int8)
+        got = _kernel_product(x, qdata, scale)
+        want = (x.float() @ qdata.float().t()) * scale.t()
+        assert got.shape == (rows, outs) and got.dtype == x.dtype
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    print("kernel ok")
+""")
+
+
+def test_int8_kernel_equals_the_plain_product_in_tritons_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INT8_KERNEL_CHECK], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernel ok" in done.stdout

@@ -1,0 +1,76 @@
+"""Matrix products with int8 weights that carry one scale per output row (what `--quantize int8` stores), as decode
+steps run them: a decode step's few rows make each product a read of its weights, and torchao's product
+(`mm(x, w.to(x.dtype)) * scale`) first writes a full-precision copy of the weight (about 2.5× the bytes of the
+full-precision product itself). On CUDA, for up to KERNEL_ROWS rows, a Triton kernel reads the int8 weights once and
+converts them in registers (`int8_products_kernel`); anything else runs torchao's formula, with its numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KERNEL_ROWS = 64  # rows (tokens) up to which the kernel runs: decode steps; prefills are compute-bound products
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def kernel_applies(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `int8_product` runs the kernel for `x` (rows × in): CUDA, half precision, at most KERNEL_ROWS rows,
+    contiguous int8 weights and float scales."""
+    return (x.is_cuda and x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.shape[0] <= KERNEL_ROWS
+            and x.stride(1) == 1 and qdata.dtype == torch.int8 and qdata.is_contiguous()
+            and scale.is_contiguous() and scale.dtype.is_floating_point)
+
+
+def int8_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (… × in) · (qdata (out × in, int8) × scale (out or out × 1))ᵀ (+ bias), in x's dtype."""
+    out = int8_rows_product(x.reshape(-1, x.shape[-1]), qdata, scale).reshape(*x.shape[:-1], qdata.shape[0])
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+@torch.library.custom_op("devmap::int8_rows_product", mutates_args=())
+def int8_rows_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (rows × in) · (qdata × scale)ᵀ in x's dtype, the kernel or torchao's formula by `kernel_applies`. An
+    operator of its own, so that torch.compile calls it as it is: which product runs, and the kernel's block shape
+    for the rows at hand, are decided at each call, never guarded on in a compiled step (one compile serves every
+    batch size)."""
+    if kernel_applies(x, qdata, scale):
+        return _kernel_product(x, qdata, scale)
+    out = torch.mm(x, qdata.t().to(x.dtype))  # torchao's per-row weight-only product, operation for operation
+    return (out * scale.to(out.dtype).flatten()).to(x.dtype)
+
+
+@int8_rows_product.register_fake
+def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], qdata.shape[0]))
+
+
+def block_shape(rows: int, outs: int) -> tuple[int, int, int]:
+    """(output columns per program, inner block, inner splits) for a product of `rows` rows: the fastest of 36
+    shapes timed on an H100 for LLaMA-2-13B's products at 2-64 rows (`benchmarks/probes/int8_matmul.py`), as a
+    rule. Wide products (qkv, gate_up) have programs enough; narrow ones (o, down: fewer output columns than
+    8,192) split their inner dimension so that every SM has weights to read."""
+    if outs >= 8192:
+        return (32, 128, 1) if rows <= 16 else (128, 256, 1) if rows <= 32 else (128, 128, 1)
+    return (32, 128, 4) if rows <= 16 else (64, 128, 8) if rows <= 32 else (32, 128, 2)
+
+
+def _kernel_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    import triton
+
+    from .int8_products_kernel import add_shares, int8_rows_kernel
+
+    rows, ins = x.shape
+    outs = qdata.shape[0]
+    block_out, block_in, split = block_shape(rows, outs)
+    out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
+    shares = out if split == 1 else torch.empty((split, rows, outs), dtype=torch.float32, device=x.device)
+    int8_rows_kernel[(triton.cdiv(outs, block_out), split)](
+        x, qdata, scale, shares, rows, outs, ins, x.stride(0), qdata.stride(0), outs, rows * outs,
+        BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), BLOCK_OUT=block_out, BLOCK_IN=block_in, SPLIT=split,
+        num_warps=4, num_stages=3)
+    if split > 1:
+        add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=split, BLOCK=1024)
+    return out
