@@ -12,6 +12,8 @@ time per output token p50/p99 (a request's time from its first text to its
 last, over its output tokens after the first), the floor (a decode step of that load reading the weights and the
 running requests' KV cache once, at the HBM bandwidth measured on this GPU in the same run) and the share of the
 step it is, and devmap's ratio to transformers.
+`--systems devmap+int8` (+int4, +nf4; +compile, +no-compile) serves devmap with those flags, its floor reading the
+quantized weights; `devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline in the same run).
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its
 release does not know are dropped one at a time, and the flags used are printed.
 """

@@ -117,8 +117,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, HBM {bandwidth / 1e12:.2f} TB/s (copy): "
           "microseconds per product")
     print("| product | rows | bf16 | bf16 floor | torchao int8 eager | torchao int8 compiled "
-          "| torchao int8 max-autotune | Triton int8 (best config) | Triton int8, no split (best) | devmap's int8 product "
-          "| int8 floor | bf16 ÷ best int8 |")
+          "| torchao int8 max-autotune | Triton int8 (best config) | Triton int8, no split (best) "
+          "| devmap's int8 product | int8 floor | bf16 ÷ best int8 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         from devmap.generation.int8_products import int8_product
