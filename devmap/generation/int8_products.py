@@ -7,6 +7,8 @@ converts them in registers (`int8_products_kernel`); anything else runs torchao'
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 KERNEL_ROWS = 64  # rows (tokens) up to which the kernel runs: decode steps; prefills are compute-bound products
@@ -45,6 +47,28 @@ def int8_rows_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor)
 @int8_rows_product.register_fake
 def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], qdata.shape[0]))
+
+
+PREPARED_ROWS = (1, 2, 16, 17, 32, 33, 64)  # every block shape, and Triton's specializations of `rows` (1, multiples of 16)
+
+
+def prepare_kernels(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> int:
+    """Run the kernel once for each distinct int8 weight (data, scales) shape and each of PREPARED_ROWS, so that
+    Triton compiles every variant a decode step can use now (about a second each, then cached on disk) instead of
+    in a service's first requests. Returns the products run: 0 where the kernel does not apply (CPU, float32)."""
+    seen, runs = set(), 0
+    with torch.no_grad():
+        for qdata, scale in weights:
+            key = (tuple(qdata.shape), qdata.device)
+            if key in seen:
+                continue
+            seen.add(key)
+            for rows in PREPARED_ROWS:
+                x = torch.zeros(rows, qdata.shape[1], dtype=dtype, device=qdata.device)
+                if kernel_applies(x, qdata, scale):
+                    _kernel_product(x, qdata, scale)
+                    runs += 1
+    return runs
 
 
 def block_shape(rows: int, outs: int) -> tuple[int, int, int]:

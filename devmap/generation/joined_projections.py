@@ -43,6 +43,18 @@ def join_projections(model: nn.Module) -> int:
     return joined
 
 
+def int8_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(int8 data, scales) of every product of the model's joined layers that has int8 weights, in layer order."""
+    model_type = getattr(model.config, "model_type", None)
+    found = []
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        joined = JoinedLayer.of(layer, model_type)
+        if joined is not None:
+            found += [(p.qdata, p.scale) for p in (joined.qkv, joined.out, joined.gate_up, joined.down)
+                      if p.qdata is not None]
+    return found
+
+
 def _groups(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     groups = []

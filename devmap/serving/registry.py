@@ -133,6 +133,7 @@ class ModelRegistry:
             try:
                 joined = join_projections(model)  # the service owns the model and never saves it: see there
                 log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
+                _prepare_int8_kernels(model, model_id)
                 tokenizer = load_tokenizer(path)
                 context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
                 compiled = _compiled(model, self.limits.compile, self.quantization, rows, context)
@@ -212,6 +213,19 @@ class ModelRegistry:
         """Ids of models unused for more than `seconds`."""
         now = time.monotonic()
         return [r.id for r in self.all() if now - r.last_used > seconds and not r.busy.locked()]
+
+
+def _prepare_int8_kernels(model: nn.Module, model_id: str) -> None:
+    """Compile the int8 decode-product kernel's variants for the model's joined int8 weights now, at load, rather
+    than in its first requests (nothing to do without int8 weights or off GPUs)."""
+    from ..generation.int8_products import prepare_kernels
+    from ..generation.joined_projections import int8_weights
+
+    started = time.monotonic()
+    runs = prepare_kernels(int8_weights(model), model.get_input_embeddings().weight.dtype)
+    if runs:
+        log.debug("%s: int8 product kernel prepared for %d shapes in %.1f s", model_id, runs,
+                  time.monotonic() - started)
 
 
 def _compiled(model: nn.Module, wanted: bool | None, quantization: Any, rows: int, context: int) -> bool:

@@ -166,6 +166,26 @@ def test_int8_joined_steps_compile_once_for_every_batch_size(model, run_continuo
         torch._dynamo.reset()
 
 
+def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(model, monkeypatch):
+    """A service prepares the kernel's variants at load: each distinct int8 weight shape once per prepared row
+    count (every block shape and Triton's specializations), none on the CPU, where the kernel does not run."""
+    from devmap.generation import int8_products
+    from devmap.generation.joined_projections import int8_weights
+
+    pytest.importorskip("torchao")
+    clone = joined_copy(int8_copy(model))
+    weights = int8_weights(clone)
+    assert len(weights) == 4 * len(model.model.layers)  # qkv, o, gate_up, down per layer
+    assert int8_products.prepare_kernels(weights, torch.float32) == 0  # CPU: torchao's formula, nothing to prepare
+    runs = []
+    monkeypatch.setattr(int8_products, "kernel_applies", lambda x, q, s: True)
+    monkeypatch.setattr(int8_products, "_kernel_product", lambda x, q, s: runs.append((x.shape[0], tuple(q.shape))))
+    shapes = {tuple(q.shape) for q, _ in weights}
+    assert int8_products.prepare_kernels(weights, torch.bfloat16) == len(shapes) * len(int8_products.PREPARED_ROWS)
+    assert set(runs) == {(rows, shape) for rows in int8_products.PREPARED_ROWS for shape in shapes}
+    assert int8_weights(model) == []  # nothing joined, nothing int8
+
+
 INT8_KERNEL_CHECK = textwrap.dedent("""
     import torch
     from devmap.generation.int8_products import _kernel_product
