@@ -54,8 +54,8 @@ PREPARED_ROWS = (1, 2, 16, 17, 32, 33, 64)  # every block shape, and Triton's sp
 
 def prepare_kernels(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> int:
     """Run the kernel once for each distinct int8 weight (data, scales) shape and each of PREPARED_ROWS, so that
-    Triton compiles every variant a decode step can use now (about a second each, then cached on disk) instead of
-    in a service's first requests. Returns the products run: 0 where the kernel does not apply (CPU, float32)."""
+    Triton compiles every variant a decode step can use now (then caches it on disk) instead of in a service's
+    first requests. Returns the products run: 0 where the kernel does not apply (CPU, float32)."""
     seen, runs = set(), 0
     with torch.no_grad():
         for qdata, scale in weights:
