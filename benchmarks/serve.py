@@ -381,7 +381,8 @@ def main() -> None:
                                           bandwidth, args.new)
                     rows.setdefault(system, []).append({**row, "cold_start_s": cold, "floor_s": floor,
                                                         "hbm_bytes_per_s": bandwidth})
-                    if args.out and system.startswith("devmap"):  # batch sizes, first-token times: as the server saw them
+                    # batch sizes, first-token times: as the server saw them
+                    if args.out and system.startswith("devmap"):
                         Path(args.out).mkdir(parents=True, exist_ok=True)
                         (Path(args.out) / f"metrics_{label(system)}_{args.model}_{clients}.txt").write_text(
                             httpx.get(url + "/metrics", timeout=10).text)
@@ -392,8 +393,8 @@ def main() -> None:
 
 def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int], out: str | None) -> None:
     print(f"\nserving {model}, streaming chat completions, greedy")
-    print("| system | clients | requests | first call s | output tok/s | TTFT p50 / p99 s | time per token p50 / p99 ms "
-          "| floor ms | floor ÷ step | vs transformers |")
+    print("| system | clients | requests | first call s | output tok/s | TTFT p50 / p99 s "
+          "| time per token p50 / p99 ms | floor ms | floor ÷ step | vs transformers |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     peer = {r["clients"]: r["tokens_per_s"] for r in rows.get("transformers", [])}
     for system, results in rows.items():
@@ -408,8 +409,8 @@ def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int],
         for r in results:
             if r.get("engine_ms_per_step"):
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["engine_ms_per_step"].items()))
-                print(f"{system} {r['clients']} clients: engine loop ms per decode step ({r['steps']:.0f} steps): {parts}; "
-                      f"the server's own TTFT p99 {r.get('server_ttft_p99', '-')}")
+                print(f"{system} {r['clients']} clients: engine loop ms per decode step ({r['steps']:.0f} steps): "
+                      f"{parts}; the server's own TTFT p99 {r.get('server_ttft_p99', '-')}")
     cold = ", ".join(f"{system} {results[0]['cold_start_s']:.1f} s" for system, results in rows.items() if results)
     print(f"cold start (a fresh server process until it answers): {cold}")
     if out:
