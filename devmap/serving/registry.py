@@ -237,6 +237,9 @@ def _compiled(model: nn.Module, wanted: bool | None, quantization: Any, rows: in
 
     if not compiles(model, wanted, quantization):
         return False
+    if quantization is not None:
+        log.warning("compiling a quantized model's decode steps: with int8 weights on GPUs this load can take many "
+                    "minutes (docs/quantization.md); serve without --compile for a quick start")
     try:
         warm_up(model, rows, context)
     except Exception as exc:

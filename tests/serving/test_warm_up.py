@@ -47,3 +47,17 @@ def test_the_warm_up_compiles_the_step_once_and_keeps_no_batch(model_root, monke
         assert not step_cache(model, "continuous").shapes  # its captured batch is freed
     finally:
         torch._dynamo.reset()
+
+
+def test_compiling_a_quantized_model_warns_that_the_load_can_take_minutes(monkeypatch, caplog):
+    from devmap.serving import registry, warm_up as warm_up_module
+
+    monkeypatch.setattr(warm_up_module, "compiles", lambda model, wanted, quantization: True)
+    monkeypatch.setattr(warm_up_module, "warm_up", lambda model, rows, context: None)
+    with caplog.at_level("WARNING", logger="devmap"):
+        assert registry._compiled(Placed({"": 0}), True, "int8", 8, 256)
+    assert "serve without --compile" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="devmap"):
+        assert registry._compiled(Placed({"": 0}), None, None, 8, 256)
+    assert not caplog.text
