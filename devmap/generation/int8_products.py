@@ -49,7 +49,8 @@ def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return x.new_empty((x.shape[0], qdata.shape[0]))
 
 
-PREPARED_ROWS = (1, 2, 16, 17, 32, 33, 64)  # every block shape, and Triton's specializations of `rows` (1, multiples of 16)
+# every block shape, and Triton's specializations of `rows` (1, multiples of 16)
+PREPARED_ROWS = (1, 2, 16, 17, 32, 33, 64)
 
 
 def prepare_kernels(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> int:

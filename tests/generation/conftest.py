@@ -40,7 +40,8 @@ def _run_continuous(model: torch.nn.Module, first: list, later: list, *, togethe
         calls.append(free)
         if stop_after is not None and len(calls) > stop_after:
             return None
-        fits = [r for r in queue if len(r.prompt) <= longest and r.max_new_tokens <= most][:free if together else min(free, 1)]
+        fits = [r for r in queue if len(r.prompt) <= longest and r.max_new_tokens <= most]
+        fits = fits[:free if together else min(free, 1)]
         for r in fits:
             queue.remove(r)
         return fits
