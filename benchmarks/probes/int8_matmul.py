@@ -10,8 +10,8 @@ it goes into devmap's quantized path.
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/int8_matmul.py [--rows 2,32,64]
 Check the kernel on CPU (Triton's interpreter):  TRITON_INTERPRET=1 python3 benchmarks/probes/int8_matmul.py --check
-Shapes: LLaMA-2-13B's layer (hidden 5120, MLP 13824), its query/key/value and gate/up products joined (as
-`devmap.generation.joined_projections` runs them). Each call captured 50 times in a CUDA graph and replayed.
+Shapes (`--model`): LLaMA-2-13B's layer (hidden 5120, MLP 13824) or TinyLlama-1.1B's, its query/key/value and
+gate/up products joined (as `devmap.generation.joined_projections` runs them). Each call captured 50 times in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
-SHAPES = {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)}  # (out, in)
+SHAPES = {  # (out, in) of each product of one layer, query/key/value and gate/up joined
+    "llama-2-13b": {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)},
+    "tinyllama-1.1b": {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)},
+}
 
 
 @triton.jit
@@ -101,6 +104,7 @@ def check() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="2,32,64")
+    parser.add_argument("--model", default="llama-2-13b", choices=sorted(SHAPES), help="whose layer's products")
     parser.add_argument("--check", action="store_true", help="check the kernel (on CPU, under TRITON_INTERPRET=1)")
     parser.add_argument("--no-compile", action="store_true", help="leave out torchao under torch.compile")
     parser.add_argument("--autotune", action="store_true",
@@ -126,7 +130,7 @@ def main() -> None:
         int8_product = None
     every: dict[str, dict[str, float]] = {}
     granularity = Int8WeightOnlyConfig().granularity
-    for name, (outs, ins) in SHAPES.items():
+    for name, (outs, ins) in SHAPES[args.model].items():
         weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) / ins ** 0.5
         qdata, scale = quantized(weight)
         torchao_weight = Int8Tensor.from_hp(weight, granularity)
