@@ -11,7 +11,8 @@ it goes into devmap's quantized path.
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/int8_matmul.py [--rows 2,32,64]
 Check the kernel on CPU (Triton's interpreter):  TRITON_INTERPRET=1 python3 benchmarks/probes/int8_matmul.py --check
 Shapes (`--model`): LLaMA-2-13B's layer (hidden 5120, MLP 13824) or TinyLlama-1.1B's, its query/key/value and
-gate/up products joined (as `devmap.generation.joined_projections` runs them). Each call captured 50 times in a CUDA graph and replayed.
+gate/up products joined (as `devmap.generation.joined_projections` runs them). Each call captured 50 times in a
+CUDA graph and replayed.
 """
 
 from __future__ import annotations
