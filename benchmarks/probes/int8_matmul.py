@@ -1,12 +1,11 @@
 """GPU time of a decode step's products with int8 weights (one scale per output row, as `--quantize int8` stores
 them), against the same products in bf16 and the floor of reading the weights once: torchao's `Int8Tensor` in
-eager mode (what quantized serving runs by default), the same under torch.compile, and a Triton kernel that reads
-the int8 weights and converts them in registers (one program per block of output rows, optionally splitting the
-inner dimension), over a few block shapes. torchao's per-row int8 product is `mm(x, w.to(bf16)) * scale`: eager, the
-conversion writes a bf16 copy of the weight on every call.
+eager mode, the same under torch.compile, and devmap's Triton kernel (`devmap.generation.int8_products`: it reads
+the int8 weights and converts them in registers) over 36 block shapes (output columns per program, inner block,
+shares of the inner dimension, warps, stages), beside the shape devmap's rule picks. torchao's per-row int8
+product is `mm(x, w.to(bf16)) * scale`: eager, the conversion writes a bf16 copy of the weight on every call.
 
-It answers whether an int8 model can decode faster than bf16 at 1-64 rows, and with which product, before any of
-it goes into devmap's quantized path.
+It answers whether an int8 model decodes faster than bf16 at 1-64 rows, and which block shapes the rule should pick.
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/int8_matmul.py [--rows 2,32,64]
 Check the kernel on CPU (Triton's interpreter):  TRITON_INTERPRET=1 python3 benchmarks/probes/int8_matmul.py --check
@@ -24,11 +23,11 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import copy_bandwidth, graph_timed_us  # noqa: E402
+
+from devmap.generation.int8_products import BlockShape, int8_product, kernel_product  # noqa: E402
 
 SHAPES = {  # (out, in) of each product of one layer, query/key/value and gate/up joined
     "llama-2-13b": {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)},
@@ -36,51 +35,9 @@ SHAPES = {  # (out, in) of each product of one layer, query/key/value and gate/u
 }
 
 
-@triton.jit
-def int8_rows_matmul(X, W, Scale, Y, rows, outs, ins, x_row, w_row, y_row,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
-                     SPLIT: tl.constexpr):
-    """Y[rows, outs] (+)= X[rows, ins] · (W[outs, ins] as X's dtype)ᵀ · Scale[outs]: program (o, s) takes output rows
-    o·BLOCK_OUT.. and every SPLIT-th block of the inner dimension from s on (SPLIT > 1: Y is float32, added to)."""
-    block = tl.program_id(0)
-    split = tl.program_id(1)
-    row = tl.arange(0, BLOCK_ROWS)
-    out = block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
-    for start in range(split * BLOCK_IN, ins, BLOCK_IN * SPLIT):
-        inner = start + tl.arange(0, BLOCK_IN)
-        x = tl.load(X + row[:, None] * x_row + inner[None, :], mask=(row[:, None] < rows) & (inner[None, :] < ins),
-                    other=0.0)
-        w = tl.load(W + out[:, None] * w_row + inner[None, :], mask=(out[:, None] < outs) & (inner[None, :] < ins),
-                    other=0)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    acc = acc * tl.load(Scale + out, mask=out < outs, other=0.0)[None, :]
-    place = Y + row[:, None] * y_row + out[None, :]
-    keep = (row[:, None] < rows) & (out[None, :] < outs)
-    if SPLIT == 1:
-        tl.store(place, acc.to(Y.dtype.element_ty), mask=keep)
-    else:
-        tl.atomic_add(place, acc, mask=keep)
-
-
-def int8_matmul(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, block_out: int, block_in: int,
-                split: int, warps: int, stages: int) -> torch.Tensor:
-    """x (rows × in) times int8 weights (out × in) with per-row float scales (out or out × 1)."""
-    rows, ins = x.shape
-    outs = qdata.shape[0]
-    block_rows = max(16, triton.next_power_of_2(rows))
-    y = (torch.empty if split == 1 else torch.zeros)((rows, outs), device=x.device,
-                                                     dtype=x.dtype if split == 1 else torch.float32)
-    int8_rows_matmul[(triton.cdiv(outs, block_out), split)](
-        x, qdata, scale, y, rows, outs, ins, x.stride(0), qdata.stride(0), y.stride(0),
-        BLOCK_ROWS=block_rows, BLOCK_OUT=block_out, BLOCK_IN=block_in, SPLIT=split, num_warps=warps,
-        num_stages=stages)
-    return y if split == 1 else y.to(x.dtype)
-
-
-# (output rows per program, inner block, inner splits, warps, stages): 36 compiles per row block, ~2 min in all
-CONFIGS = (list(itertools.product((16, 32, 64, 128), (128, 256, 512), (1,), (4, 8), (3,)))
-           + list(itertools.product((32, 64), (128, 256), (2, 4, 8), (4,), (3,))))
+# 36 block shapes, each compiled once per row block: ~2 min in all
+CONFIGS = ([BlockShape(*c) for c in itertools.product((16, 32, 64, 128), (128, 256, 512), (1,), (4, 8), (3,))]
+           + [BlockShape(*c) for c in itertools.product((32, 64), (128, 256), (2, 4, 8), (4,), (3,))])
 
 
 def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +53,8 @@ def check() -> None:
         x = torch.randn(rows, ins, dtype=torch.float16)
         qdata, scale = quantized(torch.randn(outs, ins))
         want = (x.float() @ qdata.float().t()) * scale.t()
-        for split in (1, 2, 3):
-            got = int8_matmul(x, qdata, scale, 32, 64, split, 4, 2)
+        for splits in (1, 2, 3):
+            got = kernel_product(x, qdata, scale, BlockShape(32, 64, splits, 4, 2))
             torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     print("int8 kernel: equal to the plain product")
 
@@ -125,10 +82,6 @@ def main() -> None:
           "| torchao int8 max-autotune | Triton int8 (best config) | Triton int8, no split (best) "
           "| devmap's int8 product | int8 floor | bf16 ÷ best int8 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    try:
-        from devmap.generation.int8_products import int8_product
-    except ImportError:  # a devmap without its own int8 product
-        int8_product = None
     every: dict[str, dict[str, float]] = {}
     granularity = Int8WeightOnlyConfig().granularity
     for name, (outs, ins) in SHAPES[args.model].items():
@@ -150,25 +103,24 @@ def main() -> None:
             times = every.setdefault(f"{name} {rows}", {})
             for config in CONFIGS:
                 try:
-                    got = int8_matmul(x, qdata, scale, *config)
+                    got = kernel_product(x, qdata, scale, config)
                 except Exception:  # a block shape this GPU cannot hold (shared memory)
                     continue
                 if (got.float() - want).abs().max() > 0.05 * want.abs().max():
                     raise AssertionError(f"{name} {rows} {config}: the kernel's product is wrong")
-                us = graph_timed_us(lambda config=config: int8_matmul(x, qdata, scale, *config), repeat=50)
-                times[str(config)] = round(us, 1)
+                us = graph_timed_us(lambda config=config: kernel_product(x, qdata, scale, config), repeat=50)
+                times[str(tuple(config))] = round(us, 1)
                 if us < best:
                     best, best_config = us, config
-                if config[2] == 1 and us < unsplit:
+                if config.splits == 1 and us < unsplit:
                     unsplit, unsplit_config = us, config
-            ours = (graph_timed_us(lambda: int8_product(x, qdata, scale), repeat=50) if int8_product is not None
-                    else float("nan"))
+            ours = graph_timed_us(lambda: int8_product(x, qdata, scale), repeat=50)
             bf16_floor = outs * ins * 2 / bandwidth * 1e6
             int8_floor = outs * ins / bandwidth * 1e6
             fastest = min(us for us in (eager, compiled_us, tuned_us, best, ours) if us == us)  # NaN: not run
             print(f"| {name} {outs}×{ins} | {rows} | {bf16:.1f} | {bf16_floor:.1f} | {eager:.1f} | {compiled_us:.1f} "
-                  f"| {tuned_us:.1f} | {best:.1f} {best_config} | {unsplit:.1f} {unsplit_config} | {ours:.1f} "
-                  f"| {int8_floor:.1f} | {bf16 / fastest:.2f}× |", flush=True)
+                  f"| {tuned_us:.1f} | {best:.1f} {tuple(best_config)} | {unsplit:.1f} {tuple(unsplit_config)} "
+                  f"| {ours:.1f} | {int8_floor:.1f} | {bf16 / fastest:.2f}× |", flush=True)
     if args.times:
         Path(args.times).write_text(json.dumps(every, indent=1))
 

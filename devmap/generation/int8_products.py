@@ -7,7 +7,7 @@ converts them in registers (`int8_products_kernel`); anything else runs torchao'
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -39,7 +39,7 @@ def int8_rows_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor)
     for the rows at hand, are decided at each call, never guarded on in a compiled step (one compile serves every
     batch size)."""
     if kernel_applies(x, qdata, scale):
-        return _kernel_product(x, qdata, scale)
+        return kernel_product(x, qdata, scale)
     out = torch.mm(x, qdata.t().to(x.dtype))  # torchao's per-row weight-only product, operation for operation
     return (out * scale.to(out.dtype).flatten()).to(x.dtype)
 
@@ -67,35 +67,52 @@ def prepare_kernels(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype:
             for rows in PREPARED_ROWS:
                 x = torch.zeros(rows, qdata.shape[1], dtype=dtype, device=qdata.device)
                 if kernel_applies(x, qdata, scale):
-                    _kernel_product(x, qdata, scale)
+                    kernel_product(x, qdata, scale)
                     runs += 1
     return runs
 
 
-def block_shape(rows: int, outs: int) -> tuple[int, int, int]:
-    """(output columns per program, inner block, inner splits) for a product of `rows` rows: the fastest of 36
-    shapes timed on an H100 for LLaMA-2-13B's products at 2-64 rows (`benchmarks/probes/int8_matmul.py`), as a
-    rule. Wide products (qkv, gate_up) have programs enough; narrow ones (o, down: fewer output columns than
-    8,192) split their inner dimension so that every SM has weights to read."""
+class BlockShape(NamedTuple):
+    """How the kernel cuts a product: output columns per program, inner-dimension block, shares of the inner
+    dimension (added in a fixed order by a second kernel), and Triton's warps and pipeline stages."""
+
+    out: int
+    inner: int
+    splits: int
+    warps: int = 4
+    stages: int = 3
+
+
+def block_shape(rows: int, outs: int) -> BlockShape:
+    """The block shape for a product of `rows` rows: the fastest of 36 shapes timed on an H100 for LLaMA-2-13B's
+    products at 2-64 rows (`benchmarks/probes/int8_matmul.py`), as a rule. Wide products (qkv, gate_up) have
+    programs enough; narrow ones (o, down: fewer output columns than 8,192) split their inner dimension so that
+    every SM has weights to read."""
     if outs >= 8192:
-        return (32, 128, 1) if rows <= 16 else (128, 256, 1) if rows <= 32 else (128, 128, 1)
-    return (32, 128, 4) if rows <= 16 else (64, 128, 8) if rows <= 32 else (32, 128, 2)
+        return BlockShape(32, 128, 1) if rows <= 16 else BlockShape(128, 256, 1) if rows <= 32 else \
+            BlockShape(128, 128, 1)
+    return BlockShape(32, 128, 4) if rows <= 16 else BlockShape(64, 128, 8) if rows <= 32 else \
+        BlockShape(32, 128, 2)
 
 
-def _kernel_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def kernel_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                   shape: BlockShape | None = None) -> torch.Tensor:
+    """x (rows × in, rows ≤ KERNEL_ROWS) · (qdata × scale)ᵀ through the Triton kernel, cut as `shape` says
+    (default: `block_shape`'s rule)."""
     import triton
 
     from .int8_products_kernel import add_shares, int8_rows_kernel
 
     rows, ins = x.shape
     outs = qdata.shape[0]
-    block_out, block_in, split = block_shape(rows, outs)
+    shape = shape or block_shape(rows, outs)
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
-    shares = out if split == 1 else torch.empty((split, rows, outs), dtype=torch.float32, device=x.device)
-    int8_rows_kernel[(triton.cdiv(outs, block_out), split)](
+    shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
+                                                       device=x.device)
+    int8_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits)](
         x, qdata, scale, shares, rows, outs, ins, x.stride(0), qdata.stride(0), outs, rows * outs,
-        BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), BLOCK_OUT=block_out, BLOCK_IN=block_in, SPLIT=split,
-        num_warps=4, num_stages=3)
-    if split > 1:
-        add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=split, BLOCK=1024)
+        BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), BLOCK_OUT=shape.out, BLOCK_IN=shape.inner,
+        SPLIT=shape.splits, num_warps=shape.warps, num_stages=shape.stages)
+    if shape.splits > 1:
+        add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
     return out

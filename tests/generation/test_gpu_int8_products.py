@@ -17,7 +17,7 @@ pytestmark = require_gpus(1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_kernel_products_equal_the_plain_product(dtype):
+def testkernel_products_equal_the_plain_product(dtype):
     torch.manual_seed(0)
     for rows, outs, ins in ((1, 5120, 5120), (2, 15360, 5120), (32, 27648, 512), (64, 640, 13824), (7, 100, 300)):
         x = torch.randn(rows, ins, device="cuda", dtype=dtype)
@@ -40,8 +40,8 @@ def test_int8_half_precision_model_decodes_torchaos_greedy_tokens(monkeypatch, r
     from devmap.generation.joined_projections import join_projections
 
     calls = []
-    kernel = int8_products._kernel_product
-    monkeypatch.setattr(int8_products, "_kernel_product", lambda *a: calls.append(1) or kernel(*a))
+    kernel = int8_products.kernel_product
+    monkeypatch.setattr(int8_products, "kernel_product", lambda *a: calls.append(1) or kernel(*a))
     torch.manual_seed(21)
     config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=1000, bos_token_id=1, eos_token_id=2, pad_token_id=0)

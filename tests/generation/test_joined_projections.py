@@ -179,7 +179,8 @@ def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(
     assert int8_products.prepare_kernels(weights, torch.float32) == 0  # CPU: torchao's formula, nothing to prepare
     runs = []
     monkeypatch.setattr(int8_products, "kernel_applies", lambda x, q, s: True)
-    monkeypatch.setattr(int8_products, "_kernel_product", lambda x, q, s: runs.append((x.shape[0], tuple(q.shape))))
+    monkeypatch.setattr(int8_products, "kernel_product",
+                        lambda x, q, s: runs.append((x.shape[0], tuple(q.shape))))
     shapes = {tuple(q.shape) for q, _ in weights}
     assert int8_products.prepare_kernels(weights, torch.bfloat16) == len(shapes) * len(int8_products.PREPARED_ROWS)
     assert set(runs) == {(rows, shape) for rows in int8_products.PREPARED_ROWS for shape in shapes}
@@ -188,7 +189,7 @@ def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(
 
 INT8_KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from devmap.generation.int8_products import _kernel_product
+    from devmap.generation.int8_products import kernel_product
 
     torch.manual_seed(0)
     # every block shape: narrow (split in 4, 8 (more splits than inner blocks) and 2 shares), wide (no split)
@@ -197,7 +198,7 @@ INT8_KERNEL_CHECK = textwrap.dedent("""
         weight = torch.randn(outs, ins)
         scale = weight.abs().amax(1, keepdim=True) / 127
         qdata = (weight / scale).round().clamp(-128, 127).to(torch.int8)
-        got = _kernel_product(x, qdata, scale)
+        got = kernel_product(x, qdata, scale)
         want = (x.float() @ qdata.float().t()) * scale.t()
         assert got.shape == (rows, outs) and got.dtype == x.dtype
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
