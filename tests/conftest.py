@@ -12,3 +12,19 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def compiled_on_cpu(monkeypatch):
+    """compile=True on the CPU: steps traced with aot_eager (inductor's tracing and guards, no C++ compiler) along
+    the cached-step paths; dynamo reset and its counters cleared before, reset after. Yields dynamo's counters."""
+    from torch._dynamo.utils import counters
+
+    from devmap.generation import compiled, lanes
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()

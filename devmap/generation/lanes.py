@@ -64,8 +64,10 @@ class LaneStreams:
         return self.streams.get("capture", j, device) if device.type == "cuda" else None
 
     def layout(self) -> tuple:
-        """What identifies the stages for cached steps."""
-        return tuple((str(st.device), id(st.layers[0]), len(st.layers)) for st in self.s.stages)
+        """What identifies the stages and their steps for cached steps: compiled steps are never reused for eager
+        ones, nor eager for compiled."""
+        stages = tuple((str(st.device), id(st.layers[0]), len(st.layers)) for st in self.s.stages)
+        return stages, self.compile, self.compile_prefill
 
     def start(self) -> None:
         """Every stage's stream waits for the caller's work so far (inputs, fresh buffers)."""

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from devmap import generate
 from devmap.errors import PipelineError, UsageError
-from devmap.generation import compiled, forward, lanes
+from devmap.generation import compiled, forward
 from devmap.generation.joined_projections import join_projections
 
 SIZES = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
@@ -33,11 +33,7 @@ def build(config):
 
 
 @pytest.mark.parametrize("joined", [False, True], ids=["transformers-layers", "joined-projections"])
-def test_compiled_steps_give_the_same_tokens_and_compile_once(monkeypatch, joined):
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)  # the cached-step paths
-    torch._dynamo.reset()
-    counters.clear()
+def test_compiled_steps_give_the_same_tokens_and_compile_once(compiled_on_cpu, joined):
     model = build(LlamaConfig(**SIZES))
     if joined:
         assert join_projections(model) == 2 * SIZES["num_hidden_layers"]
@@ -56,8 +52,19 @@ def test_compiled_steps_give_the_same_tokens_and_compile_once(monkeypatch, joine
         torch.testing.assert_close(forward(model, ids, mask, lanes=3, split_layers=[1, 3], compile=True), reference,
                                    atol=1e-5, rtol=1e-5)
     assert not counters["graph_break"]
-    torch._dynamo.reset()
 
+
+
+def test_a_compiled_call_after_an_eager_one_of_the_same_shapes_compiles(compiled_on_cpu):
+    """Kept steps are keyed by whether they are compiled: compile=True after an eager call of the same shapes
+    compiles its own steps instead of replaying the eager ones (and the other way round)."""
+    model = build(LlamaConfig(**SIZES))
+    ids, mask = prompts()
+    kwargs = dict(max_new_tokens=4, lanes=2, split_layers=[2], eos_token_id=[])
+    eager = generate(model, ids, mask, **kwargs)
+    assert counters["stats"]["unique_graphs"] == 0
+    assert torch.equal(generate(model, ids, mask, compile=True, **kwargs), eager)
+    assert counters["stats"]["unique_graphs"] > 0
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_families_sharing_llamas_glue_generate_like_transformers(family):
@@ -90,13 +97,11 @@ def test_models_with_other_glue_are_refused():
         generate(model, ids, mask, max_new_tokens=2)
 
 
-def test_accelerate_device_hooks_are_bypassed_during_a_call_and_put_back(monkeypatch):
+def test_accelerate_device_hooks_are_bypassed_during_a_call_and_put_back(compiled_on_cpu):
     """A loaded model has accelerate's AlignDevicesHook on every module with weights; compiled through, each one
     is a graph break (they are torch.compiler.disable'd). The call skips them and restores them after."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
     model = build(LlamaConfig(**SIZES))
     ids, mask = prompts()
     want = expected(model, ids, mask)
@@ -104,13 +109,10 @@ def test_accelerate_device_hooks_are_bypassed_during_a_call_and_put_back(monkeyp
         if any(True for _ in module.parameters(recurse=False)) or module is model:
             add_hook_to_module(module, AlignDevicesHook(execution_device="cpu", io_same_device=module is model))
     hooked = {name: module.forward for name, module in model.named_modules()}
-    torch._dynamo.reset()
-    counters.clear()
     got = generate(model, ids, mask, max_new_tokens=8, lanes=2, split_layers=[2], eos_token_id=[], compile=True)
     assert torch.equal(got, want)
     assert not counters["graph_break"]
     assert all(module.forward == hooked[name] for name, module in model.named_modules())
-    torch._dynamo.reset()
 
 
 def test_cli_generate_compile_reports_the_first_call_and_the_steady_one(monkeypatch):
