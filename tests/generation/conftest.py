@@ -1,5 +1,9 @@
 """A tiny LLaMA for the CPU generation tests (two stages come from split_layers)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -81,3 +85,16 @@ def _requests_and_their_tokens(reference: torch.nn.Module, seed: int, count: int
                                             do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
                 .tolist() for r in reqs}
     return reqs, expected
+
+
+@pytest.fixture(scope="package")
+def tritons_interpreter():
+    """Runs Python code in a fresh process under TRITON_INTERPRET=1 (Triton's kernels on the CPU); returns its
+    completed process. Tests using it skip without Triton."""
+    pytest.importorskip("triton")
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                              capture_output=True, text=True, timeout=600)
+
+    return run

@@ -253,18 +253,12 @@ def test_any_arrival_pattern_gives_each_request_its_own_tokens(model):
     check()
 
 
-def test_compiled_steps_join_like_eager_ones_and_compile_once(model, run, monkeypatch):
+def test_compiled_steps_join_like_eager_ones_and_compile_once(model, run, compiled_on_cpu):
     """compile=True (aot_eager on CPU: inductor's tracing and guards) with the cached-step paths: joining groups'
     prefills and the decode steps give the eager tokens, trace whole, and a second batch compiles nothing."""
-    from torch._dynamo.utils import counters
-
-    from devmap.generation import compiled, lanes
     from devmap.generation.step_cache import release_graphs
 
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
-    torch._dynamo.reset()
-    counters.clear()
+    counters = compiled_on_cpu
     reqs = requests(7, seed=5)
     try:
         # the second batch repeats the first's shape; the third and fourth take new ones (rows, cache length): the
@@ -278,4 +272,3 @@ def test_compiled_steps_join_like_eager_ones_and_compile_once(model, run, monkey
         assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
     finally:
         release_graphs(model)
-        torch._dynamo.reset()

@@ -1,9 +1,6 @@
 """Decode attention over live cache columns: the Triton kernel (in Triton's interpreter on CPU) against the plain
 computation, and the attention a decode step runs with against transformers' sdpa."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -40,11 +37,8 @@ KERNEL_CHECK = textwrap.dedent("""
 """)
 
 
-def test_kernel_attends_to_the_live_columns_only_in_tritons_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True,
-                          timeout=600)
+def test_kernel_attends_to_the_live_columns_only_in_tritons_interpreter(tritons_interpreter):
+    done = tritons_interpreter(KERNEL_CHECK)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kernel ok" in done.stdout
 

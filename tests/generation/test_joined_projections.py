@@ -3,9 +3,6 @@ and scales too), the Linear modules' weights views into them; decode steps over 
 torchao's) outputs and greedy tokens; the int8 product's kernel in Triton's interpreter."""
 
 import copy
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -133,26 +130,20 @@ def test_int8_projections_join_their_data_and_scales_and_decode_torchaos_tokens(
     assert torch.equal(generate(clone, ids, max_new_tokens=10, split_layers=[2], eos_token_id=[]), expected)
 
 
-def test_int8_joined_steps_compile_once_for_every_batch_size(model, run_continuous, monkeypatch):
+def test_int8_joined_steps_compile_once_for_every_batch_size(model, run_continuous, compiled_on_cpu):
     """The int8 product is an operator of its own: a compiled continuous batch (aot_eager: inductor's tracing and
     guards) traces it whole and never guards on its rows, so batches of other sizes compile nothing more, and the
     tokens equal the eager batch's."""
-    from torch._dynamo.utils import counters
-
-    from devmap.generation import compiled, lanes
     from devmap.generation.step_cache import release_graphs
 
     pytest.importorskip("torchao")
+    counters = compiled_on_cpu
     clone = joined_copy(int8_copy(model))
     g = torch.Generator().manual_seed(8)
     reqs = [SlotRequest(torch.randint(3, 500, (n,), generator=g).tolist(), m, f"r{i}")
             for i, (n, m) in enumerate([(5, 6), (9, 3), (3, 8), (11, 4), (7, 7), (4, 5)])]
     eager, left, _ = run_continuous(clone, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=40, lanes=1)
     assert not left
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
-    torch._dynamo.reset()
-    counters.clear()
     try:
         for round, rows in enumerate((4, 6, 8)):
             got, left, _ = run_continuous(clone, reqs[:2], reqs[2:], rows=rows, first_slot=12, cache_len=40,
@@ -163,7 +154,6 @@ def test_int8_joined_steps_compile_once_for_every_batch_size(model, run_continuo
         assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
     finally:
         release_graphs(clone)
-        torch._dynamo.reset()
 
 
 def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(model, monkeypatch):
@@ -206,10 +196,7 @@ INT8_KERNEL_CHECK = textwrap.dedent("""
 """)
 
 
-def test_int8_kernel_equals_the_plain_product_in_tritons_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", INT8_KERNEL_CHECK], env=env, capture_output=True, text=True,
-                          timeout=600)
+def test_int8_kernel_equals_the_plain_product_in_tritons_interpreter(tritons_interpreter):
+    done = tritons_interpreter(INT8_KERNEL_CHECK)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kernel ok" in done.stdout

@@ -1,9 +1,7 @@
 """Which models a service compiles, and the compile at load (aot_eager on CPU: inductor's tracing and guards)."""
 
 import torch
-from torch._dynamo.utils import counters
 
-from devmap.generation import compiled, lanes
 from devmap.generation.step_cache import step_cache
 from devmap.serving import EngineLimits, ModelRegistry
 from devmap.serving.warm_up import compiles, warm_up
@@ -33,20 +31,14 @@ def test_a_cpu_service_loads_without_compiling(model_root):
     assert not resident.compiled and resident.describe()["compiled"] is False
 
 
-def test_the_warm_up_compiles_the_step_once_and_keeps_no_batch(model_root, monkeypatch):
+def test_the_warm_up_compiles_the_step_once_and_keeps_no_batch(model_root, compiled_on_cpu):
     import devmap
 
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)  # the cached-step paths
-    torch._dynamo.reset()
-    counters.clear()
+    counters = compiled_on_cpu
     model = devmap.load(str(model_root / "tiny"), device_map="auto", max_memory="cpu=2GB")
-    try:
-        warm_up(model, max_rows=64, context=int(model.config.max_position_embeddings))
-        assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
-        assert not step_cache(model, "continuous").shapes  # its captured batch is freed
-    finally:
-        torch._dynamo.reset()
+    warm_up(model, max_rows=64, context=int(model.config.max_position_embeddings))
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    assert not step_cache(model, "continuous").shapes  # its captured batch is freed
 
 
 def test_compiling_a_quantized_model_warns_that_the_load_can_take_minutes(monkeypatch, caplog):
