@@ -116,12 +116,19 @@ def quantize_linears(model: nn.Module, layer_names: list[str], quantization: Qua
 
 def torchao_config(quantization: Quantization) -> Any:
     """torchao's config for a scheme. int4 packs for tinygemm (torch's own `_weight_int4pack_mm` CUDA kernel):
-    torchao's default int4 layout needs the separate mslk kernel package, which pip does not pull in."""
+    torchao's default int4 layout needs the separate mslk kernel package, which pip does not pull in.
+
+    Neither config touches inductor's settings (`set_inductor_config=False`): by default torchao turns on, for the
+    whole process and for good, coordinate-descent autotuning of every kernel inductor compiles. Loading a quantized
+    model would then change how every later compile in the process runs (a service compiling a 1.1B int8 model's
+    decode steps on an H100 was still tuning kernels after minutes when its process crashed), while devmap's
+    decode reads int8 weights with its own kernel and int4 ones with tinygemm, which those settings never reach."""
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
 
     if quantization.scheme == "int8":
-        return Int8WeightOnlyConfig()
-    return Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d")
+        return Int8WeightOnlyConfig(set_inductor_config=False)
+    return Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d",
+                                set_inductor_config=False)
 
 
 def transformers_config(quantization: Quantization, dtype: torch.dtype) -> Any:

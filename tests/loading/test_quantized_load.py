@@ -44,6 +44,21 @@ def test_int8_logits_stay_near_the_bfloat16_model(tiny, int8_model):
     assert (want - got).abs().max() <= 0.02 * want.abs().max()
 
 
+def test_a_quantized_load_leaves_inductors_settings_alone(tiny):
+    """torchao's configs turn on coordinate-descent autotuning for the whole process unless told not to; a load
+    must not change how later compiles of any model run."""
+    from torch._inductor import config
+
+    from devmap.loading.quantize import torchao_config
+    from devmap.planning.quantization import parse_quantization
+
+    settings = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul")
+    with config.patch({name: False for name in settings}):
+        devmap.load(tiny, device_map="cpu", quantization="int8")
+        assert not any(getattr(config, name) for name in settings)
+    assert not torchao_config(parse_quantization("int4")).set_inductor_config
+
+
 def test_plans_count_the_rotary_buffers_a_load_allocates(tiny, int8_model):
     """Plan bytes are the bytes a load allocates, buffers included: the rotary embedding's inv_freq and
     original_inv_freq stay float32 in a bfloat16 model, and the plan counts them so."""
