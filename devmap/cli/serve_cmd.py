@@ -49,8 +49,8 @@ from .options import load_options
 @click.option("--lanes", default=None, type=click.IntRange(min=1), help="Micro-batches in flight (default: stages).")
 @click.option("--compile/--no-compile", "compile_steps", default=None,
               help="torch.compile each model's decode steps (fused kernels, one compile for every batch shape, at "
-                   "load: see docs/serving.md). Default: on where every block is on a GPU and no weights are "
-                   "quantized; --compile compiles quantized models' steps too.")
+                   "load: see docs/serving.md). Default: on where every block is on a GPU and the weights are "
+                   "floating point or int8; --compile compiles int4 and nf4 models' steps too.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,

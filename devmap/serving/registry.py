@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import DevmapError, DoesNotFitError
 from ..planning.budget import resolve_budget
 from ..planning.devices import DeviceKey
+from ..planning.quantization import Quantization
 from .errors import DoesNotFit, ModelNotFound, ServiceError
 from .kv_budget import KVBudget
 from .limits import EngineLimits
@@ -136,7 +137,7 @@ class ModelRegistry:
                 _prepare_int8_kernels(model, model_id)
                 tokenizer = load_tokenizer(path)
                 context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-                compiled = _compiled(model, self.limits.compile, self.quantization, rows, context)
+                compiled = _compiled(model, self.limits.compile, model.devmap_plan.quantization, rows, context)
             except BaseException:
                 _free(model)
                 raise
@@ -228,7 +229,7 @@ def _prepare_int8_kernels(model: nn.Module, model_id: str) -> None:
                   time.monotonic() - started)
 
 
-def _compiled(model: nn.Module, wanted: bool | None, quantization: Any, rows: int, context: int) -> bool:
+def _compiled(model: nn.Module, wanted: bool | None, quantization: Quantization | None, rows: int, context: int) -> bool:
     """Whether the model's decode steps run compiled (`warm_up.compiles`), compiled now if so. A compile that fails
     (no C compiler for inductor, an operator it cannot trace) leaves the model on captured eager steps, with a
     warning in the log, unless it was asked for (`wanted`): then the load fails with the reason."""
@@ -237,9 +238,6 @@ def _compiled(model: nn.Module, wanted: bool | None, quantization: Any, rows: in
 
     if not compiles(model, wanted, quantization):
         return False
-    if quantization is not None:
-        log.warning("compiling a quantized model's decode steps: with int8 weights on GPUs this load can take many "
-                    "minutes (docs/quantization.md); serve without --compile for a quick start")
     try:
         warm_up(model, rows, context)
     except Exception as exc:

@@ -3,6 +3,7 @@
 import torch
 
 from devmap.generation.step_cache import step_cache
+from devmap.planning.quantization import parse_quantization
 from devmap.serving import EngineLimits, ModelRegistry
 from devmap.serving.warm_up import compiles, warm_up
 
@@ -13,13 +14,16 @@ class Placed(torch.nn.Module):
         self.hf_device_map = device_map
 
 
-def test_a_service_compiles_unquantized_models_whose_blocks_are_all_on_gpus(monkeypatch):
+def test_a_service_compiles_unquantized_and_int8_models_whose_blocks_are_all_on_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert compiles(Placed({"model": 0, "lm_head": 1}), None, None)
     assert compiles(Placed({"": 0}), True, None)
     assert not compiles(Placed({"": 0}), False, None)  # --no-compile
-    assert not compiles(Placed({"": 0}), None, "int8")  # torchao's weights stay eager by default
-    assert compiles(Placed({"": 0}), True, "int8")  # unless --compile asks
+    int8, int4, nf4 = (parse_quantization(scheme) for scheme in ("int8", "int4", "nf4"))
+    assert compiles(Placed({"": 0}), None, int8)  # devmap's own products read torchao's int8 weights
+    assert not compiles(Placed({"": 0}), None, int4) and not compiles(Placed({"": 0}), None, nf4)  # eager...
+    assert compiles(Placed({"": 0}), True, int4)  # unless --compile asks
+    assert not compiles(Placed({"": 0}), False, int8)
     assert not compiles(Placed({"model": 0, "lm_head": "cpu"}), None, None)  # offloaded: no graphs at all
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not compiles(Placed({"": "cpu"}), True, None)
@@ -39,17 +43,3 @@ def test_the_warm_up_compiles_the_step_once_and_keeps_no_batch(model_root, compi
     warm_up(model, max_rows=64, context=int(model.config.max_position_embeddings))
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
     assert not step_cache(model, "continuous").shapes  # its captured batch is freed
-
-
-def test_compiling_a_quantized_model_warns_that_the_load_can_take_minutes(monkeypatch, caplog):
-    from devmap.serving import registry, warm_up as warm_up_module
-
-    monkeypatch.setattr(warm_up_module, "compiles", lambda model, wanted, quantization: True)
-    monkeypatch.setattr(warm_up_module, "warm_up", lambda model, rows, context: None)
-    with caplog.at_level("WARNING", logger="devmap"):
-        assert registry._compiled(Placed({"": 0}), True, "int8", 8, 256)
-    assert "serve without --compile" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="devmap"):
-        assert registry._compiled(Placed({"": 0}), None, None, 8, 256)
-    assert not caplog.text
