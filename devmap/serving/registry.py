@@ -229,7 +229,8 @@ def _prepare_int8_kernels(model: nn.Module, model_id: str) -> None:
                   time.monotonic() - started)
 
 
-def _compiled(model: nn.Module, wanted: bool | None, quantization: Quantization | None, rows: int, context: int) -> bool:
+def _compiled(model: nn.Module, wanted: bool | None, quantization: Quantization | None, rows: int,
+              context: int) -> bool:
     """Whether the model's decode steps run compiled (`warm_up.compiles`), compiled now if so. A compile that fails
     (no C compiler for inductor, an operator it cannot trace) leaves the model on captured eager steps, with a
     warning in the log, unless it was asked for (`wanted`): then the load fails with the reason."""
