@@ -14,6 +14,8 @@ running requests' KV cache once, at the HBM bandwidth measured on this GPU in th
 step it is, and devmap's ratio to transformers.
 `--systems devmap+int8` (+int4, +nf4; +compile, +no-compile) serves devmap with those flags, its floor reading the
 quantized weights; `devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline in the same run).
+Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each devmap server once
+more after its runs, for a restart's time with the compile caches on disk that its first start filled.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its
 release does not know are dropped one at a time, and the flags used are printed.
 """
@@ -329,6 +331,9 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None,
                         help="the checkpoint folder: used if it holds one, else written there (default: a temporary "
                              "folder); several runs then share one")
+    parser.add_argument("--restart", action="store_true",
+                        help="start each devmap server once more after its runs and report how long it takes to "
+                             "answer with the on-disk caches its first start filled (inductor's, Triton's): a restart")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
@@ -388,6 +393,11 @@ def main() -> None:
                             httpx.get(url + "/metrics", timeout=10).text)
                     print(f"  {system} {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
                           f"ttft p50 {row['ttft_p50']} p99 {row['ttft_p99']}", flush=True)
+            if args.restart and system.startswith("devmap") and rows.get(system):
+                port = free_port()
+                command[command.index("--port") + 1] = str(port)
+                with server(command, port, f"{system}-restart", env=env, cwd=tree) as (_, again):
+                    rows[system][0]["restart_s"] = again
     report(args.model, rows, counts, args.out)
 
 
@@ -413,6 +423,10 @@ def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int],
                       f"{parts}; the server's own TTFT p99 {r.get('server_ttft_p99', '-')}")
     cold = ", ".join(f"{system} {results[0]['cold_start_s']:.1f} s" for system, results in rows.items() if results)
     print(f"cold start (a fresh server process until it answers): {cold}")
+    again = ", ".join(f"{system} {results[0]['restart_s']:.1f} s" for system, results in rows.items()
+                      if results and "restart_s" in results[0])
+    if again:
+        print(f"restart (the same server started again, its on-disk compile caches filled): {again}")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"serve_{model}.json").write_text(json.dumps(rows, indent=2))
