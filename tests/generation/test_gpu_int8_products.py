@@ -17,7 +17,7 @@ pytestmark = require_gpus(1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def testkernel_products_equal_the_plain_product(dtype):
+def test_kernel_products_equal_the_plain_product(dtype):
     torch.manual_seed(0)
     for rows, outs, ins in ((1, 5120, 5120), (2, 15360, 5120), (32, 27648, 512), (64, 640, 13824), (7, 100, 300)):
         x = torch.randn(rows, ins, device="cuda", dtype=dtype)
