@@ -349,6 +349,8 @@ def main() -> None:
               f"KV {kv_per_token / 1024:.0f} KiB per token", flush=True)
         systems = args.systems.split(",")
         variants = {system: devmap_variant(system) for system in systems if system.startswith("devmap")}
+        read = {system: model_bytes(path, scheme)[0] if scheme else weights  # each system's weight bytes per step
+                for system, (_, scheme) in variants.items()}
         for system in systems:
             port = free_port()
             env = tree = None
@@ -381,9 +383,7 @@ def main() -> None:
                                                      if k != "steps" and not k.startswith("ttft")} if steps else {}
                         row["steps"] = steps
                         row["server_ttft_p99"] = server_ttft_p99(before, after)
-                    scheme = variants.get(system, ([], None))[1]
-                    floor = floor_seconds(row, model_bytes(path, scheme)[0] if scheme else weights, kv_per_token,
-                                          bandwidth, args.new)
+                    floor = floor_seconds(row, read.get(system, weights), kv_per_token, bandwidth, args.new)
                     rows.setdefault(system, []).append({**row, "cold_start_s": cold, "floor_s": floor,
                                                         "hbm_bytes_per_s": bandwidth})
                     # batch sizes, first-token times: as the server saw them
