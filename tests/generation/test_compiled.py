@@ -54,7 +54,6 @@ def test_compiled_steps_give_the_same_tokens_and_compile_once(compiled_on_cpu, j
     assert not counters["graph_break"]
 
 
-
 def test_a_compiled_call_after_an_eager_one_of_the_same_shapes_compiles(compiled_on_cpu):
     """Kept steps are keyed by whether they are compiled: compile=True after an eager call of the same shapes
     compiles its own steps instead of replaying the eager ones (and the other way round)."""
@@ -65,6 +64,7 @@ def test_a_compiled_call_after_an_eager_one_of_the_same_shapes_compiles(compiled
     assert counters["stats"]["unique_graphs"] == 0
     assert torch.equal(generate(model, ids, mask, compile=True, **kwargs), eager)
     assert counters["stats"]["unique_graphs"] > 0
+
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_families_sharing_llamas_glue_generate_like_transformers(family):
