@@ -6,6 +6,9 @@ shares of the inner dimension, warps, stages), beside the shape devmap's rule pi
 product is `mm(x, w.to(bf16)) * scale`: eager, the conversion writes a bf16 copy of the weight on every call.
 
 It answers whether an int8 model decodes faster than bf16 at 1-64 rows, and which block shapes the rule should pick.
+Past 64 rows (prefills: `--rows 136,512,2048`) it times bf16, torchao's formula, and devmap's prefill kernel over
+PREFILL_CONFIGS (rows × output columns × inner block per program, warps, stages, the weights as first operand or
+not): whether the kernel's tiles beat the formula's bf16 copy of every weight, and up to how many rows (KERNEL_ROWS).
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/int8_matmul.py [--rows 2,32,64]
 Check the kernel on CPU (Triton's interpreter):  TRITON_INTERPRET=1 python3 benchmarks/probes/int8_matmul.py --check
@@ -27,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
-from devmap.generation.int8_products import BlockShape, int8_product, kernel_product  # noqa: E402
+from devmap.generation.int8_products import DECODE_ROWS, BlockShape, int8_product, kernel_product  # noqa: E402
 
 SHAPES = {  # (out, in) of each product of one layer, query/key/value and gate/up joined
     "llama-2-13b": {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)},
@@ -38,6 +41,43 @@ SHAPES = {  # (out, in) of each product of one layer, query/key/value and gate/u
 # 36 block shapes, each compiled once per row block: ~2 min in all
 CONFIGS = ([BlockShape(*c) for c in itertools.product((16, 32, 64, 128), (128, 256, 512), (1,), (4, 8), (3,))]
            + [BlockShape(*c) for c in itertools.product((32, 64), (128, 256), (2, 4, 8), (4,), (3,))])
+
+
+# 24 prefill tiles (out, inner, splits, warps, stages, rows, weights first): common Hopper tensor-core tiles
+PREFILL_CONFIGS = [BlockShape(o, i, 1, w, st, r, f) for (r, o, i, w, st) in (
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3),
+    (128, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3), (128, 256, 128, 8, 2),
+    (64, 64, 128, 4, 4), (128, 128, 32, 4, 5)) for f in (False, True)]
+
+
+def torchao_formula(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """torchao's per-row int8 weight-only product, operation for operation (its eager path)."""
+    return (torch.mm(x, qdata.t().to(x.dtype)) * scale.to(x.dtype).flatten()).to(x.dtype)
+
+
+def prefill_row(name: str, outs: int, ins: int, rows: int, weight: torch.Tensor, qdata: torch.Tensor,
+                scale: torch.Tensor, times: dict[str, float]) -> None:
+    """One prefill row of the table: bf16, torchao's formula, the prefill kernel's best tile and devmap's rule."""
+    x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x, weight).float()
+    bf16 = graph_timed_us(lambda: torch.nn.functional.linear(x, weight), repeat=20)
+    formula = graph_timed_us(lambda: torchao_formula(x, qdata, scale), repeat=20)
+    best, best_config = float("inf"), None
+    for config in PREFILL_CONFIGS:
+        try:
+            got = kernel_product(x, qdata, scale, config)
+        except Exception:  # a tile this GPU cannot hold (shared memory)
+            continue
+        if (got.float() - want).abs().max() > 0.05 * want.abs().max():
+            raise AssertionError(f"{name} {rows} {config}: the kernel's product is wrong")
+        us = graph_timed_us(lambda config=config: kernel_product(x, qdata, scale, config), repeat=20)
+        times[str(tuple(config))] = round(us, 1)
+        if us < best:
+            best, best_config = us, config
+    ours = graph_timed_us(lambda: int8_product(x, qdata, scale), repeat=20)
+    tflops = 2 * rows * outs * ins / bf16 / 1e6
+    print(f"| {name} {outs}×{ins} | {rows} | {bf16:.1f} ({tflops:.0f} TFLOP/s) | {formula:.1f} | {best:.1f} "
+          f"{tuple(best_config)} | {ours:.1f} | {formula / ours:.2f}× | {bf16 / ours:.2f}× |", flush=True)
 
 
 def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +96,11 @@ def check() -> None:
         for splits in (1, 2, 3):
             got = kernel_product(x, qdata, scale, BlockShape(32, 64, splits, 4, 2))
             torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    for config in PREFILL_CONFIGS[:2]:  # a prefill tile, both operand orders
+        x = torch.randn(150, 200, dtype=torch.float16)
+        qdata, scale = quantized(torch.randn(140, 200))
+        got = kernel_product(x, qdata, scale, config._replace(out=32, inner=32, rows=32))
+        torch.testing.assert_close(got.float(), (x.float() @ qdata.float().t()) * scale.t(), atol=2e-2, rtol=2e-2)
     print("int8 kernel: equal to the plain product")
 
 
@@ -78,12 +123,26 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, HBM {bandwidth / 1e12:.2f} TB/s (copy): "
           "microseconds per product")
+    every: dict[str, dict[str, float]] = {}
+    granularity = Int8WeightOnlyConfig().granularity
+    prefill_rows = [int(r) for r in args.rows.split(",") if int(r) > DECODE_ROWS]
+    if prefill_rows:
+        print("| product | rows | bf16 | torchao's formula | prefill kernel (best tile) | devmap's int8 product "
+              "| formula ÷ devmap | bf16 ÷ devmap |\n|---|---|---|---|---|---|---|---|")
+    for name, (outs, ins) in SHAPES[args.model].items():
+        weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) / ins ** 0.5
+        qdata, scale = quantized(weight)
+        for rows in prefill_rows:
+            prefill_row(name, outs, ins, rows, weight, qdata, scale, every.setdefault(f"{name} {rows}", {}))
+    decode_rows = [int(r) for r in args.rows.split(",") if int(r) <= DECODE_ROWS]
+    if not decode_rows:
+        if args.times:
+            Path(args.times).write_text(json.dumps(every, indent=1))
+        return
     print("| product | rows | bf16 | bf16 floor | torchao int8 eager | torchao int8 compiled "
           "| torchao int8 max-autotune | Triton int8 (best config) | Triton int8, no split (best) "
           "| devmap's int8 product | int8 floor | bf16 ÷ best int8 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    every: dict[str, dict[str, float]] = {}
-    granularity = Int8WeightOnlyConfig().granularity
     for name, (outs, ins) in SHAPES[args.model].items():
         weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) / ins ** 0.5
         qdata, scale = quantized(weight)
@@ -91,7 +150,7 @@ def main() -> None:
         compiled = None if args.no_compile else torch.compile(lambda x: torch.nn.functional.linear(x, torchao_weight))
         tuned = (torch.compile(lambda x: torch.nn.functional.linear(x, torchao_weight),
                                mode="max-autotune-no-cudagraphs") if args.autotune else None)
-        for rows in (int(r) for r in args.rows.split(",")):
+        for rows in decode_rows:
             x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
             bf16 = graph_timed_us(lambda: torch.nn.functional.linear(x, weight), repeat=50)
             eager = graph_timed_us(lambda: torch.nn.functional.linear(x, torchao_weight), repeat=50)

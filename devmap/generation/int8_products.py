@@ -1,8 +1,9 @@
 """Matrix products with int8 weights that carry one scale per output row (what `--quantize int8` stores), as decode
 steps run them: a decode step's few rows make each product a read of its weights, and torchao's product
 (`mm(x, w.to(x.dtype)) * scale`) first writes a full-precision copy of the weight (about 2.5× the bytes of the
-full-precision product itself). On CUDA, for up to KERNEL_ROWS rows, a Triton kernel reads the int8 weights once and
-converts them in registers (`int8_products_kernel`); anything else runs torchao's formula, with its numbers.
+full-precision product itself). On CUDA, for up to KERNEL_ROWS rows, Triton kernels read the int8 weights and
+convert them in registers (`int8_products_kernel`): a decode kernel up to DECODE_ROWS rows, a tiled one for prefills
+beyond; anything else runs torchao's formula, with its numbers.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-KERNEL_ROWS = 64  # rows (tokens) up to which the kernel runs: decode steps; prefills are compute-bound products
+DECODE_ROWS = 64  # rows (tokens) up to which the decode kernel runs (all rows in one block)
+KERNEL_ROWS = 2048  # rows up to which the prefill kernel runs (a prefill pack's tokens); beyond, torchao's formula
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -49,8 +51,8 @@ def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return x.new_empty((x.shape[0], qdata.shape[0]))
 
 
-# every block shape, and Triton's specializations of `rows` (1, multiples of 16)
-PREPARED_ROWS = (1, 2, 16, 17, 32, 33, 64)
+# every block shape, and Triton's specializations of `rows` (1, multiples of 16), decode's and the prefill's
+PREPARED_ROWS = (1, 2, 16, 17, 32, 33, 64, 80, 81)
 
 
 def prepare_kernels(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> int:
@@ -73,21 +75,30 @@ def prepare_kernels(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype:
 
 
 class BlockShape(NamedTuple):
-    """How the kernel cuts a product: output columns per program, inner-dimension block, shares of the inner
-    dimension (added in a fixed order by a second kernel), and Triton's warps and pipeline stages."""
+    """How a kernel cuts a product: output columns per program, inner-dimension block, shares of the inner
+    dimension (added in a fixed order by a second kernel), Triton's warps and pipeline stages, and rows per program:
+    0 for the decode kernel (every row in one block), else the prefill kernel's tile height (no shares), with its
+    weights as the tile product's first operand or not."""
 
     out: int
     inner: int
     splits: int
     warps: int = 4
     stages: int = 3
+    rows: int = 0
+    weights_first: bool = False
+
+
+PREFILL_SHAPE = BlockShape(128, 64, 1, 8, 4, rows=128, weights_first=True)
 
 
 def block_shape(rows: int, outs: int) -> BlockShape:
-    """The block shape for a product of `rows` rows: the fastest of 36 shapes timed on an H100 for LLaMA-2-13B's
-    products at 2-64 rows (`benchmarks/probes/int8_matmul.py`), as a rule. Wide products (qkv, gate_up) have
-    programs enough; narrow ones (o, down: fewer output columns than 8,192) split their inner dimension so that
-    every SM has weights to read."""
+    """The block shape for a product of `rows` rows: up to DECODE_ROWS, the fastest of 36 shapes timed on an H100
+    for LLaMA-2-13B's products at 2-64 rows (`benchmarks/probes/int8_matmul.py`), as a rule. Wide products (qkv,
+    gate_up) have programs enough; narrow ones (o, down: fewer output columns than 8,192) split their inner
+    dimension so that every SM has weights to read. Beyond, PREFILL_SHAPE."""
+    if rows > DECODE_ROWS:
+        return PREFILL_SHAPE
     if outs >= 8192:
         return BlockShape(32, 128, 1) if rows <= 16 else BlockShape(128, 256, 1) if rows <= 32 else \
             BlockShape(128, 128, 1)
@@ -97,16 +108,22 @@ def block_shape(rows: int, outs: int) -> BlockShape:
 
 def kernel_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                    shape: BlockShape | None = None) -> torch.Tensor:
-    """x (rows × in, rows ≤ KERNEL_ROWS) · (qdata × scale)ᵀ through the Triton kernel, cut as `shape` says
-    (default: `block_shape`'s rule)."""
+    """x (rows × in) · (qdata × scale)ᵀ through a Triton kernel, cut as `shape` says (default: `block_shape`'s
+    rule): the decode kernel where `shape.rows` is 0 (then rows ≤ DECODE_ROWS), else the prefill kernel."""
     import triton
 
-    from .int8_products_kernel import add_shares, int8_rows_kernel
+    from .int8_products_kernel import add_shares, int8_rows_kernel, int8_tiles_kernel
 
     rows, ins = x.shape
     outs = qdata.shape[0]
     shape = shape or block_shape(rows, outs)
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
+    if shape.rows:
+        int8_tiles_kernel[(triton.cdiv(rows, shape.rows), triton.cdiv(outs, shape.out))](
+            x, qdata, scale, out, rows, outs, ins, x.stride(0), qdata.stride(0), outs,
+            BLOCK_ROWS=shape.rows, BLOCK_OUT=shape.out, BLOCK_IN=shape.inner, WEIGHTS_FIRST=shape.weights_first,
+            EVEN_IN=ins % shape.inner == 0, num_warps=shape.warps, num_stages=shape.stages)
+        return out
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)
     int8_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits)](

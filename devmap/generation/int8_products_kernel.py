@@ -1,6 +1,7 @@
 """The Triton kernels behind `int8_products.int8_product` (imported only where they run: Triton comes with torch's
-CUDA wheels): one program per block of output columns and share of the inner dimension, and, where the inner
-dimension is split, a second kernel that adds the shares in a fixed order (the same sums on every run)."""
+CUDA wheels). Decode steps (few rows): one program per block of output columns and share of the inner dimension,
+and, where the inner dimension is split, a second kernel that adds the shares in a fixed order (the same sums on
+every run). Prefills (many rows): one program per tile of rows × output columns."""
 
 from __future__ import annotations
 
@@ -40,3 +41,44 @@ def add_shares(Shares, Out, count, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(Shares + s * count + place, mask=keep, other=0.0)
     tl.store(Out + place, acc.to(Out.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def int8_tiles_kernel(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row,
+                      BLOCK_ROWS: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
+                      WEIGHTS_FIRST: tl.constexpr, EVEN_IN: tl.constexpr):
+    """Out[rows, outs] = X[rows, ins] · (W[outs, ins] in X's dtype)ᵀ · Scale[outs] for prefills: program (r, o) makes
+    the tile of row block r and output block o, accumulated in float32. Row blocks are the grid's first axis, so the
+    programs that run together share their weight block (read from HBM once, then from L2). WEIGHTS_FIRST computes
+    the transposed tile (W · Xᵀ), with the converted weights as the product's first operand (on Hopper, the one that
+    may come from registers); EVEN_IN: `ins` is a multiple of BLOCK_IN (no mask on the inner dimension)."""
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    out = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    if WEIGHTS_FIRST:
+        acc = tl.zeros((BLOCK_OUT, BLOCK_ROWS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
+    for start in range(0, ins, BLOCK_IN):
+        inner = start + tl.arange(0, BLOCK_IN)
+        if EVEN_IN:
+            x = tl.load(X + row[:, None] * x_row + inner[None, :], mask=row[:, None] < rows, other=0.0)
+            w = tl.load(W + out[:, None] * w_row + inner[None, :], mask=out[:, None] < outs, other=0)
+        else:
+            x = tl.load(X + row[:, None] * x_row + inner[None, :],
+                        mask=(row[:, None] < rows) & (inner[None, :] < ins), other=0.0)
+            w = tl.load(W + out[:, None] * w_row + inner[None, :],
+                        mask=(out[:, None] < outs) & (inner[None, :] < ins), other=0)
+        if WEIGHTS_FIRST:
+            acc += tl.dot(w.to(x.dtype), tl.trans(x))
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    scale = tl.load(Scale + out, mask=out < outs, other=0.0)
+    keep_out = out < outs
+    if WEIGHTS_FIRST:
+        acc = acc * scale[:, None]
+        tl.store(Out + row[None, :] * out_row + out[:, None], acc.to(Out.dtype.element_ty),
+                 mask=(row[None, :] < rows) & keep_out[:, None])
+    else:
+        acc = acc * scale[None, :]
+        tl.store(Out + row[:, None] * out_row + out[None, :], acc.to(Out.dtype.element_ty),
+                 mask=(row[:, None] < rows) & keep_out[None, :])

@@ -179,10 +179,10 @@ def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(
 
 INT8_KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from devmap.generation.int8_products import kernel_product
+    from devmap.generation.int8_products import BlockShape, kernel_product
 
     torch.manual_seed(0)
-    # every block shape: narrow (split in 4, 8 (more splits than inner blocks) and 2 shares), wide (no split)
+    # every decode block shape: narrow (split in 4, 8 (more splits than inner blocks) and 2 shares), wide (no split)
     for rows, outs, ins in ((1, 96, 200), (5, 64, 128), (20, 64, 260), (33, 40, 300), (3, 8200, 130)):
         x = torch.randn(rows, ins, dtype=torch.float16)
         weight = torch.randn(outs, ins)
@@ -192,6 +192,19 @@ INT8_KERNEL_CHECK = textwrap.dedent("""
         want = (x.float() @ qdata.float().t()) * scale.t()
         assert got.shape == (rows, outs) and got.dtype == x.dtype
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    # the prefill kernel: several row and output blocks, both operand orders, an inner dimension its block divides
+    # and one it does not, and the default shape past DECODE_ROWS
+    for rows, outs, ins in ((70, 40, 96), (130, 72, 100)):
+        x = torch.randn(rows, ins, dtype=torch.float16)
+        weight = torch.randn(outs, ins)
+        scale = weight.abs().amax(1, keepdim=True) / 127
+        qdata = (weight / scale).round().clamp(-128, 127).to(torch.int8)
+        want = (x.float() @ qdata.float().t()) * scale.t()
+        for shape in (BlockShape(32, 32, 1, 4, 2, rows=32), BlockShape(16, 32, 1, 4, 2, rows=64, weights_first=True),
+                      None):
+            got = kernel_product(x, qdata, scale, shape)
+            assert got.shape == (rows, outs) and got.dtype == x.dtype
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     print("kernel ok")
 """)
 
