@@ -6,9 +6,10 @@ shares of the inner dimension, warps, stages), beside the shape devmap's rule pi
 product is `mm(x, w.to(bf16)) * scale`: eager, the conversion writes a bf16 copy of the weight on every call.
 
 It answers whether an int8 model decodes faster than bf16 at 1-64 rows, and which block shapes the rule should pick.
-Past 64 rows (prefills: `--rows 136,512,2048`) it times bf16, torchao's formula, and devmap's prefill kernel over
+Past 64 rows (prefills: `--rows 136,512,2048`) it times bf16, torchao's formula, devmap's tiled kernel over
 PREFILL_CONFIGS (rows × output columns × inner block per program, warps, stages, the weights as first operand or
-not): whether the kernel's tiles beat the formula's bf16 copy of every weight, and up to how many rows (KERNEL_ROWS).
+not) and the weights converted with their scales before the GEMM (at once, and in chunks): which beats the formula's
+bf16 copy of every weight, from how many rows on (KERNEL_ROWS).
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/int8_matmul.py [--rows 2,32,64]
 Check the kernel on CPU (Triton's interpreter):  TRITON_INTERPRET=1 python3 benchmarks/probes/int8_matmul.py --check
@@ -30,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
-from devmap.generation.int8_products import DECODE_ROWS, BlockShape, int8_product, kernel_product  # noqa: E402
+from devmap.generation.int8_products import (DECODE_ROWS, DEQUANTIZE_BYTES, BlockShape,  # noqa: E402
+                                              dequantized_product, int8_product, kernel_product)
 
 SHAPES = {  # (out, in) of each product of one layer, query/key/value and gate/up joined
     "llama-2-13b": {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)},
@@ -56,14 +58,15 @@ def torchao_formula(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -
 
 
 def prefill_row(name: str, outs: int, ins: int, rows: int, weight: torch.Tensor, qdata: torch.Tensor,
-                scale: torch.Tensor, times: dict[str, float]) -> None:
-    """One prefill row of the table: bf16, torchao's formula, the prefill kernel's best tile and devmap's rule."""
+                scale: torch.Tensor, times: dict[str, float], tiles: bool) -> None:
+    """One prefill row of the table: bf16, torchao's formula, the tiled kernel's best tile (if `tiles`), the weights
+    converted at once and in DEQUANTIZE_BYTES chunks, and devmap's product (its rule)."""
     x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x, weight).float()
     bf16 = graph_timed_us(lambda: torch.nn.functional.linear(x, weight), repeat=20)
     formula = graph_timed_us(lambda: torchao_formula(x, qdata, scale), repeat=20)
-    best, best_config = float("inf"), None
-    for config in PREFILL_CONFIGS:
+    best, best_config = float("nan"), None
+    for config in PREFILL_CONFIGS if tiles else []:
         try:
             got = kernel_product(x, qdata, scale, config)
         except Exception:  # a tile this GPU cannot hold (shared memory)
@@ -72,12 +75,20 @@ def prefill_row(name: str, outs: int, ins: int, rows: int, weight: torch.Tensor,
             raise AssertionError(f"{name} {rows} {config}: the kernel's product is wrong")
         us = graph_timed_us(lambda config=config: kernel_product(x, qdata, scale, config), repeat=20)
         times[str(tuple(config))] = round(us, 1)
-        if us < best:
+        if not us >= best:  # NaN at first
             best, best_config = us, config
+    for label, chunk in (("dequantized, one chunk", 1 << 40), ("dequantized", DEQUANTIZE_BYTES)):
+        got = dequantized_product(x, qdata, scale, chunk)
+        if (got.float() - want).abs().max() > 0.05 * want.abs().max():
+            raise AssertionError(f"{name} {rows} {label}: the product is wrong")
+        times[label] = round(graph_timed_us(lambda chunk=chunk: dequantized_product(x, qdata, scale, chunk),
+                                            repeat=20), 1)
     ours = graph_timed_us(lambda: int8_product(x, qdata, scale), repeat=20)
     tflops = 2 * rows * outs * ins / bf16 / 1e6
-    print(f"| {name} {outs}×{ins} | {rows} | {bf16:.1f} ({tflops:.0f} TFLOP/s) | {formula:.1f} | {best:.1f} "
-          f"{tuple(best_config)} | {ours:.1f} | {formula / ours:.2f}× | {bf16 / ours:.2f}× |", flush=True)
+    tile = f"{best:.1f} {tuple(best_config)}" if best_config else "-"
+    print(f"| {name} {outs}×{ins} | {rows} | {bf16:.1f} ({tflops:.0f} TFLOP/s) | {formula:.1f} | {tile} "
+          f"| {times['dequantized, one chunk']:.1f} | {times['dequantized']:.1f} | {ours:.1f} | {formula / ours:.2f}× "
+          f"| {bf16 / ours:.2f}× |", flush=True)
 
 
 def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +121,7 @@ def main() -> None:
     parser.add_argument("--model", default="llama-2-13b", choices=sorted(SHAPES), help="whose layer's products")
     parser.add_argument("--check", action="store_true", help="check the kernel (on CPU, under TRITON_INTERPRET=1)")
     parser.add_argument("--no-compile", action="store_true", help="leave out torchao under torch.compile")
+    parser.add_argument("--no-tiles", action="store_true", help="prefill rows: leave out the sweep of tiles")
     parser.add_argument("--autotune", action="store_true",
                         help="also torchao under torch.compile's max-autotune, whose Triton matmul templates can take "
                              "the int8-to-bf16 conversion into the product (minutes of autotuning)")
@@ -127,13 +139,15 @@ def main() -> None:
     granularity = Int8WeightOnlyConfig().granularity
     prefill_rows = [int(r) for r in args.rows.split(",") if int(r) > DECODE_ROWS]
     if prefill_rows:
-        print("| product | rows | bf16 | torchao's formula | prefill kernel (best tile) | devmap's int8 product "
-              "| formula ÷ devmap | bf16 ÷ devmap |\n|---|---|---|---|---|---|---|---|")
+        print("| product | rows | bf16 | torchao's formula | tiled kernel (best tile) | converted at once "
+              "| converted in chunks | devmap's int8 product | formula ÷ devmap | bf16 ÷ devmap |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
     for name, (outs, ins) in SHAPES[args.model].items():
         weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) / ins ** 0.5
         qdata, scale = quantized(weight)
         for rows in prefill_rows:
-            prefill_row(name, outs, ins, rows, weight, qdata, scale, every.setdefault(f"{name} {rows}", {}))
+            prefill_row(name, outs, ins, rows, weight, qdata, scale, every.setdefault(f"{name} {rows}", {}),
+                        not args.no_tiles)
     decode_rows = [int(r) for r in args.rows.split(",") if int(r) <= DECODE_ROWS]
     if not decode_rows:
         if args.times:
