@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from devmap.generation import int8_products
-from devmap.generation.int8_products import int8_product, kernel_applies
+from devmap.generation.int8_products import KERNEL_ROWS, int8_product, kernel_applies
 from devmap.testing import require_gpus
 
 pytestmark = require_gpus(1)
@@ -19,7 +19,7 @@ pytestmark = require_gpus(1)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_products_equal_the_plain_product(dtype):
     torch.manual_seed(0)
-    # decode kernel, tiled kernel (64- and 256-row tiles), converted chunks (one and several)
+    # decode kernel, tiled kernel (64- and 256-row tiles, the most rows)
     for rows, outs, ins in ((1, 5120, 5120), (2, 15360, 5120), (32, 27648, 512), (64, 640, 13824), (7, 100, 300),
                             (65, 5120, 5120), (300, 1000, 700), (2048, 27648, 512), (1024, 5120, 13824)):
         x = torch.randn(rows, ins, device="cuda", dtype=dtype)
@@ -30,6 +30,8 @@ def test_kernel_products_equal_the_plain_product(dtype):
         want = (x.float() @ qdata.float().t()) * scale.t()
         torch.testing.assert_close(int8_product(x, qdata, scale).float(), want, atol=5e-2, rtol=2e-2)
     assert not kernel_applies(x.float(), qdata, scale)  # float32: torchao's formula
+    x = torch.randn(KERNEL_ROWS + 1, 300, device="cuda", dtype=dtype)  # past KERNEL_ROWS: torchao's formula
+    assert not kernel_applies(x, qdata, scale)
 
 
 def test_int8_half_precision_model_decodes_torchaos_greedy_tokens(monkeypatch, run_continuous,

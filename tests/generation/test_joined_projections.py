@@ -177,23 +177,6 @@ def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(
     assert int8_weights(model) == []  # nothing joined, nothing int8
 
 
-def test_dequantized_product_equals_the_plain_product_in_one_chunk_or_several():
-    """Prefills past KERNEL_ROWS: the weights converted with their scales, chunk by chunk of output columns (equal
-    widths, a multiple of 128, the last one shorter), each chunk's product written into its columns."""
-    from devmap.generation.int8_products import dequantized_product
-
-    torch.manual_seed(0)
-    x = torch.randn(70, 96, dtype=torch.bfloat16)
-    weight = torch.randn(700, 96)
-    scale = weight.abs().amax(1, keepdim=True) / 127
-    qdata = (weight / scale).round().clamp(-128, 127).to(torch.int8)
-    want = x.float() @ (qdata.float() * scale).t()
-    for chunk_bytes in (1 << 30, 96 * 2 * 300, 1):  # one chunk; 3 of 256 columns (the last 188); 6 of 128
-        got = dequantized_product(x, qdata, scale, chunk_bytes)
-        assert got.shape == (70, 700) and got.dtype == torch.bfloat16
-        torch.testing.assert_close(got.float(), want, atol=0.1, rtol=2e-2)  # bf16 weights, result
-
-
 INT8_KERNEL_CHECK = textwrap.dedent("""
     import torch
     from devmap.generation.int8_products import BlockShape, kernel_product
