@@ -43,6 +43,14 @@ def join_projections(model: nn.Module) -> int:
     return joined
 
 
+def every_layer_joined(model: nn.Module) -> bool:
+    """Whether the model has decoder layers and `JoinedLayer.of` finds joined weights in every one (then devmap's
+    products run all of their projections)."""
+    model_type = getattr(model.config, "model_type", None) if hasattr(model, "config") else None
+    layers = list(getattr(getattr(model, "model", None), "layers", []))
+    return bool(layers) and all(JoinedLayer.of(layer, model_type) is not None for layer in layers)
+
+
 def int8_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(int8 data, scales) of every product of the model's joined layers that has int8 weights, in layer order."""
     model_type = getattr(model.config, "model_type", None)

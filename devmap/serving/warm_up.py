@@ -2,7 +2,8 @@
 
 A service compiles a model's decode steps (`devmap.generation.compiled`, dynamic sizes: one compile for every batch
 shape) where that wins: every block on a GPU, and weights that devmap's own products read (floating point, or
-torchao's int8 with a scale per row: `devmap.generation.int8_products`). Compiled, a 13B int8 model at 32 clients
+torchao's int8 with a scale per row in layers whose projections are joined: `devmap.generation.int8_products`; a
+layer left unjoined would run torchao's product, which compiles to something slower than eager). Compiled, a 13B int8 model at 32 clients
 gave 1.13× bf16's tokens/s where eager int8 steps gave 0.83×, and its load took as long as bf16's
 (benchmarks/RESULTS.md). Other quantized weights (torchao's int4, bitsandbytes') stay eager unless `--compile` asks:
 their compiled speed is not measured. `--no-compile` turns compiling off. The compile happens at load, in a small
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from ..generation.continuous import SlotRequest, continuous_batch
+from ..generation.joined_projections import every_layer_joined
 from ..generation.step_cache import release_graphs
 from ..planning.quantization import Quantization
 from .scheduler import CACHE_BUCKET, MIN_ROWS
@@ -24,9 +26,11 @@ WARM_UP_STEPS = 4  # the first decode step compiles, the second captures, the re
 
 
 def compiles(model: nn.Module, wanted: bool | None, quantization: Quantization | None) -> bool:
-    """Whether the service compiles `model`'s decode steps: `wanted` (None: where it wins: unquantized or torchao
-    int8 weights), every block on a GPU. Other quantized weights compile only when asked (`--compile`)."""
-    read_by_devmap = quantization is None or (quantization.scheme, quantization.library) == ("int8", "torchao")
+    """Whether the service compiles `model`'s decode steps: `wanted` (None: where it wins: unquantized weights, or
+    torchao int8 weights in every layer joined), every block on a GPU. Other quantized weights compile only when
+    asked (`--compile`)."""
+    read_by_devmap = quantization is None or (
+        (quantization.scheme, quantization.library) == ("int8", "torchao") and every_layer_joined(model))
     if wanted is False or (not read_by_devmap and not wanted):
         return False
     devices = set(getattr(model, "hf_device_map", {"": "cpu"}).values())

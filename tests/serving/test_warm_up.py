@@ -1,5 +1,8 @@
 """Which models a service compiles, and the compile at load (aot_eager on CPU: inductor's tracing and guards)."""
 
+import copy
+
+import pytest
 import torch
 
 from devmap.generation.step_cache import step_cache
@@ -20,13 +23,38 @@ def test_a_service_compiles_unquantized_and_int8_models_whose_blocks_are_all_on_
     assert compiles(Placed({"": 0}), True, None)
     assert not compiles(Placed({"": 0}), False, None)  # --no-compile
     int8, int4, nf4 = (parse_quantization(scheme) for scheme in ("int8", "int4", "nf4"))
-    assert compiles(Placed({"": 0}), None, int8)  # devmap's own products read torchao's int8 weights
+    assert not compiles(Placed({"": 0}), None, int8)  # no joined layers: torchao's products (see below)
     assert not compiles(Placed({"": 0}), None, int4) and not compiles(Placed({"": 0}), None, nf4)  # eager...
     assert compiles(Placed({"": 0}), True, int4)  # unless --compile asks
     assert not compiles(Placed({"": 0}), False, int8)
     assert not compiles(Placed({"model": 0, "lm_head": "cpu"}), None, None)  # offloaded: no graphs at all
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not compiles(Placed({"": "cpu"}), True, None)
+
+
+def test_an_int8_model_compiles_by_default_only_where_devmaps_products_read_every_layer(monkeypatch):
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from devmap.compat import torchao_int8_rows
+    from devmap.generation.joined_projections import join_projections
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    torchao_int8_rows([m for m in model.model.layers.modules() if type(m) is torch.nn.Linear],
+                      Int8WeightOnlyConfig(set_inductor_config=False))
+    model.hf_device_map = {"": 0}
+    int8 = parse_quantization("int8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # after transformers' imports, which check it
+    unjoined = copy.deepcopy(model)
+    assert not compiles(model, None, int8)  # torchao's products in every layer
+    assert join_projections(model) == 6
+    assert compiles(model, None, int8)  # devmap's products in every layer
+    model.model.layers[1] = unjoined.model.layers[1]  # a layer whose projections found no room to join
+    assert not compiles(model, None, int8)
+    assert compiles(model, True, int8)  # --compile
 
 
 def test_a_cpu_service_loads_without_compiling(model_root):
