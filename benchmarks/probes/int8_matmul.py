@@ -137,9 +137,12 @@ def main() -> None:
     if prefill_rows:
         print("| product | rows | bf16 | torchao's formula | tiled kernel (best tile) | converted, then bf16 "
               "| devmap's int8 product | formula ÷ devmap | bf16 ÷ devmap |\n|---|---|---|---|---|---|---|---|---|")
+    weights = {}  # each product's bf16 weight and its int8 data and scales, made once for both tables
     for name, (outs, ins) in SHAPES[args.model].items():
         weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) / ins ** 0.5
-        qdata, scale = quantized(weight)
+        weights[name] = (weight, *quantized(weight))
+    for name, (outs, ins) in SHAPES[args.model].items():
+        weight, qdata, scale = weights[name]
         for rows in prefill_rows:
             prefill_row(name, outs, ins, rows, weight, qdata, scale, every.setdefault(f"{name} {rows}", {}),
                         not args.no_tiles)
@@ -153,8 +156,7 @@ def main() -> None:
           "| devmap's int8 product | int8 floor | bf16 ÷ best int8 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (outs, ins) in SHAPES[args.model].items():
-        weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) / ins ** 0.5
-        qdata, scale = quantized(weight)
+        weight, qdata, scale = weights[name]
         torchao_weight = Int8Tensor.from_hp(weight, granularity)
         compiled = None if args.no_compile else torch.compile(lambda x: torch.nn.functional.linear(x, torchao_weight))
         tuned = (torch.compile(lambda x: torch.nn.functional.linear(x, torchao_weight),

@@ -14,6 +14,7 @@ from typing import Iterable, NamedTuple
 import torch
 
 DECODE_ROWS = 64  # rows (tokens) up to which the decode kernel runs (all rows in one block)
+SMALL_TILE_ROWS = 256  # rows up to which the tiled kernel's tiles are 64 rows high (256 beyond)
 KERNEL_ROWS = 2048  # rows up to which the tiled kernel runs (`joins.PACK_TOKENS`); beyond, torchao's formula
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -52,8 +53,9 @@ def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return x.new_empty((x.shape[0], qdata.shape[0]))
 
 
-# every block shape, and Triton's specializations of `rows` (1, multiples of 16), decode's and the prefill's
-PREPARED_ROWS = (1, 2, 16, 17, 32, 33, 64, 80, 81, 272, 273)
+# every block shape, and Triton's specializations of `rows` (1, multiples of 16): decode's, then each tile height's
+PREPARED_ROWS = (1, 2, 16, 17, 32, 33, DECODE_ROWS, DECODE_ROWS + 16, DECODE_ROWS + 17, SMALL_TILE_ROWS + 16,
+                 SMALL_TILE_ROWS + 17)
 
 
 def prepare_kernels(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> int:
@@ -98,7 +100,7 @@ def block_shape(rows: int, outs: int) -> BlockShape:
     H100 for the same products at 136-2,048 rows, 64 rows a tile up to 256 rows, then 256 with the weights as the
     first operand (over a 13B layer torchao's formula took 1.12× as long at 2,048 rows, 1.9× at 512)."""
     if rows > DECODE_ROWS:
-        return BlockShape(128, 64, 1, 4, 4, rows=64) if rows <= 256 else \
+        return BlockShape(128, 64, 1, 4, 4, rows=64) if rows <= SMALL_TILE_ROWS else \
             BlockShape(128, 64, 1, 8, 3, rows=256, weights_first=True)
     if outs >= 8192:
         return BlockShape(32, 128, 1) if rows <= 16 else BlockShape(128, 256, 1) if rows <= 32 else \

@@ -60,14 +60,13 @@ def int8_tiles_kernel(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row,
         acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
     for start in range(0, ins, BLOCK_IN):
         inner = start + tl.arange(0, BLOCK_IN)
-        if EVEN_IN:
-            x = tl.load(X + row[:, None] * x_row + inner[None, :], mask=row[:, None] < rows, other=0.0)
-            w = tl.load(W + out[:, None] * w_row + inner[None, :], mask=out[:, None] < outs, other=0)
-        else:
-            x = tl.load(X + row[:, None] * x_row + inner[None, :],
-                        mask=(row[:, None] < rows) & (inner[None, :] < ins), other=0.0)
-            w = tl.load(W + out[:, None] * w_row + inner[None, :],
-                        mask=(out[:, None] < outs) & (inner[None, :] < ins), other=0)
+        x_mask = row[:, None] < rows
+        w_mask = out[:, None] < outs
+        if not EVEN_IN:
+            x_mask = x_mask & (inner[None, :] < ins)
+            w_mask = w_mask & (inner[None, :] < ins)
+        x = tl.load(X + row[:, None] * x_row + inner[None, :], mask=x_mask, other=0.0)
+        w = tl.load(W + out[:, None] * w_row + inner[None, :], mask=w_mask, other=0)
         if WEIGHTS_FIRST:
             acc += tl.dot(w.to(x.dtype), tl.trans(x))
         else:

@@ -43,24 +43,24 @@ def join_projections(model: nn.Module) -> int:
     return joined
 
 
+def joined_layers(model: nn.Module) -> list[JoinedLayer | None]:
+    """`JoinedLayer.of` each decoder layer of the model, in order (None for a layer not joined; [] for a model
+    without decoder layers)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return [JoinedLayer.of(layer, model_type) for layer in getattr(getattr(model, "model", None), "layers", [])]
+
+
 def every_layer_joined(model: nn.Module) -> bool:
-    """Whether the model has decoder layers and `JoinedLayer.of` finds joined weights in every one (then devmap's
-    products run all of their projections)."""
-    model_type = getattr(model.config, "model_type", None) if hasattr(model, "config") else None
-    layers = list(getattr(getattr(model, "model", None), "layers", []))
-    return bool(layers) and all(JoinedLayer.of(layer, model_type) is not None for layer in layers)
+    """Whether the model has decoder layers and every one is joined (then devmap's products run all of their
+    projections)."""
+    layers = joined_layers(model)
+    return bool(layers) and all(joined is not None for joined in layers)
 
 
 def int8_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(int8 data, scales) of every product of the model's joined layers that has int8 weights, in layer order."""
-    model_type = getattr(model.config, "model_type", None)
-    found = []
-    for layer in getattr(getattr(model, "model", None), "layers", []):
-        joined = JoinedLayer.of(layer, model_type)
-        if joined is not None:
-            found += [(p.qdata, p.scale) for p in (joined.qkv, joined.out, joined.gate_up, joined.down)
-                      if p.qdata is not None]
-    return found
+    return [(p.qdata, p.scale) for joined in joined_layers(model) if joined is not None
+            for p in (joined.qkv, joined.out, joined.gate_up, joined.down) if p.qdata is not None]
 
 
 def _groups(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
