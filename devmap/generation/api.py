@@ -1,8 +1,8 @@
 """Pipelined inference for a placed LLaMA-style model: batched forward and generation in lanes, stages concurrent.
 
-The public entry points; the lanes, streams and captured steps behind them are in lane_runner.py (lanes.py, lane_prefill.py, lane_decode.py). Greedy
-decoding gives transformers' tokens; sampling applies temperature, then top-k, then top-p, with a seeded
-generator.
+The public entry points; the lanes, streams and captured steps behind them are in lane_runner.py (lanes.py,
+lane_prefill.py, lane_decode.py). Greedy decoding gives transformers' tokens; sampling applies temperature, then
+top-k, then top-p, with a seeded generator.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from .causal_lm import CausalLMStages
 from .kv_room import check_kv_room
 from ..errors import UsageError
-from .lane_runner import LaneRunner, OnTokens, split_lanes
+from .lane_runner import LaneRunner, OnTokens, place_lanes, split_lanes
 from .sampling import Sampling
 from .step_cache import StepCache, step_cache, weight_pointers
 
@@ -76,7 +76,7 @@ def generate(
     pad = pad if pad is not None else (eos_list[0] if eos_list else 0)
     # decoding: every lane-step costs a few hundred small kernels whatever its rows, so the fewest lanes that
     # keep every stage busy (one per stage) are fastest
-    lane_list = split_lanes(stages, input_ids, attention_mask, lanes, default=len(stages.stages))
+    lane_list = split_lanes(stages, input_ids, attention_mask, lanes, default=len(stages.stages), place=False)
     run = LaneRunner(stages, lane_list, graphs, compile)
     max_len = input_ids.shape[1] + max_new_tokens
     cache = entries = None
@@ -86,6 +86,7 @@ def generate(
         entries = cache.use(signature, weight_pointers(model))
     if not entries:  # new caches are about to be allocated
         check_kv_room(stages, input_ids.shape[0], max_len, "devmap.generate")
+    place_lanes(stages, lane_list)  # after the check: a refused call leaves nothing on the GPUs
     with stages.hooks_bypassed():
         for k, lane in enumerate(lane_list):
             run.prepare_decode(k, lane, max_len, entries, cache)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from .lane_decode import LaneDecode
 from .lane_prefill import LanePrefill
-from .lanes import EOS_CHECK_LAG, Lane, OnTokens, graphs_possible, record_event, split_lanes
+from .lanes import EOS_CHECK_LAG, Lane, OnTokens, graphs_possible, place_lanes, record_event, split_lanes
 
-__all__ = ["EOS_CHECK_LAG", "Lane", "LaneRunner", "OnTokens", "graphs_possible", "record_event", "split_lanes"]
+__all__ = ["EOS_CHECK_LAG", "Lane", "LaneRunner", "OnTokens", "graphs_possible", "place_lanes", "record_event",
+           "split_lanes"]
 
 
 class LaneRunner(LanePrefill, LaneDecode):

@@ -115,7 +115,9 @@ def move_to_stage(value: Any, event: Any, device: torch.device, j: int, streams:
 
 
 def split_lanes(stages: CausalLMStages, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-           lanes: int | None, default: int) -> list[Lane]:
+                lanes: int | None, default: int, *, place: bool = True) -> list[Lane]:
+    """The batch's rows in `lanes` (else `default`) lanes of equal size but the last; their prompts moved to the
+    embedding device unless `place` is False (then `place_lanes` does it, after checks that must come first)."""
     if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise UsageError(f"input_ids must be a non-empty (batch, length) tensor, got shape {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -131,6 +133,13 @@ def split_lanes(stages: CausalLMStages, input_ids: torch.Tensor, attention_mask:
     out = []
     for start in range(0, batch, size):
         rows = slice(start, min(batch, start + size))
-        out.append(Lane(rows, input_ids[rows].to(stages.embed_device), mask[rows].to(stages.embed_device),
-                         padded=any(padded[rows])))
+        out.append(Lane(rows, input_ids[rows], mask[rows], padded=any(padded[rows])))
+    if place:
+        place_lanes(stages, out)
     return out
+
+
+def place_lanes(stages: CausalLMStages, lanes: list[Lane]) -> None:
+    """Move each lane's prompt and mask to the embedding device."""
+    for lane in lanes:
+        lane.ids, lane.mask = lane.ids.to(stages.embed_device), lane.mask.to(stages.embed_device)

@@ -17,7 +17,7 @@ CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_a
 
 def test_continuous_batch_on_one_gpu_wraps_its_cache_and_gives_each_request_its_tokens(monkeypatch, run_continuous,
                                                                                        requests_and_their_tokens):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
     monkeypatch.setattr(joins, "PACK_TOKENS", 64)  # several packs in a step
     torch.manual_seed(5)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
@@ -37,7 +37,7 @@ def test_compiled_steps_on_one_gpu_give_transformers_tokens(monkeypatch, run_con
     continuous batch give transformers' greedy tokens, on capture and on replay."""
     from devmap import generate
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
     torch.manual_seed(8)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
     placed = dispatch(AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval(), {"": 0})
@@ -87,7 +87,7 @@ def test_compiled_steps_over_a_batchs_first_rows_compile_nothing_more_and_give_t
     tokens = {r.owner: reference.generate(torch.tensor([r.prompt], device="cuda:0"), max_new_tokens=r.max_new_tokens,
                                           do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(r.prompt):]
               .tolist() for r in reqs}
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
     counters.clear()
     graphs = None
     for round in range(3):  # compile + run, capture, replay

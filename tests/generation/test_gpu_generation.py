@@ -51,7 +51,7 @@ def lane_runs(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_two_gpus_match_one(dtype, monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=dtype).to("cuda:0").eval()
     placed = two_gpu_copy(reference)
@@ -69,7 +69,7 @@ def test_two_gpus_match_one(dtype, monkeypatch):
 
 
 def test_decode_steps_are_replayed_graphs_and_eos_stops_like_transformers(monkeypatch, lane_runs):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
     torch.manual_seed(1)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
     placed = two_gpu_copy(reference)
@@ -100,7 +100,7 @@ def test_decode_steps_are_replayed_graphs_and_eos_stops_like_transformers(monkey
 def test_tied_head_on_the_first_gpu_and_norm_on_the_last(monkeypatch):
     """Regression: a tied lm_head sits with embed_tokens on GPU 0 while the final norm is on GPU 1 (what
     `balanced` does for tied models); the head used to run the norm on the wrong device and fail."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(tie_word_embeddings=True, **CONFIG)).to("cuda:0").eval()
     placed = copy.deepcopy(reference).cpu()
@@ -126,7 +126,7 @@ def test_compiled_steps_match_one_gpu_and_are_captured(dtype, monkeypatch, lane_
     within bf16 tolerance, every decode step is captured, and a second call compiles nothing new."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
     torch.manual_seed(2)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=dtype).to("cuda:0").eval()
     placed = two_gpu_copy(reference)
@@ -155,7 +155,7 @@ def test_continuous_batching_over_two_gpus_gives_each_request_its_own_tokens(mon
     from devmap.generation.continuous import SlotRequest
     from devmap.generation.step_cache import step_cache
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
     torch.manual_seed(3)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
     placed = two_gpu_copy(reference)

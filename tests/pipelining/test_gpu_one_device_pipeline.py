@@ -36,7 +36,7 @@ def resnet_stages(seed=0, cuts=("layer2", "layer3")):
 @pytest.fixture(autouse=True)
 def exact_math(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # TF32 alone moves gradients by ~1e-3
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
 
 
 @pytest.mark.parametrize("deferred", [1, None])

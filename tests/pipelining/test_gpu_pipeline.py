@@ -48,7 +48,7 @@ def test_two_gpus_same_outputs_and_grads(graphs, chunks):
 def test_inference_eval_mode_equals_plain_model(monkeypatch):
     # full fp32: with TF32 convolutions, cuDNN's choice of algorithm per batch size alone moves logits by ~1e-2
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
     plain, model = placed_resnet()
     plain.eval()
     pipe = pipeline(model, chunks=4).eval()
@@ -91,7 +91,7 @@ def test_balance_by_time_moves_the_boundary():
 @pytest.mark.parametrize("deferred", [1, None])
 def test_deferred_weight_halves_give_the_plain_models_gradients(monkeypatch, deferred):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # TF32 alone moves gradients by ~1e-3
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
     plain, model = placed_resnet()
     pipe = pipeline(model, chunks=3, graphs="on", deferred_weights=deferred)
     x = torch.randn(12, 3, 64, 64, device="cuda:0")
