@@ -4,7 +4,10 @@ Run on one GPU:  PYTHONPATH=. python3 benchmarks/probes/decode_kernels.py --mode
 A `devmap.generate` of `--rows` rows (prompt `--prompt`, `--new` new tokens) runs eagerly (graphs off, so that the
 profiler sees each kernel) under torch.profiler; its CUDA kernels are summed by name over the decode steps and
 divided by the steps: per step, each kernel's time and count, the kernels' total, and the step time of the same call
-replayed as CUDA graphs (what serving runs) and compiled, beside the weight-read floor of the step.
+replayed as CUDA graphs (what serving runs) and compiled, beside the floor of the step: the weights (as stored:
+`--quantize int8` counts one byte a weight plus the row scales) and the batch's KV cache (prompt + half the new
+tokens) read once at the copy bandwidth measured in the same process. `--join` joins each layer's projections first,
+as `devmap serve` does at load.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import devmap
+from devmap.generation.joined_projections import join_projections
+from devmap.loading.quantize import quantized_nbytes
 
 
 def step_ms(model, ids, new: int, **kwargs) -> float:  # type: ignore[no-untyped-def]
@@ -36,11 +41,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--quantize", choices=["int8", "int4", "nf4"], default=None)
+    parser.add_argument("--join", action="store_true", help="join each layer's projections (as devmap serve does)")
     args = parser.parse_args()
-    model = devmap.load(args.model, device_map={"": 0}, dtype="bfloat16")
+    model = devmap.load(args.model, device_map={"": 0}, dtype="bfloat16", quantization=args.quantize)
+    if args.join:
+        print(f"joined {join_projections(model)} projection groups")
     ids = torch.randint(3, model.config.vocab_size, (args.rows, args.prompt))
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    copy = torch.empty(weights // 2, dtype=torch.bfloat16, device="cuda")
+    weights = sum(quantized_nbytes(module) for name, module in model.named_children() if name != "lm_head") \
+        - model.get_input_embeddings().weight.nbytes + quantized_nbytes(model.lm_head)
+    config = model.config
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads \
+        * (config.hidden_size // config.num_attention_heads) * 2
+    kv = args.rows * (args.prompt + args.new // 2) * kv_per_token
+    copy = torch.empty(min(weights, 8 << 30) // 2, dtype=torch.bfloat16, device="cuda")
     other = torch.empty_like(copy)
     other.copy_(copy)
     torch.cuda.synchronize()
@@ -50,8 +64,9 @@ def main() -> None:
     torch.cuda.synchronize()
     bandwidth = 2 * copy.numel() * 2 * 10 / (time.perf_counter() - start)  # read + write bytes per second
     del copy, other
-    print(f"{args.model}, rows {args.rows}, prompt {args.prompt}: weight-read floor "
-          f"{weights / bandwidth * 1000:.3f} ms per step ({bandwidth / 1e12:.2f} TB/s copy)")
+    print(f"{args.model} {args.quantize or 'bf16'}, rows {args.rows}, prompt {args.prompt}: floor "
+          f"{(weights + kv) / bandwidth * 1000:.3f} ms per step (weights {weights / 1e9:.2f} GB, KV {kv / 1e9:.2f} GB, "
+          f"{bandwidth / 1e12:.2f} TB/s copy)")
     for label, kwargs in (("graphs", {}), ("compiled", {"compile": True}), ("eager", {"graphs": False})):
         print(f"  {label}: {step_ms(model, ids, args.new, **kwargs):.3f} ms per decode step", flush=True)
     devmap.generate(model, ids, max_new_tokens=2, graphs=False)
