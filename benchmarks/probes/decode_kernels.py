@@ -13,7 +13,9 @@ as `devmap serve` does at load.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -21,6 +23,10 @@ from torch.profiler import ProfilerActivity, profile
 import devmap
 from devmap.generation.joined_projections import join_projections
 from devmap.loading.quantize import quantized_nbytes
+from devmap.planning.runtime_memory import layer_kv_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
+from common import copy_bandwidth  # noqa: E402
 
 
 def step_ms(model, ids, new: int, **kwargs) -> float:  # type: ignore[no-untyped-def]
@@ -48,22 +54,11 @@ def main() -> None:
     if args.join:
         print(f"joined {join_projections(model)} projection groups")
     ids = torch.randint(3, model.config.vocab_size, (args.rows, args.prompt))
-    weights = sum(quantized_nbytes(module) for name, module in model.named_children() if name != "lm_head") \
-        - model.get_input_embeddings().weight.nbytes + quantized_nbytes(model.lm_head)
-    config = model.config
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads \
-        * (config.hidden_size // config.num_attention_heads) * 2
-    kv = args.rows * (args.prompt + args.new // 2) * kv_per_token
-    copy = torch.empty(min(weights, 8 << 30) // 2, dtype=torch.bfloat16, device="cuda")
-    other = torch.empty_like(copy)
-    other.copy_(copy)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        other.copy_(copy)
-    torch.cuda.synchronize()
-    bandwidth = 2 * copy.numel() * 2 * 10 / (time.perf_counter() - start)  # read + write bytes per second
-    del copy, other
+    weights = quantized_nbytes(model.model) - model.get_input_embeddings().weight.nbytes \
+        + quantized_nbytes(model.lm_head)  # a step reads one row of the input embedding
+    kv = model.config.num_hidden_layers * layer_kv_bytes(model.config, torch.bfloat16, args.rows,
+                                                         args.prompt + args.new // 2)
+    bandwidth = copy_bandwidth()
     print(f"{args.model} {args.quantize or 'bf16'}, rows {args.rows}, prompt {args.prompt}: floor "
           f"{(weights + kv) / bandwidth * 1000:.3f} ms per step (weights {weights / 1e9:.2f} GB, KV {kv / 1e9:.2f} GB, "
           f"{bandwidth / 1e12:.2f} TB/s copy)")
