@@ -76,7 +76,7 @@ def generate(
     pad = pad if pad is not None else (eos_list[0] if eos_list else 0)
     # decoding: every lane-step costs a few hundred small kernels whatever its rows, so the fewest lanes that
     # keep every stage busy (one per stage) are fastest
-    lane_list = split_lanes(stages, input_ids, attention_mask, lanes, default=len(stages.stages), place=False)
+    lane_list = split_lanes(stages, input_ids, attention_mask, lanes, default=len(stages.stages))
     run = LaneRunner(stages, lane_list, graphs, compile)
     max_len = input_ids.shape[1] + max_new_tokens
     cache = entries = None
@@ -135,6 +135,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     # pipeline (one lane's time per stage) stays small
     default = 4 * len(stages.stages) if len(stages.stages) > 1 else 1
     lane_list = split_lanes(stages, input_ids, attention_mask, lanes, default=default)
+    place_lanes(stages, lane_list)
     run = LaneRunner(stages, lane_list, graphs, compile)
     vocab = stages.model.lm_head.out_features if hasattr(stages.model.lm_head, "out_features") \
         else stages.model.config.vocab_size

@@ -21,7 +21,7 @@ from ..errors import UsageError
 from ..planning.runtime_memory import layer_kv_bytes
 from .continuous_rows import ContinuousBatch
 from .row_types import Row, SlotRequest
-from .lane_runner import LaneRunner, split_lanes
+from .lane_runner import LaneRunner, place_lanes, split_lanes
 from .sampling import Sampling
 from .step_cache import StepCache, step_cache, weight_pointers
 
@@ -70,6 +70,7 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     # holds decode finite garbage); every request, the first ones too, comes in through a joining pack's prefill
     ids = torch.zeros((rows, 1), dtype=torch.long)
     lane_list = split_lanes(stages, ids, torch.ones_like(ids), lanes, default=len(stages.stages))
+    place_lanes(stages, lane_list)
     # compile=True compiles the decode steps only: a batch meets one decode shape but many joining pack widths,
     # whose prefills are long enough for captured eager kernels (and would each cost a compile on first use). The
     # decode step is compiled with dynamic sizes, once for all the batch shapes a service goes through

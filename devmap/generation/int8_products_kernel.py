@@ -58,10 +58,12 @@ def int8_tiles_kernel(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row,
         acc = tl.zeros((BLOCK_OUT, BLOCK_ROWS), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
+    keep_row = row < rows
+    keep_out = out < outs
     for start in range(0, ins, BLOCK_IN):
         inner = start + tl.arange(0, BLOCK_IN)
-        x_mask = row[:, None] < rows
-        w_mask = out[:, None] < outs
+        x_mask = keep_row[:, None]
+        w_mask = keep_out[:, None]
         if not EVEN_IN:
             x_mask = x_mask & (inner[None, :] < ins)
             w_mask = w_mask & (inner[None, :] < ins)
@@ -71,13 +73,12 @@ def int8_tiles_kernel(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row,
             acc += tl.dot(w.to(x.dtype), tl.trans(x))
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    scale = tl.load(Scale + out, mask=out < outs, other=0.0)
-    keep_out = out < outs
+    scale = tl.load(Scale + out, mask=keep_out, other=0.0)
     if WEIGHTS_FIRST:
         acc = acc * scale[:, None]
         tl.store(Out + row[None, :] * out_row + out[:, None], acc.to(Out.dtype.element_ty),
-                 mask=(row[None, :] < rows) & keep_out[:, None])
+                 mask=keep_row[None, :] & keep_out[:, None])
     else:
         acc = acc * scale[None, :]
         tl.store(Out + row[:, None] * out_row + out[None, :], acc.to(Out.dtype.element_ty),
-                 mask=(row[:, None] < rows) & keep_out[None, :])
+                 mask=keep_row[:, None] & keep_out[None, :])

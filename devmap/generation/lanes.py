@@ -23,8 +23,8 @@ EOS_CHECK_LAG = 2  # steps between a lane's last token and the host reading whet
 @dataclass
 class Lane:
     rows: slice
-    ids: torch.Tensor  # the prompt, on the embedding device
-    mask: torch.Tensor  # its attention mask, on the embedding device
+    ids: torch.Tensor  # the prompt, on the embedding device once placed (`place_lanes`)
+    mask: torch.Tensor  # its attention mask, likewise
     padded: bool
     caches: list[LaneCache] = field(default_factory=list)  # per stage
     steps: list[GraphedStep] = field(default_factory=list)  # decode step per stage
@@ -115,9 +115,9 @@ def move_to_stage(value: Any, event: Any, device: torch.device, j: int, streams:
 
 
 def split_lanes(stages: CausalLMStages, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                lanes: int | None, default: int, *, place: bool = True) -> list[Lane]:
-    """The batch's rows in `lanes` (else `default`) lanes of equal size but the last; their prompts moved to the
-    embedding device unless `place` is False (then `place_lanes` does it, after checks that must come first)."""
+                lanes: int | None, default: int) -> list[Lane]:
+    """The batch's rows in `lanes` (else `default`) lanes of equal size but the last, their prompts where the
+    caller's are: `place_lanes` moves them to the embedding device once every check that may refuse the call ran."""
     if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise UsageError(f"input_ids must be a non-empty (batch, length) tensor, got shape {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -134,8 +134,6 @@ def split_lanes(stages: CausalLMStages, input_ids: torch.Tensor, attention_mask:
     for start in range(0, batch, size):
         rows = slice(start, min(batch, start + size))
         out.append(Lane(rows, input_ids[rows], mask[rows], padded=any(padded[rows])))
-    if place:
-        place_lanes(stages, out)
     return out
 
 
