@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
-from devmap.generation.int8_products import DECODE_ROWS, BlockShape, int8_product, kernel_product  # noqa: E402
+from devmap.generation.int8_products import DECODE_ROWS, BlockShape, int8_product, kernel_product, torchao_formula  # noqa: E402
 
 SHAPES = {  # (out, in) of each product of one layer, query/key/value and gate/up joined
     "llama-2-13b": {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)},
@@ -49,11 +49,6 @@ PREFILL_CONFIGS = [BlockShape(o, i, 1, w, st, r, f) for (r, o, i, w, st) in (
     (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3),
     (128, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3), (128, 256, 128, 8, 2),
     (64, 64, 128, 4, 4), (128, 128, 32, 4, 5)) for f in (False, True)]
-
-
-def torchao_formula(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """torchao's per-row int8 weight-only product, operation for operation (its eager path)."""
-    return (torch.mm(x, qdata.t().to(x.dtype)) * scale.to(x.dtype).flatten()).to(x.dtype)
 
 
 def prefill_row(name: str, outs: int, ins: int, rows: int, weight: torch.Tensor, qdata: torch.Tensor,

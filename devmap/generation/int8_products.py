@@ -42,9 +42,13 @@ def int8_rows_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor)
     operator of its own, so that torch.compile calls it as it is: which product runs, and the kernel's block shape
     for the rows at hand, are decided at each call, never guarded on in a compiled step (one compile serves every
     batch size)."""
-    if kernel_applies(x, qdata, scale):
-        return kernel_product(x, qdata, scale)
-    out = torch.mm(x, qdata.t().to(x.dtype))  # torchao's per-row weight-only product, operation for operation
+    return kernel_product(x, qdata, scale) if kernel_applies(x, qdata, scale) else torchao_formula(x, qdata, scale)
+
+
+def torchao_formula(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """torchao's per-row int8 weight-only product, operation for operation (its eager path, with its numbers): a
+    full-precision copy of the weight, then the product and the scales."""
+    out = torch.mm(x, qdata.t().to(x.dtype))
     return (out * scale.to(out.dtype).flatten()).to(x.dtype)
 
 
