@@ -31,7 +31,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
-from devmap.generation.int8_products import DECODE_ROWS, BlockShape, int8_product, kernel_product, torchao_formula  # noqa: E402
+from devmap.generation.int8_products import (  # noqa: E402
+    DECODE_ROWS,
+    BlockShape,
+    int8_product,
+    kernel_product,
+    torchao_formula,
+)
 
 SHAPES = {  # (out, in) of each product of one layer, query/key/value and gate/up joined
     "llama-2-13b": {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)},
