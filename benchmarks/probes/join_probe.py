@@ -4,7 +4,8 @@ Run on a GPU machine:  PYTHONPATH=. python3 benchmarks/probes/join_probe.py --mo
 Each of `--clients` clients sends its next request the moment its last one ends (prompt lengths drawn from
 --lengths, in tokens), as `benchmarks/serve.py`'s clients do over HTTP. Prints tokens/s, time to first token
 p50/p99, the host time spent issuing joins, and the GPU time of one join of every client at once, in devmap's packs
-of several sizes and as one pack; `--profile` adds the join's top kernels.
+of several sizes and as one pack; `--profile` adds the join's top kernels; `--join` joins each layer's projections
+first, as `devmap serve` does at load.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import devmap
 import devmap.generation.joins
 from devmap.generation.continuous import SlotRequest, generate_continuous
+from devmap.generation.joined_projections import join_projections
 
 
 def sync() -> None:
@@ -107,9 +109,12 @@ def main() -> None:
     parser.add_argument("--budgets", default="none,2048,1024", help="closed loops' join budgets (prompt tokens)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compile", action="store_true", help="last: joins of compiled steps (inductor)")
+    parser.add_argument("--join", action="store_true", help="join each layer's projections (as devmap serve does)")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     model = devmap.load(args.model, "balanced", dtype="bf16")
+    if args.join:
+        print(f"joined {join_projections(model)} projection groups")
     rows, first_slot = args.clients, -(-(max(lengths) + args.new - 1) // 32) * 32
     cache_len = -(-(first_slot + args.new) // 128) * 128
     rng = random.Random(1)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import DoesNotFitError, UsageError
 
 SCHEMES = ("int8", "int4", "nf4")
 LIBRARIES = {"int8": "torchao", "int4": "torchao", "nf4": "bitsandbytes"}
@@ -126,13 +126,14 @@ def resolve_quantization(spec: Any, dtype: torch.dtype | None, source: Any) -> t
 
 def check_placement(quantization: Quantization, devices: set[Any]) -> None:
     """Refuse a plan that puts quantized weights where their library cannot run them (what a load would refuse,
-    so a plan says it first): no quantized block on disk, no 4-bit block on the CPU."""
+    so a plan says it first): no quantized block on disk, no 4-bit block on the CPU. It is a `DoesNotFitError`: the
+    weights do not fit where they can run (a serving plan's search for its most rows takes it as "fewer rows")."""
     if "disk" in devices:
-        raise UsageError(f"{quantization.scheme} blocks cannot be offloaded to disk (accelerate's offload writes "
+        raise DoesNotFitError(f"{quantization.scheme} blocks cannot be offloaded to disk (accelerate's offload writes "
                          "plain tensors, not the library's quantized ones): give the GPUs or the CPU more "
                          "--max-memory")
     if quantization.bits == 4 and "cpu" in devices:
-        raise UsageError(f"{quantization.scheme} runs on GPUs only ({quantization.library}'s 4-bit kernels are CUDA "
+        raise DoesNotFitError(f"{quantization.scheme} runs on GPUs only ({quantization.library}'s 4-bit kernels are CUDA "
                          "kernels), and the plan puts quantized blocks on the CPU: give the GPUs more memory, or "
                          "use --quantize int8 (torchao runs it on the CPU too)")
 

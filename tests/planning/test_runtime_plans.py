@@ -135,6 +135,21 @@ def test_serving_gets_the_most_rows_that_keep_the_model_on_its_gpus():
         rows_that_fit(plan_for("0=1.05GiB,1=1.05GiB,cpu=64GiB"), most=64)
 
 
+@pytest.mark.parametrize("scheme", ["int4", "nf4", "int8"])
+def test_a_quantized_model_serves_the_rows_that_keep_its_blocks_where_they_run(scheme):
+    # more rows move blocks off the GPUs; 4-bit blocks cannot run on the CPU, so those plans count as not fitting
+    # (fewer rows), not as an error that ends the search
+    from devmap.planning.rows_fit import rows_that_fit
+
+    def plan(rows):
+        workload = None if rows is None else parse_workload("serve", causal_lm=True, batch=rows, seq_len=4096)
+        return devmap.plan("llama-2-13b", "balanced", max_memory="0=60GiB,cpu=100GiB", dtype="bf16",
+                           quantization=scheme, workload=workload)
+
+    rows, fitting = rows_that_fit(plan, most=64)
+    assert 1 < rows < 64 and not fitting.devices["cpu"].modules
+
+
 def test_a_training_plan_that_fits_has_no_warnings():
     # a pipeline's CUDA graphs share one memory pool per stage, so they hold what the plan counts (measured on a GPU
     # in benchmarks/RESULTS.md); no caveat comes with the plan
