@@ -71,10 +71,10 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     ids = torch.zeros((rows, 1), dtype=torch.long)
     lane_list = split_lanes(stages, ids, torch.ones_like(ids), lanes, default=len(stages.stages))
     place_lanes(stages, lane_list)
-    # compile=True compiles the decode steps only: a batch meets one decode shape but many joining pack widths,
-    # whose prefills are long enough for captured eager kernels (and would each cost a compile on first use). The
-    # decode step is compiled with dynamic sizes, once for all the batch shapes a service goes through
-    run = LaneRunner(stages, lane_list, graphs, compile, compile_prefill=False, dynamic=True)
+    # compile=True compiles the decode step and the joins' prefill, each with dynamic sizes: one compile for every
+    # batch shape a service goes through, and one for every pack width (a pack's norms, rotary and activations are
+    # a third of its GPU time eager; its products the rest)
+    run = LaneRunner(stages, lane_list, graphs, compile, compile_prefill=compile, dynamic=True)
     cache = step_cache(model, "continuous", KEPT_SHAPES) if run.graphs and keep_graphs else StepCache()
     kv_bytes = model.config.num_hidden_layers * layer_kv_bytes(model.config, stages.dtype, rows, cache_len)
     entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),

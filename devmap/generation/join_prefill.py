@@ -141,19 +141,19 @@ class JoinPrefills:
         return out
 
     def _join_step(self, j: int, width: int, mask: torch.Tensor) -> tuple[Any, LaneCache]:
-        """Stage j's prefill of a pack of this width, into a scratch cache of its own (both kept): a view into the
-        stage's one arena, as packs run one after another on the stage's stream. Its buffers are made on that
-        stream: zeros filled on another stream could land after the stage's first write into them."""
-        stage = self.s.stages[j]
+        """Stage j's prefill of a pack of this width, into the stage's scratch cache (both kept). Every width
+        writes the same scratch of `pack_limit` columns from its first on, as packs run one after another on the
+        stage's stream: one buffer per layer whatever the width, so a prefill compiled for every width reads the
+        same buffers. They are made on that stream: zeros filled on another stream could land after the stage's
+        first write into them."""
         with self.run.on(j):  # made on the stage's stream, which writes them next (the sanitizer's finding)
-            scratch = LaneCache(1, width, stage.device)
-            layout = self.s.kv_layout(j)
-            if layout is not None:
-                if ("join-arena", j) not in self.entries:
-                    tokens = self.pack_limit
-                    size = LaneCache.arena_size(tokens, len(layout[0]), layout[1], layout[2])
-                    self.entries[("join-arena", j)] = torch.zeros(size, dtype=self.s.dtype, device=stage.device)
-                scratch.allocate(*layout, self.s.dtype, arena=self.entries[("join-arena", j)])
+            scratch = self.entries.get(("join-scratch", j))
+            if scratch is None:
+                stage = self.s.stages[j]
+                scratch = self.entries[("join-scratch", j)] = LaneCache(1, self.pack_limit, stage.device)
+                layout = self.s.kv_layout(j)
+                if layout is not None:
+                    scratch.allocate(*layout, self.s.dtype)
             return self.run.prefill_step(j, 1, width, mask, self.cache, scratch), scratch
 
 

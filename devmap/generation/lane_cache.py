@@ -34,28 +34,14 @@ class LaneCache:
         # no Python int that would specialize it
         self.length = torch.full((1,), max_len, dtype=torch.long, device=device)
 
-    def allocate(self, layer_indices: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 arena: torch.Tensor | None = None) -> None:
+    def allocate(self, layer_indices: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         """Every layer's buffers up front (zeros: unwritten slots are masked, and must not hold NaNs), so that a
-        compiled prefill only copies into them and its first and later calls trace the same code. With `arena` (a
-        flat buffer of `dtype`, at least `arena_size` elements) they are views into it: scratch caches that are
-        only ever used one after another on one stream share their memory."""
+        compiled prefill only copies into them and its first and later calls trace the same code."""
         shape = (self.rows, kv_heads, self.max_len, head_dim)
-        size = self.rows * kv_heads * self.max_len * head_dim
-        for n, index in enumerate(layer_indices):
-            if index in self.keys:
-                continue
-            if arena is None:
+        for index in layer_indices:
+            if index not in self.keys:
                 self.keys[index] = torch.zeros(shape, dtype=dtype, device=self.device)
                 self.values[index] = torch.zeros(shape, dtype=dtype, device=self.device)
-            else:
-                self.keys[index] = arena[2 * n * size:(2 * n + 1) * size].view(shape)
-                self.values[index] = arena[(2 * n + 1) * size:(2 * n + 2) * size].view(shape)
-
-    @staticmethod
-    def arena_size(tokens: int, layers: int, kv_heads: int, head_dim: int) -> int:
-        """Elements of an arena for caches of `tokens` rows × columns over `layers` layers."""
-        return 2 * layers * tokens * kv_heads * head_dim
 
     def start_decoding(self, prompt_len: int) -> None:
         """After the prompt: the next token goes to slot `prompt_len` (issued on the current stream)."""

@@ -11,6 +11,7 @@ import torch
 
 from .causal_lm import FrontHead, positions
 from .compiled import compile_step
+from ..compat import dynamic_dims
 from .graphed_step import GraphedStep
 from .lane_cache import LaneCache
 from .lanes import Lane, LaneStreams, move_to_stage, record_event
@@ -150,6 +151,13 @@ class LanePrefill(LaneStreams):
             static_in = torch.zeros(rows, length, self.s.config.hidden_size, dtype=self.s.dtype, device=device)
         static_positions = torch.zeros(rows, length, dtype=torch.long, device=device)
         static_mask = None if mask is None else torch.zeros(mask.shape, dtype=mask.dtype, device=device)
+        if self.compile_prefill and self.dynamic:  # one compile for every prompt length (a continuous batch's packs)
+            dynamic_dims(static_in, (1,))
+            dynamic_dims(static_positions, (1,))
+            if static_mask is not None:
+                dynamic_dims(static_mask, (2, 3))
+            for buffer in lane_cache.buffers() if lane_cache is not None else []:
+                dynamic_dims(buffer, (2,))  # a scratch cache's columns: a batch's pack limit
 
         def body(x: torch.Tensor) -> torch.Tensor:
             hidden = self.s.embed(x).to(device) if j == 0 else x
@@ -157,7 +165,7 @@ class LanePrefill(LaneStreams):
                        "position_embeddings": self.s.rotary(hidden, static_positions)}
             return self.s.run(j, hidden, context, lane_cache)
 
-        body = compile_step(body) if self.compile_prefill else body
+        body = compile_step(body, self.dynamic) if self.compile_prefill else body
         step = GraphedStep(body, static_in, True, cache.pool(device, j), self._capture_stream(j))
         return step, static_positions, static_mask
 

@@ -11,7 +11,7 @@ Ownership of what crosses streams (who writes, who reads, what makes reuse safe)
 | a replayed graph's output (`GraphedStep.static_out`) | its stage's compute stream (the replay) | the same stream only | it lives in its stage's graph pool, which the next replay of any graph of that pool may overwrite: no allocator bookkeeping protects it, so before it goes to another stream it is copied on its own stream (`GraphedStep.handed_on`) |
 | a graph's fixed input (`GraphedStep.static_in`, positions, masks) | the reader's compute stream, or its receive stream after the writer's event | the replay, on the compute stream | the next write for the same (stage, lane) depends, through events, on the token of the step that read it, which needs that replay done |
 | graph pools | replays of one stage's graphs | the same stage's compute stream | one pool per stage (`StepCache.pool`): graphs sharing a pool never run at the same time |
-| a joining pack's scratch cache (one arena per stage) | its stage's prefill | `take_prompts`, on the same stream | every width's scratch is used one after another on that stream |
+| a joining pack's scratch cache (one per stage, every width's) | its stage's prefill | `take_prompts`, on the same stream | the packs use it one after another on that stream |
 | pinned host copies (`to_host`) | a copy on the producer's stream | the host, after the copy's event | the host waits for the event before reading; PyTorch's pinned allocator waits for the copy before reuse |
 
 DEVMAP_STREAM_CHECK=1 (or a number of GPU clock cycles) checks this rule at run time on GPUs: every reader stream

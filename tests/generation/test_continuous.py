@@ -262,7 +262,8 @@ def test_compiled_steps_join_like_eager_ones_and_compile_once(model, run, compil
     reqs = requests(7, seed=5)
     try:
         # the second batch repeats the first's shape; the third and fourth take new ones (rows, cache length): the
-        # decode step is compiled with dynamic sizes, so a service's growing shapes never compile it again
+        # decode step is compiled with dynamic sizes, so a service's growing shapes never compile it again; each
+        # batch captures its joins' every pack width (3 widths, then 8), one dynamic compile of the prefill
         for round, (rows, cache_len) in enumerate([(4, 40), (4, 40), (6, 48), (8, 64)]):
             got, left, queue = run(model, reqs[:2], reqs[2:], rows=rows, cache_len=cache_len, compile=True)
             assert not left and not queue
