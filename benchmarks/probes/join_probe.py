@@ -118,7 +118,8 @@ def main() -> None:
     rows, first_slot = args.clients, -(-(max(lengths) + args.new - 1) // 32) * 32
     cache_len = -(-(first_slot + args.new) // 128) * 128
     rng = random.Random(1)
-    prompts = [[rng.randrange(3, min(1000, model.config.vocab_size)) for _ in range(rng.choice(lengths))] for _ in range(args.clients)]
+    prompts = [[rng.randrange(3, min(1000, model.config.vocab_size)) for _ in range(rng.choice(lengths))]
+               for _ in range(args.clients)]
     real = sum(len(p) for p in prompts)
     sizes, default = [int(n) for n in args.pack_tokens.split(",")], devmap.generation.joins.PACK_TOKENS
     for label, groups in [("packs", None), *((f"packs of {n} tokens", n) for n in sizes), ("one pack", 1 << 30)]:

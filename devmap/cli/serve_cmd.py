@@ -48,7 +48,7 @@ from .options import load_options
               help="Unload a model unused for this many seconds.")
 @click.option("--lanes", default=None, type=click.IntRange(min=1), help="Micro-batches in flight (default: stages).")
 @click.option("--compile/--no-compile", "compile_steps", default=None,
-              help="torch.compile each model's decode steps (fused kernels, one compile for every batch shape, at "
+              help="torch.compile each model's decode and prefill steps (fused kernels, one compile for all shapes, at "
                    "load: see docs/serving.md). Default: on where every block is on a GPU and the weights are "
                    "floating point or int8; --compile compiles int4 and nf4 models' steps too.")
 @click.option("--log-level", default="info", show_default=True,
@@ -94,13 +94,13 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     try:
         for directory in model_dirs:
             path = Path(directory).expanduser().resolve()
-            click.echo(f"loading {path.name} (on GPUs its decode steps compile once now: tens of seconds, less with "
-                       "inductor's on-disk cache; --no-compile skips it)", err=True)
+            click.echo(f"loading {path.name} (on GPUs its decode and prefill steps compile once now: a minute or "
+                       "more, less with inductor's on-disk cache; --no-compile skips it)", err=True)
             described = engine.load(str(path), under_root=False)
             click.echo(f"loaded {described['id']} from {path} onto "
                        f"{', '.join(sorted(set(described['device_map'].values())))}: batches of up to "
                        f"{described['max_batch']} rows of {described['cache_tokens_per_row']} cache tokens (more rows "
-                       f"of shorter caches), decode steps {'compiled' if described['compiled'] else 'captured eagerly'}",
+                       f"of shorter caches), steps {'compiled' if described['compiled'] else 'captured eagerly'}",
                        err=True)
     except ServiceError as exc:
         engine.close(timeout=30)

@@ -60,10 +60,12 @@ class LanePrefill(LaneStreams):
                     context["position_embeddings"] = self.s.rotary(hidden, context["position_ids"])
                 elif compute is not None:
                     hidden = hand_off(hidden, event, stage.device, j, self.streams, compute)
-                    context = {k: move_to_stage(v, event, stage.device, j, self.streams, compute) for k, v in context.items()}
+                    context = {k: move_to_stage(v, event, stage.device, j, self.streams, compute)
+                               for k, v in context.items()}
                 else:
                     hidden = hidden.to(stage.device)
-                    context = {k: move_to_stage(v, None, stage.device, j, self.streams, None) for k, v in context.items()}
+                    context = {k: move_to_stage(v, None, stage.device, j, self.streams, None)
+                               for k, v in context.items()}
                 hidden = self.s.run(j, hidden, context, lane.caches[j] if caches else None)
                 event = record_event(compute)
         return hidden

@@ -129,13 +129,13 @@ def check_placement(quantization: Quantization, devices: set[Any]) -> None:
     so a plan says it first): no quantized block on disk, no 4-bit block on the CPU. It is a `DoesNotFitError`: the
     weights do not fit where they can run (a serving plan's search for its most rows takes it as "fewer rows")."""
     if "disk" in devices:
-        raise DoesNotFitError(f"{quantization.scheme} blocks cannot be offloaded to disk (accelerate's offload writes "
-                         "plain tensors, not the library's quantized ones): give the GPUs or the CPU more "
-                         "--max-memory")
+        raise DoesNotFitError(f"{quantization.scheme} blocks cannot be offloaded to disk (accelerate's offload "
+                              "writes plain tensors, not the library's quantized ones): give the GPUs or the CPU "
+                              "more --max-memory")
     if quantization.bits == 4 and "cpu" in devices:
-        raise DoesNotFitError(f"{quantization.scheme} runs on GPUs only ({quantization.library}'s 4-bit kernels are CUDA "
-                         "kernels), and the plan puts quantized blocks on the CPU: give the GPUs more memory, or "
-                         "use --quantize int8 (torchao runs it on the CPU too)")
+        raise DoesNotFitError(f"{quantization.scheme} runs on GPUs only ({quantization.library}'s 4-bit kernels are "
+                              "CUDA kernels), and the plan puts quantized blocks on the CPU: give the GPUs more "
+                              "memory, or use --quantize int8 (torchao runs it on the CPU too)")
 
 
 def larger_than_unquantized(quantization: Quantization) -> str:

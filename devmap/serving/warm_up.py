@@ -1,14 +1,15 @@
-"""Compiled decode steps for a service: whether a model gets them, and compiling them while it loads.
+"""Compiled steps for a service: whether a model gets them, and compiling them while it loads.
 
-A service compiles a model's decode steps (`devmap.generation.compiled`, dynamic sizes: one compile for every batch
-shape) where that wins: every block on a GPU, and weights that devmap's own products read (floating point, or
-torchao's int8 with a scale per row in layers whose projections are joined: `devmap.generation.int8_products`; a
-layer left unjoined would run torchao's product, which compiles to something slower than eager). Compiled, a 13B
+A service compiles a model's decode steps and its joins' prefill (`devmap.generation.compiled`, dynamic sizes: one
+compile for every batch shape, one for every pack width) where that wins: every block on a GPU, and weights that
+devmap's own products read (floating point, or torchao's int8 with a scale per row in layers whose projections are
+joined: `devmap.generation.int8_products`; a layer left unjoined would run torchao's product, which compiles to
+something slower than eager). Compiled, a 13B
 int8 model at 32 clients gave 1.04–1.13× bf16's tokens/s where eager int8 steps gave 0.83×, and its load took as long
 as bf16's (benchmarks/RESULTS.md). Other quantized weights (torchao's int4, bitsandbytes') stay eager unless
 `--compile` asks: their compiled speed is not measured. `--no-compile` turns compiling off. The compile happens at
-load, in a small continuous batch, so the first request does not wait for it (tens of seconds the first time;
-inductor's on-disk cache makes a restart faster).
+load, in a small continuous batch (its decode step, and its joins' prefill at every pack width), so the first request
+does not wait for it (a minute or more at 13B the first time; inductor's on-disk cache makes a restart faster).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def compiles(model: nn.Module, wanted: bool | None, quantization: Quantization |
 
 
 def warm_up(model: nn.Module, max_rows: int, context: int) -> None:
-    """Run a small continuous batch with compiled steps (compiling them), then free what it captured."""
+    """Run a small continuous batch with compiled steps (compiling its decode step, and on GPUs its joins' prefill
+    as it captures every pack width), then free what it captured."""
     cache_len = min(CACHE_BUCKET, context) if context else CACHE_BUCKET
     prompt = [1] * 4
     rows = min(MIN_ROWS, max_rows)
