@@ -235,15 +235,10 @@ def server_ttft_p99(before: dict[str, float], after: dict[str, float]) -> str:
 
 
 def hbm_bandwidth() -> float:
-    """Bytes per second this GPU reads and writes, from a fresh process (the benchmark forks its clients and must
-    hold no GPU context): the best of 20 copies of 2 GiB (each reads and writes it once)."""
-    code = ("import torch\n"
-            "a = torch.empty(2 << 30, dtype=torch.uint8, device='cuda'); b = torch.empty_like(a)\n"
-            "best = float('inf')\n"
-            "for _ in range(20):\n"
-            "    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
-            "    s.record(); b.copy_(a); e.record(); e.synchronize(); best = min(best, s.elapsed_time(e) / 1000)\n"
-            "print(2 * a.numel() / best)\n")
+    """Bytes per second this GPU reads and writes (`common.copy_bandwidth`), from a fresh process: the benchmark forks
+    its clients and must hold no GPU context."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+            "from common import copy_bandwidth; print(copy_bandwidth())\n")
     return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
 
 
