@@ -74,7 +74,7 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     # compile=True compiles the decode step and the joins' prefill, each with dynamic sizes: one compile for every
     # batch shape a service goes through, and one for every pack width (eager, a pack's norms, rotary embeddings,
     # activations and copies are ~40% of its GPU time)
-    run = LaneRunner(stages, lane_list, graphs, compile, compile_prefill=compile, dynamic=True)
+    run = LaneRunner(stages, lane_list, graphs, compile, dynamic=True)
     cache = step_cache(model, "continuous", KEPT_SHAPES) if run.graphs and keep_graphs else StepCache()
     kv_bytes = model.config.num_hidden_layers * layer_kv_bytes(model.config, stages.dtype, rows, cache_len)
     entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),

@@ -153,7 +153,7 @@ class LanePrefill(LaneStreams):
             static_in = torch.zeros(rows, length, self.s.config.hidden_size, dtype=self.s.dtype, device=device)
         static_positions = torch.zeros(rows, length, dtype=torch.long, device=device)
         static_mask = None if mask is None else torch.zeros(mask.shape, dtype=mask.dtype, device=device)
-        if self.compile_prefill and self.dynamic:  # one compile for every prompt length (a continuous batch's packs)
+        if self.compile and self.dynamic:  # one compile for every prompt length (a continuous batch's packs)
             dynamic_dims(static_in, (1,))
             dynamic_dims(static_positions, (1,))
             if static_mask is not None:
@@ -167,7 +167,7 @@ class LanePrefill(LaneStreams):
                        "position_embeddings": self.s.rotary(hidden, static_positions)}
             return self.s.run(j, hidden, context, lane_cache)
 
-        body = compile_step(body, self.dynamic) if self.compile_prefill else body
+        body = compile_step(body, self.dynamic) if self.compile else body
         step = GraphedStep(body, static_in, True, cache.pool(device, j), self._capture_stream(j))
         return step, static_positions, static_mask
 

@@ -50,13 +50,14 @@ class LaneStreams:
     thread, each stage on its own stream."""
 
     def __init__(self, stages: CausalLMStages, lanes: list[Lane], graphs: bool, compile: bool = False,
-                 compile_prefill: bool | None = None, dynamic: bool = False) -> None:
+                 dynamic: bool = False) -> None:
         self.s, self.lanes = stages, lanes
         self.streams = StreamSet()
         self.graphs = graphs and graphs_possible(stages.devices)
-        self.compile = compile  # decode steps through torch.compile
-        self.compile_prefill = compile if compile_prefill is None else compile_prefill
-        self.dynamic = dynamic  # compiled decode steps with symbolic batch and cache sizes (devmap.generation.compiled)
+        self.compile = compile  # decode steps and prefills through torch.compile
+        # compiled with symbolic sizes (devmap.generation.compiled): a decode step's rows and cache columns, a
+        # prefill's prompt width
+        self.dynamic = dynamic
         self._plain: dict[tuple[int, int], dict[str, Any]] = {}
 
     def _capture_stream(self, j: int) -> Any:
@@ -67,7 +68,7 @@ class LaneStreams:
         """What identifies the stages and their steps for cached steps: compiled steps are never reused for eager
         ones, nor eager for compiled."""
         stages = tuple((str(st.device), id(st.layers[0]), len(st.layers)) for st in self.s.stages)
-        return stages, self.compile, self.compile_prefill
+        return stages, self.compile
 
     def start(self) -> None:
         """Every stage's stream waits for the caller's work so far (inputs, fresh buffers)."""
