@@ -188,6 +188,33 @@ class CausalLMStages:
             return hidden
         return self.head(hidden)[:, -1].float()
 
+    def mixes(self) -> bool:
+        """Whether every decoder layer is joined (`JoinedLayer`): a decode step can then carry a pack of prompts."""
+        return len(self.joined) == len(self.base.layers)
+
+    def mixed(self, stage: int, flat: torch.Tensor, rows: int, inputs: Any, pack_cache: Any,
+              pack: dict[str, Any]) -> Any:
+        """One decode step of a lane's first `rows` rows on stage `stage` carrying a pack of prompts (every layer
+        joined: `mixes`): `flat` is tokens × hidden size (stage 0: token ids), the rows' one token each, then the
+        pack's; `inputs` the rows' `DecodeInputs` (the step advances its slot), `pack_cache` where the pack's keys
+        and values go, `pack` its mask and position ids. Returns the hidden state, or on the last stage (the rows'
+        float logits, the pack's hidden state)."""
+        device = self.stages[stage].device
+        if stage == 0:
+            flat = self.embed(flat)
+        flat = flat.to(device)
+        position_ids = inputs.position_ids()
+        step = {"attention_mask": inputs.mask(), "position_ids": position_ids,
+                "position_embeddings": self.rotary(flat[:rows, None], position_ids)}
+        packed = {"attention_mask": pack["attention_mask"], "position_ids": pack["position_ids"],
+                  "position_embeddings": self.rotary(flat[None, rows:], pack["position_ids"])}
+        for layer in self.stages[stage].layers:
+            flat = self.joined[id(layer)].mixed(flat, rows, (inputs.cache, pack_cache), (step, packed))
+        inputs.cache.advance()
+        if stage + 1 < len(self.stages):
+            return flat
+        return self.head(flat[:rows, None])[:, -1].float(), flat[rows:]
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head (logits in the model's dtype, as transformers returns them)."""
         return own_forward(self.model.lm_head)(self.final_norm(hidden))

@@ -80,15 +80,23 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),
                         weight_pointers(model), kv_bytes, kv_room)
     batch = ContinuousBatch(run, first_slot, cache_len, sampling, cache, entries)
-    with stages.hooks_bypassed():
-        for k, lane in enumerate(lane_list):
-            run.prepare_decode(k, lane, cache_len, entries, cache)
+
+    def vacant() -> None:
+        for lane in lane_list:
             for j, inputs in enumerate(lane.inputs):
                 inputs.reset(lane.mask, first_slot - 1)
                 inputs.vacate()
                 lane.caches[j].start_decoding(first_slot)
-        if run.graphs:
-            batch.capture_joins()
+
+    with stages.hooks_bypassed():
+        for k, lane in enumerate(lane_list):
+            run.prepare_decode(k, lane, cache_len, entries, cache)
+        vacant()
+        if run.graphs:  # every join shape captured up front (steps carrying packs run on the vacant rows: so again)
+            run.start()
+            batch.capture_mixed() if batch.mixing else batch.capture_joins()
+            run.streams.join([])
+            vacant()
         run.start()
         try:
             yield batch

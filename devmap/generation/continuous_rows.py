@@ -13,6 +13,7 @@ import torch
 
 from ..errors import UsageError
 from .join_prefill import JoinPrefills
+from .mixed_joins import MixedJoins
 from .lane_decode import computed_rows
 from .lane_runner import EOS_CHECK_LAG, LaneRunner, record_event
 from .row_types import Row, SlotRequest
@@ -21,9 +22,10 @@ from .step_cache import StepCache
 from ..pipelining.streams import copy_later, to_host
 
 
-class ContinuousBatch(JoinPrefills):
+class ContinuousBatch(JoinPrefills, MixedJoins):
     """The rows of one continuous batch (made by `continuous_batch`): who holds each row as work is issued, and as
-    tokens come back."""
+    tokens come back. Requests join inside the decode steps where every layer is joined (`mixed_joins`), else
+    through prefills of their own between two steps (`join_prefill`)."""
 
     def __init__(self, run: LaneRunner, first_slot: int, cache_len: int, sampling: Sampling, cache: StepCache,
                  entries: dict[Any, Any]) -> None:
@@ -39,6 +41,8 @@ class ContinuousBatch(JoinPrefills):
         # (step, event, host tokens, [(row, request, index in the tokens)]) for joining requests' first tokens
         self.pending: list[list[tuple[int, Any, torch.Tensor, Any]]] = [[] for _ in run.lanes]
         self.steps = 0
+        self.mixing = run.s.mixes()  # joiners ride in the decode steps
+        self.queued: list[tuple[SlotRequest, int, int]] = []  # (request, lane, row) of joiners waiting to ride
         self.stats = {"steps": 0, "joined": 0, "join_seconds": 0.0}
 
     @property
@@ -72,16 +76,30 @@ class ContinuousBatch(JoinPrefills):
         step, slot = self.steps, self.first_slot + self.steps - 1  # the slot this step writes its input token to
         self.stats["steps"] = step
         began = time.perf_counter()
-        if joining:
-            self.join([(request, k, row) for request, (k, row) in zip(joining, free)], step, slot)
+        placed = [(request, k, row) for request, (k, row) in zip(joining, free)]
+        # the rows decoding this step: held, their prompts in place (a rider's first token comes out of the step)
+        running = [[r for r, row in enumerate(lane) if row.issued_to is not None and not row.queued]
+                   for lane in self.rows]
+        riders: dict[int, list] = {}
+        if self.mixing:
+            self.reserve(placed)
+            riders = self.riders()
+        elif placed:
+            self.join(placed, step, slot)
+            running = [[r for r, row in enumerate(lane) if row.issued_to is not None] for lane in self.rows]
         self.stats["joined"] += len(joining) if step > 1 else 0
         self.stats["join_seconds"] += time.perf_counter() - began
         for k, lane in enumerate(self.run.lanes):
-            held = [r for r, row in enumerate(self.rows[k]) if row.issued_to is not None]
-            rows = computed_rows(held[-1] if held else -1, lane.ids.shape[0])
-            steps = self.run.first_rows_steps(lane, rows, self.cache) if rows < lane.ids.shape[0] else None
-            self.finish(k, self.run.decode_step(lane, steps), step)
-            self.count_issued(k)
+            rows = computed_rows(running[k][-1] if running[k] else -1, lane.ids.shape[0])
+            if k in riders:
+                logits, first = self.ride(k, riders[k], rows, slot)
+            else:
+                steps = self.run.first_rows_steps(lane, rows, self.cache) if rows < lane.ids.shape[0] else None
+                logits = self.run.decode_step(lane, steps)
+            self.finish(k, logits, step)
+            self.count_issued(k, running[k])
+            if k in riders:
+                self.hand_in(k, riders[k], first, step)
         return True
 
     def collect(self, everything: bool = False) -> list[tuple[Any, int]]:
@@ -93,6 +111,7 @@ class ContinuousBatch(JoinPrefills):
 
     def release(self, owner: Any) -> None:
         """`owner` needs no more tokens (it ended, or went away): its row is free for the next joiner."""
+        self.queued = [item for item in self.queued if item[0].owner is not owner]
         for k, lane in enumerate(self.rows):
             for r, row in enumerate(lane):
                 if row.heard_by is owner:
@@ -101,15 +120,17 @@ class ContinuousBatch(JoinPrefills):
                     self.vacate(k, r)
 
     def unfinished(self) -> list[Any]:
-        """The owners still holding rows (to continue elsewhere, from their prompt plus the tokens they got)."""
-        return [row.heard_by for lane in self.rows for row in lane if row.heard_by is not None]
+        """The owners still holding rows, or waiting for a step to carry their prompts (to continue elsewhere, from
+        their prompt plus the tokens they got)."""
+        return [*(row.heard_by for lane in self.rows for row in lane if row.heard_by is not None),
+                *(request.owner for request, _, _ in self.queued)]
 
     def count_issued(self, k: int, rows: list[int] | None = None) -> None:
-        """One more token issued for lane k's held rows (or `rows`): a row whose request has all its tokens issued
-        is free for the next joiner (its last tokens still reach its owner)."""
+        """One more token issued for lane k's held rows whose prompts ran (or `rows`): a row whose request has all
+        its tokens issued is free for the next joiner (its last tokens still reach its owner)."""
         lane = self.rows[k]
         for r in rows if rows is not None else range(len(lane)):
-            if lane[r].issued_to is not None:
+            if lane[r].issued_to is not None and not lane[r].queued:
                 lane[r].to_issue -= 1
                 if lane[r].to_issue <= 0:
                     self.vacate(k, r)
@@ -117,7 +138,7 @@ class ContinuousBatch(JoinPrefills):
     def vacate(self, k: int, r: int) -> None:
         """Lane k's row r is issued no more work for its request: free for the next joiner, and until one comes its
         steps on every stage read no keys and values (issued on the stages' streams, after its last step)."""
-        self.rows[k][r].issued_to = None
+        self.rows[k][r].issued_to, self.rows[k][r].queued = None, False
         for j, inputs in enumerate(self.run.lanes[k].inputs):
             with self.run.on(j):
                 inputs.vacate(r)

@@ -16,7 +16,9 @@ def partial_attention(Query, Key, Value, Mask, Partial, LogSums,
                       GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, DIM: tl.constexpr, CHUNK: tl.constexpr):
     """Partial[row, head, chunk] = softmax-weighted values over the chunk's live columns (normalized within the
     chunk), LogSums[row, head, chunk] = the log of its softmax denominator (-inf when no column is live). Keys and
-    values of columns the mask leaves out are not read (masked loads fetch nothing)."""
+    values of columns the mask leaves out are not read (masked loads fetch nothing), and a chunk with no live column
+    only writes its empty result: a row's live columns are a few runs of a cache whose columns are reused around its
+    end, so most chunks of a long cache are dead for most rows, and their programs end at once."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -27,23 +29,26 @@ def partial_attention(Query, Key, Value, Mask, Partial, LogSums,
     dims = tl.arange(0, DIM)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     live = tl.load(Mask + row * mask_row + cols * mask_column, mask=cols < columns, other=0) != 0
-    query = tl.load(Query + row * query_row + heads[:, None] * query_head + dims[None, :], mask=real[:, None],
-                    other=0.0)
-    key = tl.load(Key + row * key_row + kv_head * key_head + cols[:, None] * key_column + dims[None, :],
-                  mask=live[:, None], other=0.0)
-    value = tl.load(Value + row * value_row + kv_head * value_head + cols[:, None] * value_column + dims[None, :],
-                    mask=live[:, None], other=0.0)
-    scores = (tl.dot(query, tl.trans(key)) * scale).to(tl.float32)  # a compiled caller may pass scale as fp64
-    scores = tl.where(live[None, :], scores, float("-inf"))
-    best = tl.max(scores, 1)
-    seen = best > float("-inf")
-    weights = tl.exp(scores - tl.where(seen, best, 0.0)[:, None])
-    total = tl.sum(weights, 1)
-    out = tl.dot(weights.to(value.dtype), value).to(tl.float32) / tl.where(seen, total, 1.0)[:, None]
-    log_sum = tl.where(seen, best + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
     place = (row * (GROUP * tl.num_programs(1)) + heads) * chunks + chunk
-    tl.store(Partial + place[:, None] * DIM + dims[None, :], out, mask=real[:, None])
-    tl.store(LogSums + place, log_sum, mask=real)
+    if tl.max(live.to(tl.int32), 0) > 0:
+        query = tl.load(Query + row * query_row + heads[:, None] * query_head + dims[None, :], mask=real[:, None],
+                        other=0.0)
+        key = tl.load(Key + row * key_row + kv_head * key_head + cols[:, None] * key_column + dims[None, :],
+                      mask=live[:, None], other=0.0)
+        value = tl.load(Value + row * value_row + kv_head * value_head + cols[:, None] * value_column
+                        + dims[None, :], mask=live[:, None], other=0.0)
+        scores = (tl.dot(query, tl.trans(key)) * scale).to(tl.float32)  # a compiled caller may pass scale as fp64
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        best = tl.max(scores, 1)
+        weights = tl.exp(scores - best[:, None])
+        total = tl.sum(weights, 1)
+        out = tl.dot(weights.to(value.dtype), value).to(tl.float32) / total[:, None]
+        tl.store(Partial + place[:, None] * DIM + dims[None, :], out, mask=real[:, None])
+        tl.store(LogSums + place, best + tl.log(total), mask=real)
+    else:  # the merge weighs this chunk by exp(-inf) = 0: zeros, never the buffer's garbage (0 × NaN is NaN)
+        tl.store(Partial + place[:, None] * DIM + dims[None, :], tl.zeros([BLOCK_GROUP, DIM], tl.float32),
+                 mask=real[:, None])
+        tl.store(LogSums + place, tl.full([BLOCK_GROUP], float("-inf"), tl.float32), mask=real)
 
 
 @triton.jit

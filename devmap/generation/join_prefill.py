@@ -130,7 +130,7 @@ class JoinPrefills:
                 # the same captured prefill may run again (the next pack's, the next step's) before this stage
                 # has got through this one: its fixed inputs are written on the stage's own stream (after its
                 # earlier replays), and its output is copied before it goes on to the next stage
-                move = partial(_onto, device=stage.device, j=j, streams=run.streams, compute=compute)
+                move = partial(onto, device=stage.device, j=j, streams=run.streams, compute=compute)
                 prefill.static_in.copy_(ids if j == 0 else move(out, event))
                 positions.copy_(move(context["position_ids"], ready))
                 static_mask.copy_(move(context["attention_mask"], ready))
@@ -146,17 +146,24 @@ class JoinPrefills:
         stage's stream: one buffer per layer whatever the width, so a prefill compiled for every width reads the
         same buffers. They are made on that stream: zeros filled on another stream could land after the stage's
         first write into them."""
-        with self.run.on(j):  # made on the stage's stream, which writes them next (the sanitizer's finding)
-            scratch = self.entries.get(("join-scratch", j))
-            if scratch is None:
+        scratch = self.scratch(j)
+        with self.run.on(j):
+            return self.run.prefill_step(j, 1, width, mask, self.cache, scratch), scratch
+
+    def scratch(self, j: int) -> LaneCache:
+        """Stage j's scratch cache of one row of `pack_limit` columns, where every pack's prompts are prefilled
+        (made at first use, kept with the batch's steps)."""
+        scratch = self.entries.get(("join-scratch", j))
+        if scratch is None:
+            with self.run.on(j):  # made on the stage's stream, which writes them next (the sanitizer's finding)
                 stage = self.s.stages[j]
                 scratch = self.entries[("join-scratch", j)] = LaneCache(1, self.pack_limit, stage.device)
                 layout = self.s.kv_layout(j)
                 if layout is not None:
                     scratch.allocate(*layout, self.s.dtype)
-            return self.run.prefill_step(j, 1, width, mask, self.cache, scratch), scratch
+        return scratch
 
 
-def _onto(x: torch.Tensor, event: Any, device: torch.device, j: int, streams: Any, compute: Any) -> torch.Tensor:
+def onto(x: torch.Tensor, event: Any, device: torch.device, j: int, streams: Any, compute: Any) -> torch.Tensor:
     """`x` (ready once `event` fires) usable on stage j's `compute` stream of `device` (None on a CPU)."""
     return hand_off(x, event, device, j, streams, compute) if compute is not None else x.to(device)

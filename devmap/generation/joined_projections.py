@@ -229,6 +229,31 @@ class JoinedLayer:
         gate, up = self.gate_up.split(normed)
         return hidden + self.down(mlp.act_fn(gate) * up)
 
+    def mixed(self, hidden: torch.Tensor, rows: int, caches: tuple[Any, Any],
+              contexts: tuple[dict[str, Any], dict[str, Any]]) -> torch.Tensor:
+        """The layer over a decode step's rows and a pack of prompts at once: `hidden` is tokens × hidden size, the
+        first `rows` one token per row (`caches[0]`, `contexts[0]`: the step's), the rest one pack of prompts end to
+        end (`caches[1]`, `contexts[1]`: the pack's). Every product reads the weights once for both; only attention
+        runs apart."""
+        layer = self.layer
+        attention, mlp = layer.self_attn, layer.mlp
+        projected = self.qkv.split(own_forward(layer.input_layernorm)(hidden))
+        outs = []
+        # the step's rows as rows × 1 token, the pack as 1 row × its tokens
+        for part, shape, cache, context in zip((slice(0, rows), slice(rows, None)),
+                                               ((rows, 1), (1, hidden.shape[0] - rows)), caches, contexts):
+            query, key, value = (p[part].reshape(*shape, -1, attention.head_dim).transpose(1, 2) for p in projected)
+            cos, sin = context["position_embeddings"]
+            query, key = _rotated(query, cos, sin), _rotated(key, cos, sin)
+            key, value = cache.update(key, value, attention.layer_idx)
+            out, _ = attention_function(attention.config)(attention, query, key, value, context["attention_mask"],
+                                                          dropout=0.0, scaling=attention.scaling)
+            outs.append(out.reshape(-1, out.shape[-2] * out.shape[-1]))
+        hidden = hidden + self.out(torch.cat(outs))
+        normed = own_forward(layer.post_attention_layernorm)(hidden)
+        gate, up = self.gate_up.split(normed)
+        return hidden + self.down(mlp.act_fn(gate) * up)
+
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding of `x` (rows × heads × tokens × dim) as transformers' LLaMA applies it."""

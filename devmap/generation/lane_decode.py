@@ -86,6 +86,50 @@ class LaneDecode(LaneStreams):
                                      decode_step_attention)
         return GraphedStep(body, static_in, graphed, pool, capture)
 
+    def mixed_steps(self, lane: Lane, rows: int, width: int, scratches: list[LaneCache],
+                    cache: StepCache | None) -> list[tuple[GraphedStep, torch.Tensor, torch.Tensor]]:
+        """The lane's decode steps over its first `rows` rows carrying a pack of `width` prompt tokens
+        (`CausalLMStages.mixed`), per stage: (step, the pack's position ids, the pack's mask) to fill before each
+        call; the pack's keys and values go into the stage's `scratches[j]`. Made at first use, kept with the
+        lane's steps."""
+        steps = lane.row_steps.get(("mixed", rows, width))
+        if steps is None:
+            steps = lane.row_steps[("mixed", rows, width)] = [
+                self._mixed_step(j, lane, rows, width, scratches[j], cache) for j in range(len(self.s.stages))]
+        return steps
+
+    def _mixed_step(self, j: int, lane: Lane, rows: int, width: int, scratch: LaneCache,
+                    cache: StepCache | None) -> tuple[GraphedStep, torch.Tensor, torch.Tensor]:
+        stage = self.s.stages[j]
+        graphed = self.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
+        pool = cache.pool(stage.device, j) if cache is not None and graphed else None
+        inputs = lane.inputs[j].first_rows(rows)  # views for every row count, the lane's own too: one compile
+        tokens = lane.steps[0].static_in[:rows].view(-1)  # the rows' tokens (stage 0 reads them)
+        if j == 0:  # stage 0 reads the pack's token ids, later stages the hidden state of the rows and the pack
+            static_in = torch.zeros(width, dtype=torch.long, device=self.s.embed_device)
+        else:
+            static_in = torch.zeros(rows + width, self.s.config.hidden_size, dtype=self.s.dtype, device=stage.device)
+        positions = torch.zeros(1, width, dtype=torch.long, device=stage.device)
+        mask = torch.zeros(1, 1, width, width, dtype=torch.bool, device=stage.device)
+        if self.compile and self.dynamic:  # one compile for every rows × pack width × cache length
+            for tensor, dims in ((static_in, (0,)), (tokens, (0,)), (positions, (1,)), (mask, (2, 3)),
+                                 (inputs.attended, (0, 1)), (inputs.offset, (0,)), (inputs.live, (0,))):
+                dynamic_dims(tensor, dims)
+            for buffer in inputs.cache.buffers():
+                dynamic_dims(buffer, (0, 2))
+            for buffer in scratch.buffers():
+                dynamic_dims(buffer, (2,))
+
+        def body(x: torch.Tensor, j: int = j, tokens: torch.Tensor = tokens, inputs: DecodeInputs = inputs,
+                 scratch: LaneCache = scratch, mask: torch.Tensor = mask, positions: torch.Tensor = positions) -> Any:
+            flat = torch.cat([tokens, x]) if j == 0 else x
+            return self.s.mixed(j, flat, inputs.live.shape[0], inputs, scratch,
+                                {"attention_mask": mask, "position_ids": positions})
+
+        step = GraphedStep(with_decode_attention(self.s.config, self._compiled(body), decode_step_attention),
+                           static_in, graphed, pool, self._capture_stream(j) if graphed else None)
+        return step, positions, mask
+
     def first_rows_steps(self, lane: Lane, rows: int, cache: StepCache | None) -> list[GraphedStep]:
         """The lane's decode steps over its first `rows` rows (made at first use, kept with the lane's steps)."""
         steps = lane.row_steps.get(rows)

@@ -28,8 +28,9 @@ class Lane:
     padded: bool
     caches: list[LaneCache] = field(default_factory=list)  # per stage
     steps: list[GraphedStep] = field(default_factory=list)  # decode step per stage
-    row_steps: dict[int, list[GraphedStep]] = field(default_factory=dict)  # decode steps over the first rows only,
-    # per row count (continuous batches whose held rows are fewer: `lane_decode.computed_rows`)
+    row_steps: dict[Any, list[Any]] = field(default_factory=dict)  # decode steps over the first rows only, per row
+    # count (continuous batches whose held rows are fewer: `lane_decode.computed_rows`), and per ("mixed", rows, pack
+    # width) the steps that carry a pack of prompts (`LaneDecode.mixed_steps`)
     inputs: list[DecodeInputs] = field(default_factory=list)  # decode-step inputs per stage
     tokens: list[torch.Tensor] = field(default_factory=list)
     unfinished: list[torch.Tensor] = field(default_factory=list)  # after each token: rows still generating

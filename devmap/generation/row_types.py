@@ -25,3 +25,4 @@ class Row:
     heard_by: Any = None
     to_issue: int = 0
     to_hear: int = 0
+    queued: bool = False  # taken by a joiner whose prompt waits for a step to carry it (`mixed_joins`)

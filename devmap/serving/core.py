@@ -220,6 +220,7 @@ class EngineCore:
         with continuous_batch(resident.model, rows=shape.rows, first_slot=shape.first_slot,
                               cache_len=shape.cache_len, lanes=limits.lanes, sampling=sampling,
                               compile=resident.compiled, kv_room=resident.kv_room) as batch:
+            running.riding = batch.mixing
             joining = list(jobs)
             clock = PhaseClock(self.metrics)
             while batch.step([_slot_request(job) for job in joining]):

@@ -35,6 +35,8 @@ class SchedulerLimits:
     length_bucket: int = 32  # a batch's first slot is a multiple of this
     join_wait: float = 0.01  # requests that could join wait up to this long for more to join with them
     join_tokens: int = 2048  # prompt tokens that join at one step, at most (beyond the first request)
+    # (both for batches whose joiners prefill on their own: where the decode steps carry joiners' prompts, every free
+    # row is taken at once and the batch paces the prompts itself, `devmap.generation.mixed_joins`)
     preempt_after: float = 0.25  # a request that cannot join stops the running batch once it has waited this long
 
 
@@ -76,13 +78,15 @@ class Admission:
 
 @dataclass
 class RunningBatch:
-    """What the scheduler knows of the running batch: its requests' key, shape, whether it takes joiners, and since
-    when every row has been free (None while some row is held)."""
+    """What the scheduler knows of the running batch: its requests' key, shape, whether it takes joiners, whether its
+    decode steps carry their prompts (`riding`), and since when every row has been free (None while some row is
+    held)."""
 
     key: Hashable
     shape: BatchShape
     takes_joiners: bool
     idle_since: float | None = None
+    riding: bool = False
 
 
 def key_of(job: Job) -> Hashable:
@@ -202,8 +206,9 @@ class Scheduler:
 
     def admit(self, batch: RunningBatch, free: int, now: float) -> Admission:
         """Before the running batch's next step, with `free` of its rows free: the waiting requests of its key that
-        join now (as many as rows free, prompts within its first slot, at most `join_tokens` prompt tokens beyond
-        the first; they wait up to `join_wait` for more to join with them, unless they fill the free rows); a stop
+        join now (as many as rows free, prompts within its first slot; unless the batch's steps carry their prompts,
+        at most `join_tokens` prompt tokens beyond the first, and they wait up to `join_wait` for more to join with
+        them unless they fill the free rows); a stop
         once a request that finds no row while the batch could be larger has waited `join_wait`, once one that
         cannot join (another key, a longer prompt than the batch takes) has waited `preempt_after`, or at once for
         one whose budget the cache cannot hold;
@@ -234,7 +239,8 @@ class Scheduler:
                 return Admission([], stop=True)  # it never fits this batch's cache: a new batch, now
             length = len(job.prompt_ids) + len(job.generated)
             fits = length <= batch.shape.first_slot
-            if is_same and fits and len(chosen) < free and (not chosen or tokens + length <= limits.join_tokens):
+            if is_same and fits and len(chosen) < free and (not chosen or batch.riding
+                                                             or tokens + length <= limits.join_tokens):
                 chosen.append(job)
                 tokens += length
                 continue
@@ -249,6 +255,7 @@ class Scheduler:
                 return Admission([], stop=True)
         taken = {id(j) for j in chosen}
         full = len(chosen) == free or any(id(j) not in taken for j in same)
-        if chosen and not full and free < rows and now - min(j.waiting_since for j in chosen) < limits.join_wait:
+        if (chosen and not full and not batch.riding and free < rows
+                and now - min(j.waiting_since for j in chosen) < limits.join_wait):
             return Admission([])  # a little longer for more of them: one prefill for all (its cost hardly depends on rows)
         return Admission(chosen)

@@ -7,7 +7,19 @@ from devmap import generate
 from devmap.errors import UsageError
 from devmap.generation import joins
 from devmap.generation.continuous import SlotRequest, continuous_batch, generate_continuous
+from devmap.generation.joined_projections import every_layer_joined, join_projections
 from devmap.generation.sampling import Sampling
+
+
+@pytest.fixture(scope="module", params=["own prefills", "riding joiners"])
+def model(request, tiny_llama):
+    """The tiny LLaMA as it is (joiners prefill on their own between steps), or with its projections joined (the
+    decode steps carry joiners' prompts: `mixed_joins`); the same weights, so the same tokens."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    if request.param == "riding joiners":
+        assert join_projections(model) == 2 * model.config.num_hidden_layers
+    return model
 
 
 def alone(model, prompt, new):
@@ -97,7 +109,8 @@ def test_a_pack_keeps_each_prompt_to_its_own_tokens():
 
 def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypatch):
     """With captured steps (here: the cached-step path on CPU, eager), a batch prepares the prefill of every
-    pack width up front, and joins still give each request its tokens."""
+    pack width up front (or, where its steps carry the joiners, every lane's step of each row count and pack width
+    within a step's prompt tokens), and joins still give each request its tokens."""
     from devmap.generation import lanes
     from devmap.generation.step_cache import release_graphs, step_cache
 
@@ -106,11 +119,16 @@ def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypa
     reqs = requests(8, seed=2)
     try:
         got, left, queue = run(model, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=24)
-        shapes = {key[1:] for key in step_cache(model, "continuous").entries if isinstance(key, tuple)
-                  and key[0] == "join"}
+        entries = step_cache(model, "continuous").entries
+        shapes = {key[1:] for key in entries if isinstance(key, tuple) and key[0] == "join"}
+        riding = {(k, key[1:]) for k in range(2) for key in entries[("rows", k)] if key[0] == "mixed"}
     finally:
         release_graphs(model)
-    assert shapes == {(width,) for width in joins.pack_widths(joins.pack_limit(24, 4))}
+    widths = joins.pack_widths(joins.pack_limit(24, 4))  # 64 and 96: each lane has 2 rows
+    if every_layer_joined(model):
+        assert not shapes and riding == {(k, (2, width)) for k in range(2) for width in widths}
+    else:
+        assert shapes == {(width,) for width in widths} and not riding
     assert not left and not queue
     for r in reqs:
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
@@ -175,7 +193,8 @@ def test_a_vacant_row_attends_to_the_column_its_step_writes_only(model):
         columns = attended()
         assert len(columns[2]) == len(columns[3]) == 1  # never taken (nor computed: steps cover the first 2 rows)
         assert columns[0] == [slot]  # `short` had its 3 tokens issued: vacant since
-        assert len(columns[1]) == len(long.prompt) + batch.steps  # `long`: its prompt and its steps' columns
+        # `long`: its prompt and its steps' columns (a step that carried its prompt wrote none of its own)
+        assert len(columns[1]) == len(long.prompt) + batch.steps - (1 if batch.mixing else 0)
         batch.step([later])  # takes row 0
         while batch.step():
             for owner, token in batch.collect():
@@ -273,3 +292,25 @@ def test_compiled_steps_join_like_eager_ones_and_compile_once(model, run, compil
         assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
     finally:
         release_graphs(model)
+
+
+def test_joiners_beyond_a_steps_prompt_tokens_wait_in_their_rows(model, run, monkeypatch):
+    """Steps that carry joiners' prompts take the oldest queued ones up to their prompt tokens (one at least): the
+    others hold their rows and ride later steps, and get the tokens of generating alone; a batch stopped while some
+    still wait returns them as unfinished, with no tokens."""
+    from devmap.generation import mixed_joins
+
+    if not every_layer_joined(model):
+        pytest.skip("joiners ride decode steps where every layer is joined")
+    monkeypatch.setattr(mixed_joins, "RIDING_TOKENS", 12)
+    reqs = requests(9, seed=11)
+    got, left, queue = run(model, reqs[:6], reqs[6:], rows=6)
+    assert not left and not queue
+    for r in reqs:
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
+    got, left, _ = run(model, reqs[:6], [], rows=6, stop_after=0)  # stopped after its first step
+    waited = [r.owner for r in reqs[:6] if not got[r.owner]]
+    assert waited and set(waited) <= set(left)
+    for r in reqs[:6]:
+        assert r.owner in left or len(got[r.owner]) == r.max_new_tokens
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens)[:len(got[r.owner])]

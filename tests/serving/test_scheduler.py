@@ -83,6 +83,15 @@ def test_a_lone_joiner_waits_join_wait_for_company_unless_it_fills_the_free_rows
     assert scheduler(alone).admit(running(first), free=1, now=1.001).joining == [alone]
 
 
+def test_a_batch_whose_steps_carry_prompts_takes_every_free_row_at_once():
+    """Its steps pace the prompts (a step's prompt tokens): no join token budget here, and no wait for company."""
+    first = job(0.0)
+    waiting = [job(1.0, prompt=8) for _ in range(4)]
+    riding = running(first)
+    riding.riding = True
+    assert scheduler(*waiting).admit(riding, free=3, now=1.001).joining == waiting[:3]
+
+
 def test_a_request_that_cannot_join_stops_the_batch_after_preempt_after():
     first = job(0.0)
     for blocked in (job(1.0, model="n"), job(1.0, params=GenerationParams(max_new_tokens=8, temperature=0.5)),

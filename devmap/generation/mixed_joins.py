@@ -1,0 +1,159 @@
+"""Requests joining a continuous batch inside its decode steps (mixed batches, as vLLM schedules them): a step's rows
+and a pack of joiners' prompts go through every product of a layer together (`CausalLMStages.mixed`), so the weights
+are read once for both, and the rows never stop for a prefill of their own.
+
+A decode step of a large model's few dozen rows is bound by reading its weights: its products run far below the GPU's
+arithmetic pace, and a few hundred prompt tokens more cost little beside them. A prefill of its own reads every
+weight again and holds up every row while it runs. Joiners take their rows at once (no one else gets them) and wait
+in the batch's queue; each step carries queued prompts, oldest first, up to `riding_tokens` tokens (one prompt at
+least), each lane's in a pack of its own. A prompt's keys and values go into its row's columns right before the
+next step's slot, and its first token comes out of the step beside the rows' next ones.
+
+Used when every decoder layer is joined (`joined_projections`: devmap runs those layers itself); other models join
+through prefills of their own (`join_prefill`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..pipelining.streams import hand_off, to_host
+from .join_prefill import onto
+from .joins import on_device, pack_width, pack_widths, prompt_columns, to_device
+from .lane_decode import FEWEST_ROWS
+from .lane_runner import record_event
+from .row_types import SlotRequest
+from .sampling import choose
+
+RIDING_TOKENS = 512  # prompt tokens one step carries at most (one prompt at least): at 13B on an H200 a decode step
+# of 32 rows plus 512 prompt tokens is bound by arithmetic, not by reading the weights; more would only lengthen the
+# rows' steps while a wave of joiners comes in
+
+Rider = tuple[SlotRequest, int]  # a joiner carried by a step: its request and its row of the lane
+
+
+class MixedJoins:
+    """The joining half of `ContinuousBatch` when its steps carry prompts (its rows, lanes, captured steps and sampling
+    are the batch's)."""
+
+    @property
+    def riding_tokens(self) -> int:
+        """The most prompt tokens one step carries beyond its first prompt (within a pack's limit)."""
+        return min(RIDING_TOKENS, self.pack_limit)
+
+    def reserve(self, joining: list[tuple[SlotRequest, int, int]]) -> None:
+        """Each (request, lane, row) takes its row now and waits in the queue for a step to carry its prompt."""
+        for request, _, _ in joining:
+            self.check(request)
+        for request, k, row in joining:
+            held = self.rows[k][row]
+            held.issued_to, held.to_issue, held.queued = request.owner, request.max_new_tokens, True
+            self.queued.append((request, k, row))
+
+    def riders(self) -> dict[int, list[Rider]]:
+        """The queued joiners this step carries, per lane: the oldest, and the next ones while their prompts add up to
+        at most `riding_tokens`."""
+        taken, tokens = 0, 0
+        for request, _, _ in self.queued:
+            if taken and tokens + len(request.prompt) > self.riding_tokens:
+                break
+            taken, tokens = taken + 1, tokens + len(request.prompt)
+        per_lane: dict[int, list[Rider]] = {}
+        for request, k, row in self.queued[:taken]:
+            self.rows[k][row].queued = False
+            per_lane.setdefault(k, []).append((request, row))
+        self.queued = self.queued[taken:]
+        return per_lane
+
+    def ride(self, k: int, riders: list[Rider], rows: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lane k's decode step over its first `rows` rows (writing cache slot `slot`) carrying the riders' prompts in
+        one pack: their keys and values go into their rows' columns before slot + 1, where their rows decode from.
+        Returns the rows' float logits and the riders' first tokens (on the last stage's stream)."""
+        run, lane, last = self.run, self.run.lanes[k], len(self.s.stages) - 1
+        lengths = torch.tensor([len(request.prompt) for request, _ in riders])
+        total = int(lengths.sum())
+        width = pack_width(total, self.pack_limit)
+        joined = torch.tensor([row for _, row in riders])
+        token_rows, columns = joined.repeat_interleave(lengths), prompt_columns(lengths, slot + 1, self.cache_len)
+        ids, context, ready = self._pack_inputs([request.prompt for request, _ in riders], width)
+        steps = run.mixed_steps(lane, rows, width, [self.scratch(j) for j in range(last + 1)], self.cache)
+        out = event = None
+        for j, stage in enumerate(self.s.stages):
+            step, positions, mask = steps[j]
+            with run.on(j) as compute:
+                move = partial(onto, device=stage.device, j=j, streams=run.streams, compute=compute)
+                if j == 0:
+                    if compute is not None and lane.token_ready is not None:  # the rows' tokens are in place
+                        compute.wait_event(lane.token_ready)
+                    step.static_in.copy_(ids.view(-1))
+                else:
+                    step.static_in.copy_(move(out, event))
+                positions.copy_(move(context["position_ids"], ready))
+                mask.copy_(move(context["attention_mask"], ready))
+                out = step.handed_on(step(), j < last)
+                device = stage.device
+                lane.caches[j].take_prompts(self.scratch(j), 0, total, to_device(token_rows, device),
+                                            to_device(columns, device))
+                lane.inputs[j].join(to_device(joined, device), to_device(lengths, device), slot + 1)
+                event = record_event(compute)
+        logits, packed = out
+        with run.on(last):
+            ends = on_device((lengths.cumsum(0) - 1).tolist(), packed.device)  # each prompt's last token
+            first = choose(self.s.head(packed.index_select(0, ends)[:, None])[:, -1].float(), self.sampling,
+                           self.generator)
+        return logits, first
+
+    def hand_in(self, k: int, riders: list[Rider], first: torch.Tensor, step: int) -> None:
+        """The riders' first tokens: to the host (they reach their owners with the step's), and into their rows'
+        inputs for the lane's next step, after the rows' own tokens got there."""
+        run, lane = self.run, self.run.lanes[k]
+        with run.on(len(self.s.stages) - 1) as compute:
+            host = to_host(first)
+            event = record_event(compute)
+        self.pending[k].append((step, event, host, [(row, request, i) for i, (request, row) in enumerate(riders)]))
+        target = lane.steps[0].static_in.view(-1)
+        with run.on(0) as stream:
+            moved = hand_off(first, event, target.device, 0, run.streams, stream) if stream is not None else \
+                first.to(target.device)
+            if stream is not None and lane.token_ready is not None:
+                stream.wait_event(lane.token_ready)
+            target.index_copy_(0, on_device([row for _, row in riders], target.device), moved)
+        self.count_issued(k, [row for _, row in riders])  # the first token
+
+    def capture_mixed(self) -> None:
+        """Capture every lane's steps carrying a pack of each width up to `riding_tokens`, for every row count a step
+        computes, before the batch's first step (on GPUs): a shape's first use otherwise costs an eager run and a
+        capture in the middle of a burst of requests. The steps run on vacant rows with packs of one token per
+        segment; the batch resets its rows and slots afterwards."""
+        for k, lane in enumerate(self.run.lanes):
+            counts, rows = [], FEWEST_ROWS
+            while rows < lane.ids.shape[0]:
+                counts.append(rows)
+                rows *= 2
+            for rows in [*counts, lane.ids.shape[0]]:
+                for width in pack_widths(self.pack_limit):
+                    if width > max(self.riding_tokens, 64):
+                        break
+                    if ("mixed", rows, width) in lane.row_steps:
+                        continue
+                    ids, context, ready = self._pack_inputs([[0]] * width, width)
+                    for _ in range(2):  # eager, then captured
+                        self._warm(k, rows, width, ids, context, ready)
+
+    def _warm(self, k: int, rows: int, width: int, ids: torch.Tensor, context: dict, ready: Any) -> None:
+        run, lane, last = self.run, self.run.lanes[k], len(self.s.stages) - 1
+        steps = run.mixed_steps(lane, rows, width, [self.scratch(j) for j in range(last + 1)], self.cache)
+        out = event = None
+        for j, stage in enumerate(self.s.stages):
+            step, positions, mask = steps[j]
+            with run.on(j) as compute:
+                move = partial(onto, device=stage.device, j=j, streams=run.streams, compute=compute)
+                step.static_in.copy_(ids.view(-1) if j == 0 else move(out, event))
+                positions.copy_(move(context["position_ids"], ready))
+                mask.copy_(move(context["attention_mask"], ready))
+                out = step.handed_on(step(), j < last)
+                event = record_event(compute)
+
