@@ -28,11 +28,13 @@ from .options import load_options
               help="A batch starts at the latest this long after its oldest request arrived.")
 @click.option("--join-wait-ms", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="Requests that could join the running batch wait up to this long for others to join "
-                   "with them (one prefill for all), unless they fill its free rows; one that finds no free row "
-                   "stops a batch that could have more rows after this long (the next one has a row for it).")
+                   "with them (one prefill for all), unless they fill its free rows or its decode steps carry "
+                   "joiners' prompts (LLaMA models in bf16, fp16 or int8); one that finds no free row stops a batch "
+                   "that could have more rows after this long (the next one has a row for it).")
 @click.option("--join-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
               help="Prompt tokens that join the running batch at one step, at most (a larger first "
-                   "request joins alone): a burst of requests joins over a few short steps instead of one long one.")
+                   "request joins alone): a burst of requests joins over a few short steps instead of one long one. "
+                   "Where the decode steps carry joiners' prompts, each step carries up to 512.")
 @click.option("--preempt-after-ms", default=250.0, show_default=True, type=click.FloatRange(min=0),
               help="A request that cannot join the running batch (another model or sampling, a longer "
                    "prompt than it takes) stops it after waiting this long; its unfinished requests continue in a "
