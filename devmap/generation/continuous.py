@@ -121,12 +121,14 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
                           keep_graphs=keep_graphs) as batch:
         for request in first:
             batch.check(request)
-        done: set[int] = set()  # id() of owners that said they need no more tokens
+        # owners that said they need no more tokens, by id(); kept alive here, so that no later owner can take the
+        # id of one that was freed (its tokens would be dropped as a finished owner's)
+        done: dict[int, Any] = {}
 
         def hand_back(tokens: list[tuple[Any, int]]) -> None:
             for owner, token in tokens:
                 if id(owner) not in done and emit(owner, token):
-                    done.add(id(owner))
+                    done[id(owner)] = owner
                     batch.release(owner)
 
         joining: list[SlotRequest] | None = first

@@ -314,3 +314,29 @@ def test_joiners_beyond_a_steps_prompt_tokens_wait_in_their_rows(model, run, mon
     for r in reqs[:6]:
         assert r.owner in left or len(got[r.owner]) == r.max_new_tokens
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens)[:len(got[r.owner])]
+
+
+def test_owners_dropped_after_their_last_token_never_hide_a_later_owners_tokens(model):
+    """Owners made as requests come and dropped once they have their tokens may be freed, and a later owner may then
+    get the same id(): every request still gets all its tokens."""
+    finished: list[int] = []
+    made = [0]
+
+    def fresh() -> SlotRequest:
+        made[0] += 1
+        return SlotRequest([5 + made[0] % 7, 9, 11], 3, {"n": made[0], "got": 0})
+
+    def admit(free, longest, most):
+        count = min(free, 40 - made[0])
+        return [fresh() for _ in range(count)]
+
+    def emit(owner, token):
+        owner["got"] += 1
+        if owner["got"] == 3:
+            finished.append(owner["n"])
+            return True
+        return False
+
+    left = generate_continuous(model, [fresh(), fresh()], admit, emit, rows=2, first_slot=12, cache_len=40,
+                               split_layers=[2])
+    assert not left and sorted(finished) == list(range(1, 41))
