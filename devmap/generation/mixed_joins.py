@@ -28,9 +28,9 @@ from .lane_runner import record_event
 from .row_types import SlotRequest
 from .sampling import choose
 
-RIDING_TOKENS = 512  # prompt tokens one step carries at most (one prompt at least): at 13B on an H200 a decode step
-# of 32 rows plus 512 prompt tokens is bound by arithmetic, not by reading the weights; more would only lengthen the
-# rows' steps while a wave of joiners comes in
+RIDING_TOKENS = 512  # prompt tokens one step carries at most (one prompt at least): at 13B on an H200 the products
+# of 32 rows plus 512 prompt tokens are bound by arithmetic (19 ms against 6.7 ms for the rows alone,
+# benchmarks/probes/product_rows.py); more would only lengthen the rows' steps while a wave of joiners comes in
 
 Rider = tuple[SlotRequest, int]  # a joiner carried by a step: its request and its row of the lane
 
@@ -41,7 +41,7 @@ class MixedJoins:
 
     @property
     def riding_tokens(self) -> int:
-        """The most prompt tokens one step carries beyond its first prompt (within a pack's limit)."""
+        """The most prompt tokens one step carries (within a pack's limit; a longer prompt rides alone)."""
         return min(RIDING_TOKENS, self.pack_limit)
 
     def reserve(self, joining: list[tuple[SlotRequest, int, int]]) -> None:
