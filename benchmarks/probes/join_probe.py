@@ -99,13 +99,19 @@ def one_join(model: torch.nn.Module, prompts: list[list[int]], rows: int, first_
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def loop_arguments(doc: str) -> argparse.ArgumentParser:
+    """A parser with the closed loop's arguments (model, clients, prompt lengths, new tokens, seconds)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--model", default="llama-2-13b")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--lengths", default="24,90,170,330", help="prompt lengths drawn from, in tokens")
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=8.0)
+    return parser
+
+
+def main() -> None:
+    parser = loop_arguments(__doc__)
     parser.add_argument("--pack-tokens", default="1024,4096,8192", help="PACK_TOKENS values to time joins with")
     parser.add_argument("--budgets", default="none,2048,1024", help="closed loops' join budgets (prompt tokens)")
     parser.add_argument("--profile", action="store_true")

@@ -10,7 +10,6 @@ compiled steps at each of `--budgets` prompt tokens per step.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from devmap.serving.warm_up import warm_up
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import copy_bandwidth  # noqa: E402
-from probes.join_probe import closed_loop  # noqa: E402
+from probes.join_probe import closed_loop, loop_arguments  # noqa: E402
 
 
 def timed(call) -> float:  # type: ignore[no-untyped-def]
@@ -62,12 +61,7 @@ def profiled(model: torch.nn.Module, rows: int, first_slot: int, cache_len: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama-2-13b")
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--lengths", default="24,90,170,330", help="prompt lengths drawn from, in tokens")
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--seconds", type=float, default=8.0)
+    parser = loop_arguments(__doc__)
     parser.add_argument("--budgets", default="512,256,1024", help="prompt tokens a step carries at most")
     parser.add_argument("--widths", default="64,128,256,384")
     parser.add_argument("--profile", action="store_true",

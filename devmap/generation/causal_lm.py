@@ -179,14 +179,18 @@ class CausalLMStages:
         if stage == 0:
             hidden = self.embed(hidden)
         hidden = hidden.to(device)
-        position_ids = inputs.position_ids()
-        context = {"attention_mask": inputs.mask(), "position_ids": position_ids,
-                   "position_embeddings": self.rotary(hidden, position_ids)}
-        hidden = self.run(stage, hidden, context, inputs.cache)
+        hidden = self.run(stage, hidden, self.decode_context(hidden, inputs), inputs.cache)
         inputs.cache.advance()
         if stage + 1 < len(self.stages):
             return hidden
         return self.head(hidden)[:, -1].float()
+
+    def decode_context(self, hidden: torch.Tensor, inputs: Any) -> dict[str, Any]:
+        """A decode step's mask, position ids and rotary cos/sin for its rows (`hidden`: rows × 1 × hidden size), from
+        the lane's `DecodeInputs` on this stage (the mask marks the column the step writes)."""
+        position_ids = inputs.position_ids()
+        return {"attention_mask": inputs.mask(), "position_ids": position_ids,
+                "position_embeddings": self.rotary(hidden, position_ids)}
 
     def mixes(self) -> bool:
         """Whether every decoder layer is joined (`JoinedLayer`): a decode step can then carry a pack of prompts."""
@@ -203,9 +207,7 @@ class CausalLMStages:
         if stage == 0:
             flat = self.embed(flat)
         flat = flat.to(device)
-        position_ids = inputs.position_ids()
-        step = {"attention_mask": inputs.mask(), "position_ids": position_ids,
-                "position_embeddings": self.rotary(flat[:rows, None], position_ids)}
+        step = self.decode_context(flat[:rows, None], inputs)
         packed = {"attention_mask": pack["attention_mask"], "position_ids": pack["position_ids"],
                   "position_embeddings": self.rotary(flat[None, rows:], pack["position_ids"])}
         for layer in self.stages[stage].layers:

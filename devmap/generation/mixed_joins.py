@@ -16,14 +16,14 @@ through prefills of their own (`join_prefill`).
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..pipelining.streams import hand_off, to_host
 from .join_prefill import onto
 from .joins import on_device, pack_width, pack_widths, prompt_columns, to_device
-from .lane_decode import FEWEST_ROWS
+from .lane_decode import computed_rows
 from .lane_runner import record_event
 from .row_types import SlotRequest
 from .sampling import choose
@@ -79,27 +79,13 @@ class MixedJoins:
         joined = torch.tensor([row for _, row in riders])
         token_rows, columns = joined.repeat_interleave(lengths), prompt_columns(lengths, slot + 1, self.cache_len)
         ids, context, ready = self._pack_inputs([request.prompt for request, _ in riders], width)
-        steps = run.mixed_steps(lane, rows, width, [self.scratch(j) for j in range(last + 1)], self.cache)
-        out = event = None
-        for j, stage in enumerate(self.s.stages):
-            step, positions, mask = steps[j]
-            with run.on(j) as compute:
-                move = partial(onto, device=stage.device, j=j, streams=run.streams, compute=compute)
-                if j == 0:
-                    if compute is not None and lane.token_ready is not None:  # the rows' tokens are in place
-                        compute.wait_event(lane.token_ready)
-                    step.static_in.copy_(ids.view(-1))
-                else:
-                    step.static_in.copy_(move(out, event))
-                positions.copy_(move(context["position_ids"], ready))
-                mask.copy_(move(context["attention_mask"], ready))
-                out = step.handed_on(step(), j < last)
-                device = stage.device
-                lane.caches[j].take_prompts(self.scratch(j), 0, total, to_device(token_rows, device),
-                                            to_device(columns, device))
-                lane.inputs[j].join(to_device(joined, device), to_device(lengths, device), slot + 1)
-                event = record_event(compute)
-        logits, packed = out
+
+        def into_rows(j: int, device: torch.device) -> None:
+            lane.caches[j].take_prompts(self.scratch(j), 0, total, to_device(token_rows, device),
+                                        to_device(columns, device))
+            lane.inputs[j].join(to_device(joined, device), to_device(lengths, device), slot + 1)
+
+        logits, packed = self._carrying(k, rows, width, ids, context, ready, into_rows)
         with run.on(last):
             ends = on_device((lengths.cumsum(0) - 1).tolist(), packed.device)  # each prompt's last token
             first = choose(self.s.head(packed.index_select(0, ends)[:, None])[:, -1].float(), self.sampling,
@@ -129,11 +115,8 @@ class MixedJoins:
         capture in the middle of a burst of requests. The steps run on vacant rows with packs of one token per
         segment; the batch resets its rows and slots afterwards."""
         for k, lane in enumerate(self.run.lanes):
-            counts, rows = [], FEWEST_ROWS
-            while rows < lane.ids.shape[0]:
-                counts.append(rows)
-                rows *= 2
-            for rows in [*counts, lane.ids.shape[0]]:
+            lane_rows = lane.ids.shape[0]
+            for rows in sorted({computed_rows(highest, lane_rows) for highest in range(-1, lane_rows)}):
                 for width in pack_widths(self.pack_limit):
                     if width > max(self.riding_tokens, 64):
                         break
@@ -141,9 +124,12 @@ class MixedJoins:
                         continue
                     ids, context, ready = self._pack_inputs([[0]] * width, width)
                     for _ in range(2):  # eager, then captured
-                        self._warm(k, rows, width, ids, context, ready)
+                        self._carrying(k, rows, width, ids, context, ready)
 
-    def _warm(self, k: int, rows: int, width: int, ids: torch.Tensor, context: dict, ready: Any) -> None:
+    def _carrying(self, k: int, rows: int, width: int, ids: torch.Tensor, context: dict, ready: Any,
+                  after: Callable[[int, torch.device], None] | None = None) -> Any:
+        """Lane k's step over its first `rows` rows carrying a pack of `width` tokens (ids, and its mask and positions
+        ready at `ready`) on every stage (`after(j, device)` once stage j's is issued); the last stage's output."""
         run, lane, last = self.run, self.run.lanes[k], len(self.s.stages) - 1
         steps = run.mixed_steps(lane, rows, width, [self.scratch(j) for j in range(last + 1)], self.cache)
         out = event = None
@@ -151,9 +137,16 @@ class MixedJoins:
             step, positions, mask = steps[j]
             with run.on(j) as compute:
                 move = partial(onto, device=stage.device, j=j, streams=run.streams, compute=compute)
-                step.static_in.copy_(ids.view(-1) if j == 0 else move(out, event))
+                if j == 0:
+                    if compute is not None and lane.token_ready is not None:  # the rows' tokens are in place
+                        compute.wait_event(lane.token_ready)
+                    step.static_in.copy_(ids.view(-1))
+                else:
+                    step.static_in.copy_(move(out, event))
                 positions.copy_(move(context["position_ids"], ready))
                 mask.copy_(move(context["attention_mask"], ready))
                 out = step.handed_on(step(), j < last)
+                if after is not None:
+                    after(j, stage.device)
                 event = record_event(compute)
-
+        return out
