@@ -60,13 +60,40 @@ def profiled(model: torch.nn.Module, rows: int, first_slot: int, cache_len: int,
         batch.collect(everything=True)
 
 
+def host_profiled(model: torch.nn.Module, clients: int, lengths: list[int], new: int, seconds: float, rows: int,
+                  first_slot: int, cache_len: int) -> None:
+    """Closed loops with joiners riding the steps and joining through prefills of their own (compiled both; each
+    compiled and captured in a short loop first), then the host's busiest calls over half a second of a riding loop."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def loop(riding: bool, length: float) -> dict[str, float]:
+        mixed_joins.RIDING_MIN_PARAMETERS = 0 if riding else 1 << 62
+        return closed_loop(model, clients, lengths, new, length, rows, first_slot, cache_len, compile=True)
+
+    for riding in (True, False):
+        loop(riding, 2.0)  # compiles, captures
+    for riding in (True, False):
+        result = loop(riding, seconds)
+        step = result["wall_s"] / max(result["steps"], 1)
+        print(f"closed loop, joiners {'riding' if riding else 'apart'}:", {k: round(v, 4) for k, v in result.items()},
+              f"{step * 1e3:.2f} ms per step", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = loop(True, 0.5)
+    print(f"profiled riding loop: {result['steps']} steps, {result['wall_s']:.2f} s", flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+
+
 def main() -> None:
     parser = loop_arguments(__doc__)
     parser.add_argument("--budgets", default="512,256,1024", help="prompt tokens a step carries at most")
     parser.add_argument("--widths", default="64,128,256,384")
     parser.add_argument("--profile", action="store_true",
                         help="only: the kernels of eager steps, alone and carrying a pack of the second width")
+    parser.add_argument("--host", action="store_true",
+                        help="only: closed loops of compiled steps with joiners riding and joining apart, then the "
+                             "host's busiest calls over a riding loop (CUDA runtime calls and torch ops)")
     args = parser.parse_args()
+    mixed_joins.RIDING_MIN_PARAMETERS = 0  # whatever the model's size: this probe is about riding steps
     bandwidth = copy_bandwidth()
     model = devmap.load(args.model, "balanced", dtype="bf16")
     print(f"joined {join_projections(model)} projection groups", flush=True)
@@ -78,6 +105,9 @@ def main() -> None:
     cache_len = -(-(first_slot + args.new) // 128) * 128
     if args.profile:
         profiled(model, rows, first_slot, cache_len, int(args.widths.split(",")[1]))
+        return
+    if args.host:
+        host_profiled(model, args.clients, lengths, args.new, args.seconds, rows, first_slot, cache_len)
         return
     print(f"warm-up (compiles): {timed(lambda: warm_up(model, args.clients, 4096)):.1f} s", flush=True)
     start = time.perf_counter()

@@ -29,12 +29,18 @@ from .options import load_options
 @click.option("--join-wait-ms", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="Requests that could join the running batch wait up to this long for others to join "
                    "with them (one prefill for all), unless they fill its free rows or its decode steps carry "
-                   "joiners' prompts (LLaMA models in bf16, fp16 or int8); one that finds no free row stops a batch "
+                   "joiners' prompts (see --ride); one that finds no free row stops a batch "
                    "that could have more rows after this long (the next one has a row for it).")
 @click.option("--join-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
               help="Prompt tokens that join the running batch at one step, at most (a larger first "
                    "request joins alone): a burst of requests joins over a few short steps instead of one long one. "
                    "Where the decode steps carry joiners' prompts, each step carries up to 512.")
+@click.option("--ride/--no-ride", "riding", default=None,
+              help="Joiners' prompts ride the running batch's decode steps (vLLM's mixed batches: the weights are "
+                   "read once for both) instead of prefilling between two steps; only LLaMA-family models in bf16, "
+                   "fp16 or int8 with sdpa attention can. Default: where that pays, models of 10B parameters or "
+                   "more, whose steps are bound by reading the weights (a small model's steps are bound by the "
+                   "host, which a riding step keeps busier).")
 @click.option("--preempt-after-ms", default=250.0, show_default=True, type=click.FloatRange(min=0),
               help="A request that cannot join the running batch (another model or sampling, a longer "
                    "prompt than it takes) stops it after waiting this long; its unfinished requests continue in a "
@@ -58,7 +64,7 @@ from .options import load_options
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
           quantize: str | None,
           model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int, batch_wait_ms: float,
-          max_batch_wait_ms: float, join_wait_ms: float, join_tokens: int,
+          max_batch_wait_ms: float, join_wait_ms: float, join_tokens: int, riding: bool | None,
           preempt_after_ms: float, max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
           lanes: int | None, compile_steps: bool | None, log_level: str) -> None:
@@ -85,7 +91,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
 
     limits = EngineLimits(max_batch=max_batch, batch_wait=batch_wait_ms / 1000,
                           max_batch_wait=max(max_batch_wait_ms, batch_wait_ms) / 1000, max_queue=max_queue,
-                          join_wait=join_wait_ms / 1000, join_tokens=join_tokens,
+                          join_wait=join_wait_ms / 1000, join_tokens=join_tokens, riding=riding,
                           preempt_after=preempt_after_ms / 1000, max_prompt_tokens=max_prompt_tokens,
                           max_new_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
                           lanes=lanes, compile=compile_steps)

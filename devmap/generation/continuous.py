@@ -22,6 +22,7 @@ from ..planning.runtime_memory import layer_kv_bytes
 from .continuous_rows import ContinuousBatch
 from .row_types import Row, SlotRequest
 from .lane_runner import LaneRunner, place_lanes, split_lanes
+from .mixed_joins import rides_by_default
 from .sampling import Sampling
 from .step_cache import StepCache, step_cache, weight_pointers
 
@@ -41,8 +42,8 @@ Emit = Callable[[Any, int], bool]
 @torch.no_grad()
 def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len: int, lanes: int | None = None,
                      sampling: Sampling | None = None, split_layers: list[int] | None = None, graphs: bool = True,
-                     compile: bool = False, keep_graphs: bool = True,
-                     kv_room: int | None = None) -> Iterator["ContinuousBatch"]:
+                     compile: bool = False, keep_graphs: bool = True, kv_room: int | None = None,
+                     riding: bool | None = None) -> Iterator["ContinuousBatch"]:
     """A continuous batch of `rows` rows on `model`, driven step by step by its caller:
     `batch.step(joining)` starts requests in free rows and issues one decode step, `batch.collect()` hands back
     the tokens that have come back since (a couple of steps behind the GPUs), `batch.release(owner)` frees the
@@ -56,7 +57,11 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
 
     The captured steps and KV caches of the last KEPT_SHAPES (rows, cache length) shapes stay on the model for the
     next batch of that shape; `kv_room` (bytes, all devices together) bounds their KV caches: older shapes are
-    dropped before a new one would take more (a serving memory plan makes room for one largest batch)."""
+    dropped before a new one would take more (a serving memory plan makes room for one largest batch).
+
+    `riding`: whether joiners' prompts ride the decode steps (`mixed_joins`, where every decoder layer is joined)
+    rather than prefilling between two steps; None: where the model is large enough for it to pay
+    (`mixed_joins.rides_by_default`)."""
     sampling = sampling or Sampling()
     sampling.check()
     if rows < 1 or not 0 < first_slot <= cache_len:
@@ -79,7 +84,8 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     kv_bytes = model.config.num_hidden_layers * layer_kv_bytes(model.config, stages.dtype, rows, cache_len)
     entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),
                         weight_pointers(model), kv_bytes, kv_room)
-    batch = ContinuousBatch(run, first_slot, cache_len, sampling, cache, entries)
+    mixing = stages.mixes() and (rides_by_default(model.config) if riding is None else riding)
+    batch = ContinuousBatch(run, first_slot, cache_len, sampling, cache, entries, mixing)
 
     def vacant() -> None:
         for lane in lane_list:
@@ -107,18 +113,19 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
 def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit, emit: Emit, *, rows: int,
                         first_slot: int, cache_len: int, lanes: int | None = None, sampling: Sampling | None = None,
                         split_layers: list[int] | None = None, graphs: bool = True, compile: bool = False,
-                        keep_graphs: bool = True, stats: dict[str, float] | None = None) -> list[Any]:
+                        keep_graphs: bool = True, stats: dict[str, float] | None = None,
+                        riding: bool | None = None) -> list[Any]:
     """`continuous_batch` run by two callbacks: generate for `first`, and for every request `admit` hands in while
     the batch runs (before each step); every token goes to `emit` in order.
 
     Ends when every row is free and `admit` brings none, or when `admit` returns None; returns the owners that had
     not finished then (to continue elsewhere, from their prompt plus the tokens they got). `stats`, when given,
-    gets the run's steps, joined requests and the host seconds spent issuing them."""
+    gets the run's steps, joined requests and the host seconds spent issuing them; `riding` as `continuous_batch`'s."""
     if not first or len(first) > rows:
         raise UsageError(f"a continuous batch starts with 1 to rows={rows} requests, got {len(first)}")
     with continuous_batch(model, rows=rows, first_slot=first_slot, cache_len=cache_len, lanes=lanes,
                           sampling=sampling, split_layers=split_layers, graphs=graphs, compile=compile,
-                          keep_graphs=keep_graphs) as batch:
+                          keep_graphs=keep_graphs, riding=riding) as batch:
         for request in first:
             batch.check(request)
         # owners that said they need no more tokens, by id(); kept alive here, so that no later owner can take the

@@ -28,7 +28,7 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
     through prefills of their own between two steps (`join_prefill`)."""
 
     def __init__(self, run: LaneRunner, first_slot: int, cache_len: int, sampling: Sampling, cache: StepCache,
-                 entries: dict[Any, Any]) -> None:
+                 entries: dict[Any, Any], mixing: bool) -> None:
         self.run, self.s = run, run.s
         self.cache, self.entries = cache, entries  # captured steps kept for this batch shape (joining packs')
         self.first_slot, self.cache_len = first_slot, cache_len
@@ -41,7 +41,7 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
         # (step, event, host tokens, [(row, request, index in the tokens)]) for joining requests' first tokens
         self.pending: list[list[tuple[int, Any, torch.Tensor, Any]]] = [[] for _ in run.lanes]
         self.steps = 0
-        self.mixing = run.s.mixes()  # joiners ride in the decode steps
+        self.mixing = mixing  # joiners ride in the decode steps (every layer joined: `CausalLMStages.mixes`)
         self.queued: list[tuple[SlotRequest, int, int]] = []  # (request, lane, row) of joiners waiting to ride
         self.stats = {"steps": 0, "joined": 0, "join_seconds": 0.0}
 

@@ -219,7 +219,8 @@ class EngineCore:
         stopped = False
         with continuous_batch(resident.model, rows=shape.rows, first_slot=shape.first_slot,
                               cache_len=shape.cache_len, lanes=limits.lanes, sampling=sampling,
-                              compile=resident.compiled, kv_room=resident.kv_room) as batch:
+                              compile=resident.compiled, kv_room=resident.kv_room,
+                              riding=limits.riding) as batch:
             running.riding = batch.mixing
             joining = list(jobs)
             clock = PhaseClock(self.metrics)

@@ -21,6 +21,7 @@ class EngineLimits:
     idle_timeout: float | None = None  # unload models unused this long (seconds)
     lanes: int | None = None
     compile: bool | None = None  # compiled decode steps: None where they win (devmap.serving.warm_up), or on/off
+    riding: bool | None = None  # joiners ride the decode steps: None where it pays (mixed_joins.rides_by_default)
     graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
     batch_wait: float = 0.005
     max_batch_wait: float = 0.05

@@ -137,7 +137,7 @@ class ModelRegistry:
                 _prepare_int8_kernels(model, model_id)
                 tokenizer = load_tokenizer(path)
                 context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-                compiled = _compiled(model, self.limits.compile, model.devmap_plan.quantization, rows, context)
+                compiled = _compiled(model, self.limits, model.devmap_plan.quantization, rows, context)
             except BaseException:
                 _free(model)
                 raise
@@ -229,18 +229,19 @@ def _prepare_int8_kernels(model: nn.Module, model_id: str) -> None:
                   time.monotonic() - started)
 
 
-def _compiled(model: nn.Module, wanted: bool | None, quantization: Quantization | None, rows: int,
+def _compiled(model: nn.Module, limits: EngineLimits, quantization: Quantization | None, rows: int,
               context: int) -> bool:
     """Whether the model's decode steps run compiled (`warm_up.compiles`), compiled now if so. A compile that fails
     (no C compiler for inductor, an operator it cannot trace) leaves the model on captured eager steps, with a
-    warning in the log, unless it was asked for (`wanted`): then the load fails with the reason."""
+    warning in the log, unless it was asked for (`limits.compile`): then the load fails with the reason."""
     from ..generation.step_cache import release_graphs
     from .warm_up import compiles, warm_up
 
+    wanted = limits.compile
     if not compiles(model, wanted, quantization):
         return False
     try:
-        warm_up(model, rows, context)
+        warm_up(model, rows, context, limits.riding)
     except Exception as exc:
         release_graphs(model)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -1,7 +1,7 @@
 """Compiled steps for a service: whether a model gets them, and compiling them while it loads.
 
 A service compiles a model's decode steps and its joins (`devmap.generation.compiled`, dynamic sizes: one compile for
-every batch shape and pack width): the steps carrying joiners' prompts where every layer is joined
+every batch shape and pack width): the steps carrying joiners' prompts where they ride
 (`devmap.generation.mixed_joins`), else the joins' prefill. It compiles them where that wins: every block on a GPU, and
 weights that devmap's own products read (floating point, or torchao's int8 with a scale per row in layers whose
 projections are joined: `devmap.generation.int8_products`; a layer left unjoined would run torchao's product, which
@@ -40,13 +40,15 @@ def compiles(model: nn.Module, wanted: bool | None, quantization: Quantization |
     return torch.cuda.is_available() and all(isinstance(d, int) or str(d).startswith("cuda") for d in devices)
 
 
-def warm_up(model: nn.Module, max_rows: int, context: int) -> None:
-    """Run a small continuous batch with compiled steps (compiling its decode step, and on GPUs its joins' prefill
-    as it captures every pack width), then free what it captured."""
+def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None = None) -> None:
+    """Run a small continuous batch with compiled steps (compiling its decode step, and on GPUs the steps carrying
+    joiners' prompts or their joins' prefill, as `riding` chooses, as it captures every pack width), then free what it
+    captured."""
     cache_len = min(CACHE_BUCKET, context) if context else CACHE_BUCKET
     prompt = [1] * 4
     rows = min(MIN_ROWS, max_rows)
-    with continuous_batch(model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True) as batch:
+    with continuous_batch(model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True,
+                          riding=riding) as batch:
         # every row held: the batch's own decode step compiles; steps over its first rows reuse that compile
         batch.step([SlotRequest(prompt, WARM_UP_STEPS + 1, object()) for _ in range(rows)])
         for _ in range(WARM_UP_STEPS):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from devmap.generation import mixed_joins
 from devmap.generation.continuous import generate_continuous
 
 CONFIG = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
@@ -17,6 +18,13 @@ CONFIG = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_at
 def _tiny_llama(attn_implementation: str | None = None, **overrides) -> torch.nn.Module:
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     return AutoModelForCausalLM.from_config(LlamaConfig(**{**CONFIG, **overrides}), **extra).eval()
+
+
+@pytest.fixture(autouse=True)
+def joined_models_ride(monkeypatch):
+    """Joined tiny models ride as large ones do (by default devmap's steps carry prompts from 10B parameters on):
+    these tests check the riding steps' tokens. A test of the default sets the bound back."""
+    monkeypatch.setattr(mixed_joins, "RIDING_MIN_PARAMETERS", 0)
 
 
 @pytest.fixture(scope="package")

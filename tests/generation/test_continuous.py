@@ -5,7 +5,7 @@ import torch
 
 from devmap import generate
 from devmap.errors import UsageError
-from devmap.generation import joins
+from devmap.generation import joins, mixed_joins
 from devmap.generation.continuous import SlotRequest, continuous_batch, generate_continuous
 from devmap.generation.joined_projections import every_layer_joined, join_projections
 from devmap.generation.sampling import Sampling
@@ -298,7 +298,6 @@ def test_joiners_beyond_a_steps_prompt_tokens_wait_in_their_rows(model, run, mon
     """Steps that carry joiners' prompts take the oldest queued ones up to their prompt tokens (one at least): the
     others hold their rows and ride later steps, and get the tokens of generating alone; a batch stopped while some
     still wait returns them as unfinished, with no tokens."""
-    from devmap.generation import mixed_joins
 
     if not every_layer_joined(model):
         pytest.skip("joiners ride decode steps where every layer is joined")
@@ -340,3 +339,28 @@ def test_owners_dropped_after_their_last_token_never_hide_a_later_owners_tokens(
     left = generate_continuous(model, [fresh(), fresh()], admit, emit, rows=2, first_slot=12, cache_len=40,
                                split_layers=[2])
     assert not left and sorted(finished) == list(range(1, 41))
+
+
+def test_a_decode_step_reads_the_parameters_counted_from_the_config(tiny_llama):
+    model = tiny_llama()
+    products = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert mixed_joins.decoder_parameters(model.config) == products
+
+
+def test_steps_carry_prompts_by_default_where_the_weights_bound_them(monkeypatch, tiny_llama):
+    """A 13B LLaMA rides by default, a 1.1B one joins apart (its steps are bound by the host); `riding` decides
+    where every layer is joined, and a model whose layers are not cannot ride."""
+    from transformers import LlamaConfig
+
+
+    monkeypatch.setattr(mixed_joins, "RIDING_MIN_PARAMETERS", 10_000_000_000)  # the default (the tests set it to 0)
+    llama_13b = LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40)
+    tinyllama = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                            num_key_value_heads=4)
+    assert mixed_joins.rides_by_default(llama_13b) and not mixed_joins.rides_by_default(tinyllama)
+    joined, plain = tiny_llama(), tiny_llama()
+    assert join_projections(joined) == 2 * joined.config.num_hidden_layers
+    for model, riding, rides in [(joined, None, False), (joined, True, True), (joined, False, False),
+                                 (plain, True, False)]:
+        with continuous_batch(model, rows=2, first_slot=8, cache_len=16, riding=riding) as batch:
+            assert batch.mixing is rides

@@ -156,13 +156,21 @@ def test_incremental_decoding_gives_the_whole_decode(registry):
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
 
 
-@pytest.mark.parametrize("join_tokens", [2048, 8])
-def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generate(registry, join_tokens):
+@pytest.mark.parametrize("join_tokens, riding", [(2048, None), (8, None), (2048, True)],
+                         ids=["joining apart", "one a step", "riding"])
+def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generate(registry, monkeypatch, join_tokens,
+                                                                                 riding):
     """Continuous batching: requests that come while a long batch runs take its free rows between two steps (with
-    join_tokens=8, about one per step); every answer is the one devmap.generate gives alone."""
+    join_tokens=8, about one per step), or ride its decode steps (`--ride`; a tiny model joins apart by default);
+    every answer is the one devmap.generate gives alone."""
     import torch
 
     import devmap
+    from devmap.generation.mixed_joins import MixedJoins
+
+    rides = []
+    ride = MixedJoins.ride
+    monkeypatch.setattr(MixedJoins, "ride", lambda self, *args: rides.append(1) or ride(self, *args))
     resident = registry.get("tiny")
     eos = list(resident.eos_ids)
     prompts = [[5 + (7 * i + k) % 300 for k in range(3 + i)] for i in range(10)]
@@ -174,8 +182,7 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
         return resident.tokenizer.decode([t for t in out[:next((k for k, t in enumerate(out) if t in eos), len(out))]],
                                          skip_special_tokens=True)
 
-    engine = Engine(registry, EngineLimits(max_batch=4,
-                                           join_tokens=join_tokens))
+    engine = Engine(registry, EngineLimits(max_batch=4, join_tokens=join_tokens, riding=riding))
     engine.start()
 
     async def staggered() -> list:
@@ -193,6 +200,7 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
         engine.close(timeout=60)
     assert answers == [alone(p, n) for p, n in zip(prompts, lengths)]
     assert engine.core.core.metrics.joined._value.get() >= 1
+    assert bool(rides) == bool(riding)
 
 
 def test_a_batch_without_a_row_for_a_waiting_request_grows_and_answers_stay_those_of_generate(registry):
