@@ -12,8 +12,9 @@ time per output token p50/p99 (a request's time from its first text to its
 last, over its output tokens after the first), the floor (a decode step of that load reading the weights and the
 running requests' KV cache once, at the HBM bandwidth measured on this GPU in the same run) and the share of the
 step it is, and devmap's ratio to transformers.
-`--systems devmap+int8` (+int4, +nf4; +compile, +no-compile) serves devmap with those flags, its floor reading the
-quantized weights; `devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline in the same run).
+`--systems devmap+int8` (+int4, +nf4; +compile, +no-compile; +ride, +no-ride) serves devmap with those flags, its
+floor reading the quantized weights; `devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline
+in the same run).
 Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each devmap server once
 more after its runs, for a restart's time with the compile caches on disk that its first start filled.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its
@@ -273,15 +274,17 @@ def model_bytes(path: Path, quantize: str | None = None) -> tuple[int, int]:
 
 def devmap_variant(system: str) -> tuple[list[str], str | None]:
     """`devmap+int8+compile@DIR` → (the extra flags of devmap serve, the --quantize scheme or None): `+int8`,
-    `+int4`, `+nf4` serve quantized, `+compile` / `+no-compile` set compiling."""
+    `+int4`, `+nf4` serve quantized, `+compile` / `+no-compile` set compiling, `+ride` / `+no-ride` whether joiners
+    ride the decode steps."""
     flags, scheme = [], None
     for part in system.split("@", 1)[0].split("+")[1:]:
         if part in ("int8", "int4", "nf4"):
             flags, scheme = [*flags, "--quantize", part], part
-        elif part in ("compile", "no-compile"):
+        elif part in ("compile", "no-compile", "ride", "no-ride"):
             flags.append(f"--{part}")
         else:
-            raise SystemExit(f"unknown variant +{part} in {system!r}: use +int8, +int4, +nf4, +compile or +no-compile")
+            raise SystemExit(f"unknown variant +{part} in {system!r}: use +int8, +int4, +nf4, +compile, +no-compile, "
+                             "+ride or +no-ride")
     return flags, scheme
 
 
@@ -317,7 +320,7 @@ def main() -> None:
     parser.add_argument("--systems", default="devmap,transformers",
                         help="devmap, transformers, or devmap@DIR: devmap's sources in DIR (another release of it, "
                              "as a baseline in the same run); devmap+int8 (+int4, +nf4): served with --quantize, "
-                             "its floor reading the quantized weights; +compile / +no-compile")
+                             "its floor reading the quantized weights; +compile / +no-compile; +ride / +no-ride")
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
     parser.add_argument("--devmap-args", default="--device-map balanced",
                         help="extra flags of devmap serve (e.g. add --no-compile: captured eager steps)")
