@@ -213,10 +213,21 @@ class JoinedLayer:
         """The layer's forward as transformers' `LlamaDecoderLayer` computes it, with two products for its five
         input projections (`cache`: None, or transformers' `Cache.update` protocol); `context` holds the mask and
         the rotary cos/sin (`position_embeddings`)."""
-        normed = own_forward(self.layer.input_layernorm)(hidden)
-        shape = (*normed.shape[:-1], -1, self.layer.self_attn.head_dim)
-        out = self._attention(*(part.view(shape).transpose(1, 2) for part in self.qkv.split(normed)), cache, context)
-        return self._feed_forward(hidden + self.out(out.reshape(*normed.shape[:-1], -1).contiguous()))
+        layer = self.layer
+        attention, mlp = layer.self_attn, layer.mlp
+        normed = own_forward(layer.input_layernorm)(hidden)
+        shape = (*normed.shape[:-1], -1, attention.head_dim)
+        query, key, value = (part.view(shape).transpose(1, 2) for part in self.qkv.split(normed))
+        cos, sin = context["position_embeddings"]
+        query, key = _rotated(query, cos, sin), _rotated(key, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, attention.layer_idx)
+        out, _ = attention_function(attention.config)(attention, query, key, value, context["attention_mask"],
+                                                      dropout=0.0, scaling=attention.scaling)
+        hidden = hidden + self.out(out.reshape(*normed.shape[:-1], -1).contiguous())
+        normed = own_forward(layer.post_attention_layernorm)(hidden)
+        gate, up = self.gate_up.split(normed)
+        return hidden + self.down(mlp.act_fn(gate) * up)
 
     def mixed(self, hidden: torch.Tensor, rows: int, caches: tuple[Any, Any],
               contexts: tuple[dict[str, Any], dict[str, Any]]) -> torch.Tensor:
@@ -224,35 +235,24 @@ class JoinedLayer:
         first `rows` one token per row (`caches[0]`, `contexts[0]`: the step's), the rest one pack of prompts end to
         end (`caches[1]`, `contexts[1]`: the pack's). Every product reads the weights once for both; only attention
         runs apart."""
-        head_dim = self.layer.self_attn.head_dim
-        projected = self.qkv.split(own_forward(self.layer.input_layernorm)(hidden))
+        layer = self.layer
+        attention, mlp = layer.self_attn, layer.mlp
+        projected = self.qkv.split(own_forward(layer.input_layernorm)(hidden))
         outs = []
         # the step's rows as rows × 1 token, the pack as 1 row × its tokens
         for part, shape, cache, context in zip((slice(0, rows), slice(rows, None)),
                                                ((rows, 1), (1, hidden.shape[0] - rows)), caches, contexts):
-            out = self._attention(*(p[part].reshape(*shape, -1, head_dim).transpose(1, 2) for p in projected), cache,
-                                  context)
-            outs.append(out.reshape(-1, out.shape[-2] * out.shape[-1]))
-        return self._feed_forward(hidden + self.out(torch.cat(outs)))
-
-    def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: Any,
-                   context: dict[str, Any]) -> torch.Tensor:
-        """Attention of rows × heads × tokens × head dim queries, keys and values (rotated here, then added to
-        `cache` when there is one) under `context`'s mask and rotary cos/sin: rows × tokens × heads × head dim."""
-        attention = self.layer.self_attn
-        cos, sin = context["position_embeddings"]
-        query, key = _rotated(query, cos, sin), _rotated(key, cos, sin)
-        if cache is not None:
+            query, key, value = (p[part].reshape(*shape, -1, attention.head_dim).transpose(1, 2) for p in projected)
+            cos, sin = context["position_embeddings"]
+            query, key = _rotated(query, cos, sin), _rotated(key, cos, sin)
             key, value = cache.update(key, value, attention.layer_idx)
-        out, _ = attention_function(attention.config)(attention, query, key, value, context["attention_mask"],
-                                                      dropout=0.0, scaling=attention.scaling)
-        return out
-
-    def _feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The layer's second half: its MLP over the normed hidden state, added to it."""
-        normed = own_forward(self.layer.post_attention_layernorm)(hidden)
+            out, _ = attention_function(attention.config)(attention, query, key, value, context["attention_mask"],
+                                                          dropout=0.0, scaling=attention.scaling)
+            outs.append(out.reshape(-1, out.shape[-2] * out.shape[-1]))
+        hidden = hidden + self.out(torch.cat(outs))
+        normed = own_forward(layer.post_attention_layernorm)(hidden)
         gate, up = self.gate_up.split(normed)
-        return hidden + self.down(self.layer.mlp.act_fn(gate) * up)
+        return hidden + self.down(mlp.act_fn(gate) * up)
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
