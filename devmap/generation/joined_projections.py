@@ -186,7 +186,11 @@ class Product:
 
 @dataclass
 class JoinedLayer:
-    """A LLaMA decoder layer's products over its joined projections (see `join_projections`), and its forward."""
+    """A LLaMA decoder layer's products over its joined projections (see `join_projections`), and its forward.
+
+    `__call__` and `mixed` each spell the layer out whole, on purpose: with the attention and feed-forward halves as
+    shared methods (the same operations), torch 2.11's dynamo guards on the cache's length and compiles the decode
+    step again for every batch size (`test_*_compile_once*` catch it)."""
 
     layer: nn.Module
     qkv: Product
