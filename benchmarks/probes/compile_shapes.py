@@ -1,6 +1,6 @@
 """What a new batch shape costs a compiled service: compiled decode steps with fixed shapes against dynamic ones.
 
-Run on one GPU:  PYTHONPATH=. python3 benchmarks/probes/compile_shapes.py --model tinyllama-1.1b --dynamic auto
+Run on one GPU:  PYTHONPATH=. python3 benchmarks/probes/compile_shapes.py --model tinyllama-1.1b --dynamic off
 Continuous batches of growing shapes (rows : first slot : cache length), as a service meets them, each run twice:
 the first batch of a shape pays compiling (unless compiled code for it exists) and capturing; the second replays.
 Prints per shape the seconds of the first batch's first step, the graphs dynamo compiled for it, and the
@@ -16,22 +16,26 @@ import torch
 
 import devmap
 from devmap.generation import lanes
-from devmap.generation.compiled import BACKEND
 from devmap.generation.continuous import SlotRequest, continuous_batch
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tinyllama-1.1b")
-    parser.add_argument("--dynamic", choices=["devmap", "off", "auto"], default="devmap",
+    parser.add_argument("--dynamic", choices=["devmap", "off"], default="devmap",
                         help="devmap: as devmap compiles a continuous batch's steps (dynamic sizes); off: fixed "
-                             "shapes; auto: torch's default (dynamic after a shape's first recompile)")
+                             "shapes")
     parser.add_argument("--shapes", default="8:256:384,16:256:384,16:384:512,32:384:512,64:512:640,64:512:768")
     parser.add_argument("--steps", type=int, default=48)
     args = parser.parse_args()
-    if args.dynamic != "devmap":
-        dynamic = {"off": False, "auto": None}[args.dynamic]
-        lanes.compile_step = lambda body, _: torch.compile(body, backend=BACKEND, dynamic=dynamic)
+    if args.dynamic == "off":
+        compiled = lanes.LaneStreams._compiled
+
+        def fixed_shapes(runner: lanes.LaneStreams, body):  # regions compiled for each shape
+            runner.dynamic = False
+            return compiled(runner, body)
+
+        lanes.LaneStreams._compiled = fixed_shapes
     from torch._dynamo.utils import counters
 
     model = devmap.load(args.model, device_map={"": 0}, dtype="bfloat16")

@@ -15,11 +15,13 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..compat import (attention_implementation, cache_keyword, call_decoder_layer, device_hooks_bypassed,
+from ..compat import (attention_implementation, cache_keyword, device_hooks_bypassed,
                       hook_execution_device, own_forward, transformers_causal_mask)
 from ..errors import PipelineError, UsageError
 from ..planning.devices import offloaded, parse_device_key
+from .compiled import Regions
 from .joined_projections import JoinedLayer
+from .lane_cache import LaneCache
 from .masks import prompt_mask
 
 # model types whose base model's forward is LLaMA's glue (embed, one rotary, causal mask, layers, norm): the glue
@@ -89,6 +91,15 @@ class CausalLMStages:
         self._rotary: dict[torch.device, nn.Module] = {}
         for device in {*self.devices, self.embed_device}:  # copied here, not inside a compiled step
             self._rotary[device] = module_on(self.base.rotary_emb, device)
+        self._indices = {id(layer): getattr(getattr(layer, "self_attn", None), "layer_idx", None)
+                         for layer in base.layers}
+        self.regions = Regions()  # eager until `compile_regions`
+
+    def compile_regions(self, dynamic: bool) -> None:
+        """Run the decoder layers, decode steps' contexts and the head through torch.compile from now on, region by
+        region (`devmap.generation.compiled`); `dynamic`: one compile for every batch size and cache length."""
+        if not self.regions.compiled or self.regions.dynamic != dynamic:
+            self.regions = Regions(dynamic)
 
     @contextlib.contextmanager
     def hooks_bypassed(self) -> Iterator[None]:
@@ -146,12 +157,14 @@ class CausalLMStages:
         """Stage `stage`'s decoder layers; `context` tensors must already be on the stage's device (its rotary
         cos/sin under `position_embeddings`). Layers with joined projections run devmap's forward over them."""
         for layer in self.stages[stage].layers:
-            joined = self.joined.get(id(layer))
-            if joined is not None:
-                hidden = joined(hidden, cache, context)
-            else:
-                hidden = call_decoder_layer(layer, hidden, cache, context, self.cache_keyword)
+            hidden = self.regions.layer(layer, self.joined.get(id(layer)), hidden, self._layer_cache(cache, layer),
+                                        context, self.cache_keyword)
         return hidden
+
+    def _layer_cache(self, cache: Any, layer: nn.Module) -> Any:
+        """A layer's part of a lane's cache (`LaneCache.layer`); any other cache as it is."""
+        index = self._indices.get(id(layer))
+        return cache.layer(index) if isinstance(cache, LaneCache) and index is not None else cache
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary cos/sin computed on hidden's device, from a copy of the rotary module's buffers there (no
@@ -179,11 +192,11 @@ class CausalLMStages:
         if stage == 0:
             hidden = self.embed(hidden)
         hidden = hidden.to(device)
-        hidden = self.run(stage, hidden, self.decode_context(hidden, inputs), inputs.cache)
+        hidden = self.run(stage, hidden, self.regions.context(self, hidden, inputs), inputs.cache)
         inputs.cache.advance()
         if stage + 1 < len(self.stages):
             return hidden
-        return self.head(hidden)[:, -1].float()
+        return self.regions.logits(self, hidden)
 
     def decode_context(self, hidden: torch.Tensor, inputs: Any) -> dict[str, Any]:
         """A decode step's mask, position ids and rotary cos/sin for its rows (`hidden`: rows × 1 × hidden size), from
@@ -207,15 +220,16 @@ class CausalLMStages:
         if stage == 0:
             flat = self.embed(flat)
         flat = flat.to(device)
-        step = self.decode_context(flat[:rows, None], inputs)
+        step = self.regions.context(self, flat[:rows, None], inputs)
         packed = {"attention_mask": pack["attention_mask"], "position_ids": pack["position_ids"],
                   "position_embeddings": self.rotary(flat[None, rows:], pack["position_ids"])}
         for layer in self.stages[stage].layers:
-            flat = self.joined[id(layer)].mixed(flat, rows, (inputs.cache, pack_cache), (step, packed))
+            caches = (self._layer_cache(inputs.cache, layer), self._layer_cache(pack_cache, layer))
+            flat = self.regions.mixed(self.joined[id(layer)], flat, caches, (step, packed))
         inputs.cache.advance()
         if stage + 1 < len(self.stages):
             return flat
-        return self.head(flat[:rows, None])[:, -1].float(), flat[rows:]
+        return self.regions.logits(self, flat[:rows, None]), flat[rows:]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head (logits in the model's dtype, as transformers returns them)."""

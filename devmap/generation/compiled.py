@@ -1,43 +1,118 @@
-"""torch.compile for one stage's step: inductor's fused kernels inside devmap's own captured CUDA graphs.
+"""torch.compile for stage steps, region by region: a decoder layer (every layer of a model runs the same compiled
+code, traced once), a decode step's context (mask, positions, rotary cos/sin) and its head. The glue between them (the
+embedding, the loop over the layers) runs eager; devmap captures whole steps as CUDA graphs, so a replay pays no
+Python for it.
 
-A stage step (a decode step, or a prompt's prefill) is compiled without inductor's CUDA graphs
-(`mode=None`): devmap captures the compiled step itself, with its lanes' static KV caches, its per-stage
-graph pools and its event ordering. The first call of a step compiles it (eager run), the second captures
-it; a capture never compiles (a guard that fails there raises, and the step stays uncaptured). Compiled
-code is shared by every lane of the same shapes on a stage, and across calls: torch keys it by the step's
-code and guards, and its on-disk caches (inductor's FX graph and autotuning caches, on by default) make a
-fresh process compile faster the second time.
+Compiling a stage's step whole traced each of its layers again: tracing grew with the layers (dynamo and AOT autograd
+with aot_eager on a CPU, a decode step of a tiny LLaMA: 10.8 s for 4 layers, 28.0 s for 16), and a 13B model's
+service spent minutes compiling at every start, inductor's on-disk cache filled or not. A layer compiled on its own is
+traced once whatever the depth (1.1-1.2 s for 4 or 16 layers, same probe): `benchmarks/probes/compile_regions.py`.
 
-`dynamic=True` compiles one step for every batch size and cache length: the dimensions its caller marked
-(`devmap.compat.dynamic_dims`: rows and cache columns) are symbolic, every other one fixed. A continuous batch meets
-a new shape whenever a service's traffic grows; a fixed-shape compile cost 25–45 s per shape for a 1.1B model on an
-H200, against about a second for a new capture of the dynamic step, with the same time per step once warm
-(benchmarks/probes/compile_shapes.py). Making every size symbolic instead compiled for minutes.
+Regions are compiled without inductor's CUDA graphs (`mode=None`): devmap captures the steps itself, with their lanes'
+static KV caches, per-stage graph pools and event ordering. The first call of a step compiles its regions (eager run),
+the second captures it; a capture never compiles (a guard that fails there raises, and the step stays uncaptured).
+torch keys compiled code by the function and its guards, so every step, lane and stage of the same kind shares it, and
+its on-disk caches (inductor's FX graph and autotuning caches, on by default) make a fresh process compile faster.
+
+`dynamic=True` compiles one region for every batch size and cache length: the sizes each region's caller names (rows,
+tokens, cache columns) are symbolic, every other one fixed. A continuous batch meets a new shape whenever a service's
+traffic grows; a fixed-shape compile cost 25-45 s per shape for a 1.1B model on an H200, against about a second for a
+new capture of the dynamic step, with the same time per step once warm (benchmarks/probes/compile_shapes.py). Making
+every size symbolic instead compiled for minutes.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
-from ..compat import distinct_sizes, raise_recompile_limit
+from torch import nn
+
+from ..compat import call_decoder_layer, distinct_sizes, dynamic_dims, raise_recompile_limit
+from .joined_projections import JoinedLayer
 
 BACKEND = "inductor"  # tests on CPU swap in "aot_eager": the same tracing and guards, no C++ compiler needed
-RECOMPILE_LIMIT = 64  # a stage step has one entry per (stage, lane shape, kind); torch's default of 8 is too few
+RECOMPILE_LIMIT = 64  # a region has an entry per kind of step (decode, prefill, attention implementation, fixed
+# shapes of `generate`'s lanes); torch's default of 8 is too few
+
+Sizes = Callable[..., Iterable[tuple[torch.Tensor, tuple[int, ...]]]]
+"""Given a region's arguments: (tensor, dimensions) whose sizes vary between its calls."""
 
 
-def compile_step(body: Callable[[torch.Tensor], torch.Tensor], dynamic: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`body` compiled for fixed shapes (every lane of a `generate` call keeps its shape for the whole call), or with
-    `dynamic` sizes (one compile for every shape a service's continuous batches take)."""
+def compile_region(function: Callable[..., Any], dynamic: bool = False,
+                   sizes: Sizes | None = None) -> Callable[..., Any]:
+    """`function` compiled for fixed shapes (every lane of a `generate` call keeps its shape for the whole call), or
+    with `dynamic` sizes: those `sizes(*args)` names at each call (one compile for every shape a service's
+    continuous batches take)."""
     raise_recompile_limit(RECOMPILE_LIMIT)
-    step = torch.compile(body, backend=BACKEND, dynamic=None if dynamic else False, fullgraph=False)
+    compiled = torch.compile(function, backend=BACKEND, dynamic=None if dynamic else False, fullgraph=False)
     if not dynamic:
-        return step
+        return compiled
 
-    def sized_apart(x: torch.Tensor) -> torch.Tensor:  # only eager calls and captures come here, never replays
+    def sized_apart(*args: Any) -> Any:  # only eager calls and captures come here, never replays
+        for tensor, dims in sizes(*args) if sizes is not None else ():
+            dynamic_dims(tensor, dims)
         with distinct_sizes():
-            return step(x)
+            return compiled(*args)
 
     return sized_apart
 
+
+def but_last(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """`tensor` with every dimension but its last (rows, tokens; not the model's widths)."""
+    return tensor, tuple(range(tensor.dim() - 1))
+
+
+def every_dim(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    return tensor, tuple(range(tensor.dim()))
+
+
+def context_sizes(context: dict[str, Any]) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """The varying sizes of a step's context: its mask's and positions' every dimension, its rotary cos/sin's but the
+    last."""
+    sizes = [every_dim(context[name]) for name in ("attention_mask", "position_ids")
+             if isinstance(context.get(name), torch.Tensor)]
+    return sizes + [but_last(t) for t in context.get("position_embeddings", ())]
+
+
+def _layer(layer: nn.Module, joined: JoinedLayer | None, hidden: torch.Tensor, cache: Any, context: dict[str, Any],
+           keyword: str) -> torch.Tensor:
+    """One decoder layer: devmap's forward over its joined projections, else transformers' own."""
+    if joined is not None:
+        return joined(hidden, cache, context)
+    return call_decoder_layer(layer, hidden, cache, context, keyword)
+
+
+def _mixed(joined: JoinedLayer, flat: torch.Tensor, caches: tuple[Any, Any],
+           contexts: tuple[dict[str, Any], dict[str, Any]]) -> torch.Tensor:
+    """One joined layer over a decode step's rows and a pack of prompts (`JoinedLayer.mixed`); the rows counted from
+    the step's positions, a size, so that a dynamic compile serves every row count."""
+    return joined.mixed(flat, contexts[0]["position_ids"].shape[0], caches, contexts)
+
+
+def _context(stages: Any, hidden: torch.Tensor, inputs: Any) -> dict[str, Any]:
+    return stages.decode_context(hidden, inputs)
+
+
+def _logits(stages: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The float logits of each row's last token."""
+    return stages.head(hidden)[:, -1].float()
+
+
+class Regions:
+    """What a stage step repeats, eager or compiled (`devmap.generation.compiled`): a decoder layer, a pack-carrying
+    layer, a decode step's context and its logits."""
+
+    def __init__(self, dynamic: bool | None = None) -> None:
+        """Eager with `dynamic` None, else compiled (for every size, or fixed ones)."""
+        self.compiled, self.dynamic = dynamic is not None, bool(dynamic)
+        self.layer, self.mixed, self.context, self.logits = _layer, _mixed, _context, _logits
+        if dynamic is None:
+            return
+        self.layer = compile_region(_layer, self.dynamic, lambda layer, joined, hidden, cache, context, keyword: [
+            but_last(hidden), *context_sizes(context)])
+        self.mixed = compile_region(_mixed, self.dynamic, lambda joined, flat, caches, contexts: [
+            but_last(flat), *context_sizes(contexts[0]), *context_sizes(contexts[1])])
+        self.context = compile_region(_context, self.dynamic, lambda stages, hidden, inputs: [but_last(hidden)])
+        self.logits = compile_region(_logits, self.dynamic, lambda stages, hidden: [but_last(hidden)])

@@ -33,6 +33,7 @@ class LaneCache:
         # the length as a device tensor for the step's wrap-around: a step compiled for every cache length reads
         # no Python int that would specialize it
         self.length = torch.full((1,), max_len, dtype=torch.long, device=device)
+        self._layers: dict[int, LayerCache] = {}
 
     def allocate(self, layer_indices: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         """Every layer's buffers up front (zeros: unwritten slots are masked, and must not hold NaNs), so that a
@@ -63,7 +64,18 @@ class LaneCache:
         view.values = {layer: values[:rows] for layer, values in self.values.items()}
         view.prefilling, view.start = False, self.start
         view.slot, view.tick, view.length = self.slot, self.tick, self.length
+        view._layers = {}
         return view
+
+    def layer(self, layer_idx: int) -> LayerCache | LaneCache:
+        """Layer `layer_idx`'s part of this cache (the same buffers and state), or this whole cache while that layer
+        has no buffers yet (a prefill allocates them)."""
+        part = self._layers.get(layer_idx)
+        if part is None:
+            if layer_idx not in self.keys:
+                return self
+            part = self._layers[layer_idx] = LayerCache(self, self.keys[layer_idx], self.values[layer_idx])
+        return part
 
     def buffers(self) -> list[torch.Tensor]:
         """Every layer's keys and values (rows × KV heads × columns × head dim)."""
@@ -78,19 +90,34 @@ class LaneCache:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.prefilling:
-            if layer_idx not in self.keys:
-                shape = (key.shape[0], key.shape[1], self.max_len, key.shape[3])
-                self.keys[layer_idx] = key.new_zeros(shape)
-                self.values[layer_idx] = value.new_zeros(shape)
-            start, end = self.start, self.start + key.shape[2]
-            self.keys[layer_idx][:, :, start:end].copy_(key)
-            self.values[layer_idx][:, :, start:end].copy_(value)
+        if layer_idx not in self.keys:  # a prefill of a cache allocated lazily
+            shape = (key.shape[0], key.shape[1], self.max_len, key.shape[3])
+            self.keys[layer_idx] = key.new_zeros(shape)
+            self.values[layer_idx] = value.new_zeros(shape)
+        return self.layer(layer_idx).update(key, value)
+
+
+class LayerCache:
+    """One decoder layer's keys and values in a `LaneCache` (its buffers, slot and state), with transformers'
+    `Cache.update` protocol minus the layer index: a layer compiled once (`devmap.generation.compiled`) reads every
+    layer's buffers through its own LayerCache, where an index would make the compiler specialize on each layer's."""
+
+    def __init__(self, lane: LaneCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.lane, self.keys, self.values = lane, keys, values
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """While the lane prefills: the prompt's keys and values into columns start.., returned unchanged (attention
+        runs over the prompt alone). Afterwards: one token's into column `slot`, and the whole buffers back."""
+        lane = self.lane
+        if lane.prefilling:
+            start, end = lane.start, lane.start + key.shape[2]
+            self.keys[:, :, start:end].copy_(key)
+            self.values[:, :, start:end].copy_(value)
             return key, value
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(2, self.slot, key)
-        values.index_copy_(2, self.slot, value)
-        return keys, values
+        self.keys.index_copy_(2, lane.slot, key)
+        self.values.index_copy_(2, lane.slot, value)
+        return self.keys, self.values
 
 
 class DecodeInputs:

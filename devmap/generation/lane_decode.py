@@ -66,8 +66,8 @@ class LaneDecode(LaneStreams):
 
     def _decode_step(self, j: int, static_in: torch.Tensor, inputs: DecodeInputs,
                      cache: StepCache | None) -> GraphedStep:
-        """Stage j's decode step reading `static_in` and `inputs` (a lane's, or its first rows'). One body for every
-        step: the compiled code is shared by all of them (torch keys it by the body's code)."""
+        """Stage j's decode step reading `static_in` and `inputs` (a lane's, or its first rows'). Compiled, every
+        step runs the same compiled regions (`devmap.generation.compiled`): the sizes marked here vary freely."""
         stage = self.s.stages[j]
         # the last stage's step ends in the head: a copy to another device can't be captured (and a failed
         # capture leaves the graph pool unusable), so that step stays eager when the head lives elsewhere

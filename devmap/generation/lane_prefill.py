@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from .causal_lm import FrontHead, positions
-from .compiled import compile_step
 from ..compat import dynamic_dims
 from .graphed_step import GraphedStep
 from .lane_cache import LaneCache
@@ -167,7 +166,7 @@ class LanePrefill(LaneStreams):
                        "position_embeddings": self.s.rotary(hidden, static_positions)}
             return self.s.run(j, hidden, context, lane_cache)
 
-        body = compile_step(body, self.dynamic) if self.compile else body
+        body = self._compiled(body)
         step = GraphedStep(body, static_in, True, cache.pool(device, j), self._capture_stream(j))
         return step, static_positions, static_mask
 

@@ -12,7 +12,6 @@ import torch
 
 from .causal_lm import CausalLMStages
 from ..errors import UsageError
-from .compiled import compile_step
 from .graphed_step import GraphedStep
 from .lane_cache import DecodeInputs, LaneCache
 from ..pipelining.streams import StreamSet, hand_off
@@ -92,7 +91,10 @@ class LaneStreams:
             yield stream
 
     def _compiled(self, body: Any) -> Any:
-        return compile_step(body, self.dynamic) if self.compile else body
+        """`body`, a stage step, with its regions compiled (`CausalLMStages.compile_regions`) when compiling."""
+        if self.compile:
+            self.s.compile_regions(self.dynamic)
+        return body
 
 def graphs_possible(devices: list[torch.device]) -> bool:
     """CUDA graphs need every stage on a GPU (tests make this True on a CPU to run the cached-step paths,

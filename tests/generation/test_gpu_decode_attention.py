@@ -37,16 +37,16 @@ def test_kernel_attends_like_the_plain_computation(dtype, rows, heads, kv_heads,
 
 
 def test_kernel_in_a_dynamic_compiled_step_compiles_once_for_any_rows_and_columns_and_replays_in_a_graph():
-    """Through devmap's own compile (`compile_step(..., dynamic=True)`, rows and columns marked as a decode step
+    """Through devmap's own compile (`compile_region(..., dynamic=True)`, rows and columns marked as a decode step
     marks them): one compile for every shape, and a captured replay that reads the next step's mask and keys."""
     from torch._dynamo.utils import counters
 
     from devmap.compat import dynamic_dims
-    from devmap.generation.compiled import compile_step
+    from devmap.generation.compiled import compile_region
 
     torch._logging.set_logs(recompiles=True)  # a failure's log says which guard failed
     held: dict = {}
-    step = compile_step(lambda q: live_columns_attention(q, held["key"], held["value"],
+    step = compile_region(lambda q: live_columns_attention(q, held["key"], held["value"],
                                                          held["attended"][:, None, None, :]) * 1.0, dynamic=True)
     g = torch.Generator().manual_seed(3)
     counters.clear()
