@@ -45,8 +45,10 @@ def run_one(model_name: str, mode: str, backend: str, rows: int, steps: int) -> 
     start = time.perf_counter()
     with continuous_batch(model, rows=rows, first_slot=64, cache_len=256, compile=True) as batch:
         batch.step([SlotRequest(torch.randint(3, vocab, (16,)).tolist(), 8, i) for i in range(rows // 2)])
-        for i in range(6):
-            batch.step([SlotRequest(torch.randint(3, vocab, (24,)).tolist(), 8, ("late", i))] if i < 2 else [])
+        for i in range(64):  # two join later (their joins' steps compile too), then until every row is done
+            if not batch.step([SlotRequest(torch.randint(3, vocab, (24,)).tolist(), 8, ("late", i))] if i < 2
+                              else []):
+                break
         batch.collect(everything=True)
         synchronize()
         first = time.perf_counter() - start

@@ -3,10 +3,11 @@ code, traced once), a decode step's context (mask, positions, rotary cos/sin) an
 embedding, the loop over the layers) runs eager; devmap captures whole steps as CUDA graphs, so a replay pays no
 Python for it.
 
-Compiling a stage's step whole traced each of its layers again: tracing grew with the layers (dynamo and AOT autograd
-with aot_eager on a CPU, a decode step of a tiny LLaMA: 10.8 s for 4 layers, 28.0 s for 16), and a 13B model's
+Compiling a stage's step whole traced each of its layers again, so compiling grew with the depth, and a 13B model's
 service spent minutes compiling at every start, inductor's on-disk cache filled or not. A layer compiled on its own is
-traced once whatever the depth (1.1-1.2 s for 4 or 16 layers, same probe): `benchmarks/probes/compile_regions.py`.
+traced once whatever the depth: a continuous batch's first steps (decode and joins), a tiny LLaMA on a CPU with
+aot_eager (dynamo and AOT autograd, no code generation), took 38.4 s for 4 layers and 133.9 s for 16 compiled whole,
+11.5 s and 10.0 s by regions (`benchmarks/probes/compile_regions.py --tiny 4,16 --backend aot_eager`).
 
 Regions are compiled without inductor's CUDA graphs (`mode=None`): devmap captures the steps itself, with their lanes'
 static KV caches, per-stage graph pools and event ordering. The first call of a step compiles its regions (eager run),
