@@ -42,7 +42,7 @@ def test_compiled_steps_give_the_same_tokens_and_compile_once(compiled_on_cpu, j
     kwargs = dict(max_new_tokens=8, lanes=2, split_layers=[2], eos_token_id=[], compile=True)
     assert torch.equal(generate(model, ids, mask, **kwargs), want)
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs > 0 and not counters["graph_break"]  # whole steps traced, no breaks
+    assert graphs > 0 and not counters["graph_break"]  # every region traced whole, no breaks
     for _ in range(2):  # the same shapes again: the compiled steps are reused, nothing recompiles
         assert torch.equal(generate(model, ids, mask, **kwargs), want)
     assert counters["stats"]["unique_graphs"] == graphs
@@ -52,6 +52,55 @@ def test_compiled_steps_give_the_same_tokens_and_compile_once(compiled_on_cpu, j
         torch.testing.assert_close(forward(model, ids, mask, lanes=3, split_layers=[1, 3], compile=True), reference,
                                    atol=1e-5, rtol=1e-5)
     assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["transformers-layers", "joined-projections"])
+def test_compiling_takes_as_many_graphs_whatever_the_depth(compiled_on_cpu, joined):
+    """Steps are compiled region by region: every decoder layer runs one compiled layer (each reads its own part of
+    the cache), so a model six layers deep traces no more operations, and compiles no more graphs, than one two deep
+    (compiled whole, its steps traced every layer), and tokens stay the same."""
+    ids, mask = prompts()
+    graphs, traced = [], []
+    for depth in (2, 6):
+        torch._dynamo.reset()
+        counters.clear()
+        model = build(LlamaConfig(**{**SIZES, "num_hidden_layers": depth}))
+        if joined:
+            join_projections(model)
+        want = expected(model, ids, mask, new=4)
+        got = generate(model, ids, mask, max_new_tokens=4, lanes=1, split_layers=[1], eos_token_id=[], compile=True)
+        assert torch.equal(got, want)
+        graphs.append(counters["stats"]["unique_graphs"])
+        traced.append(counters["stats"]["calls_captured"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0] and traced[1] == traced[0]
+
+
+def test_a_layers_cache_writes_what_the_lanes_cache_writes():
+    """`LaneCache.layer(i)` (a compiled layer's view of its keys and values) stores a prompt and then one token per
+    step exactly as `LaneCache.update(..., i)` does, in the same buffers."""
+    from devmap.generation.lane_cache import LaneCache
+
+    g = torch.Generator().manual_seed(1)
+    caches = [LaneCache(2, 8, torch.device("cpu")) for _ in range(2)]
+    for cache in caches:
+        cache.allocate([0, 1], 2, 4, torch.float32)
+    prompt = [torch.randn(2, 2, 3, 4, generator=g) for _ in range(2)]
+    tokens = [[torch.randn(2, 2, 1, 4, generator=g) for _ in range(2)] for _ in range(3)]
+    for use_layer, cache in zip((False, True), caches):
+        for index in (0, 1):
+            part = cache.layer(index) if use_layer else None
+            out = part.update(*prompt) if use_layer else cache.update(*prompt, index)
+            assert all(o is p for o, p in zip(out, prompt))  # a prompt attends to itself only
+        cache.start_decoding(3)
+        for key, value in tokens:
+            for index in (0, 1):
+                out = cache.layer(index).update(key, value) if use_layer else cache.update(key, value, index)
+                assert out[0] is cache.keys[index] and out[1] is cache.values[index]
+            cache.advance()
+    for index in (0, 1):
+        assert torch.equal(caches[0].keys[index], caches[1].keys[index])
+        assert torch.equal(caches[0].values[index], caches[1].values[index])
+    assert caches[1].layer(0) is caches[1].layer(0) and caches[1].first_rows(1).layer(0).keys.shape[0] == 1
 
 
 def test_a_compiled_call_after_an_eager_one_of_the_same_shapes_compiles(compiled_on_cpu):
