@@ -11,8 +11,8 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `own_forward`, `hook_execution_device`, `device_hooks_bypassed`: `_hf_hook`, `_old_forward`, `AlignDevicesHook` | accelerate | a placed model's device hooks re-check every argument (2x a decode step) and break compiled steps | 1.15 |
 | `raise_recompile_limit`: `torch._dynamo.config.recompile_limit` | torch | one compiled entry per stage, lane shape and kind | 2.11, 2.14 |
 | `fail_on_recompile`: `torch.compiler.set_stance` | torch | a CUDA-graph capture must never compile | 2.11, 2.14 |
-| `dynamic_dims`: `torch._dynamo.maybe_mark_dynamic` | torch | a continuous batch's decode step compiled once for its rows and cache length only (every size symbolic took minutes to compile) | 2.11, 2.14 |
-| `distinct_sizes`: `torch.fx.experimental._config.use_duck_shape` | torch | a dynamic decode step must not tie its rows to an equal-sized dimension of the weights (4 rows per lane, 4 KV heads), which specializes them and recompiles per batch shape | 2.11, 2.14 |
+| `dynamic_dims`: `torch._dynamo.maybe_mark_dynamic` (its `_dynamo_weak_dynamic_indices` mark) | torch | a continuous batch's decode step compiled once for its rows and cache length only (every size symbolic took minutes to compile) | 2.11, 2.14 |
+| `distinct_sizes`: `torch.fx.experimental._config.use_duck_shape` (set directly) | torch | a dynamic decode step must not tie its rows to an equal-sized dimension of the weights (4 rows per lane, 4 KV heads), which specializes them and recompiles per batch shape | 2.11, 2.14 |
 | `graph_pool`, `begin_capture`: `graph_pool_handle`, `CUDAGraph.capture_begin(capture_error_mode=)` | torch | steps of one stream share a pool; captures don't sync the device | 2.11, 2.14 |
 | `gpu_sleep`: `torch.cuda._sleep` | torch | DEVMAP_STREAM_CHECK's delays on hand-off streams | 2.11, 2.14 |
 | `foreach_add_`, `foreach_zero_`, `foreach_copies`: `torch._foreach_*` | torch | gradient sums in one fused launch per group | 2.11, 2.14 |
@@ -71,9 +71,8 @@ DECODE_ATTENTION = "devmap_decode_sdpa"
 
 def with_decode_attention(config: Any, step: Any, attention: Any) -> Any:
     """`step` (a decode step of a model whose attention is sdpa) run with `attention` in place of transformers' sdpa
-    (registered through `AttentionInterface` and chosen by `config._attn_implementation` while the step runs; it
-    takes sdpa's arguments and may hand any call on to `sdpa_attention`). Steps of other attentions are returned
-    as they are."""
+    (registered through `AttentionInterface`, chosen by `config._attn_implementation` while the step runs; it takes
+    sdpa's arguments and may hand any call on to `sdpa_attention`). Steps of other attentions are returned as is."""
     if attention_implementation(config) != "sdpa":
         return step
     from transformers import AttentionInterface
@@ -91,8 +90,8 @@ def with_decode_attention(config: Any, step: Any, attention: Any) -> Any:
 
 
 def attention_function(config: Any) -> Any:
-    """The attention function a transformers layer of `config` calls now (`ALL_ATTENTION_FUNCTIONS`, by
-    `config._attn_implementation`: inside a `with_decode_attention` step, the step's)."""
+    """The attention function a layer of `config` calls now (`ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`:
+    inside a `with_decode_attention` step, the step's)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[attention_implementation(config)]
@@ -156,31 +155,37 @@ def device_hooks_bypassed(model: nn.Module) -> Iterator[None]:
 
 
 def raise_recompile_limit(limit: int) -> None:
-    """Let dynamo keep at least `limit` compiled entries per function (its default of 8 is too few for one entry per
-    stage, lane shape and kind of step)."""
+    """Let dynamo keep at least `limit` compiled entries per function (its default of 8 is too few)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
 
 
 @contextlib.contextmanager
 def fail_on_recompile() -> Iterator[None]:
-    """A compiled function whose guards fail raises instead of compiling (compiling launches and synchronizes work,
-    which a CUDA-graph capture cannot hold)."""
+    """A compiled function whose guards fail raises instead of compiling (which a CUDA-graph capture cannot hold)."""
     with torch.compiler.set_stance("fail_on_recompile"):
         yield
 
 
 def dynamic_dims(tensor: torch.Tensor, dims: tuple[int, ...]) -> None:
-    """Compile code that reads `tensor` for any size of `dims` (the other dimensions stay fixed)."""
-    for dim in dims:
-        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    """Compile code that reads `tensor` for any size of `dims` (the others stay fixed): `maybe_mark_dynamic`'s mark,
+    set directly on a plain tensor (~17 µs a dimension through its decorators, at every call of a compiled region)."""
+    if type(tensor) not in (torch.Tensor, nn.Parameter):  # a subclass: dynamo marks its inner tensors too
+        torch._dynamo.maybe_mark_dynamic(tensor, list(dims))
+    else:
+        tensor.__dict__.setdefault("_dynamo_weak_dynamic_indices", set()).update(dims)
 
 
-def distinct_sizes() -> Any:
-    """A context in which a dynamic compile gives two dimensions of equal size symbols of their own (dynamo's "duck
-    shaping" would give them one, and specializing one, a KV head count, would specialize the other, the rows)."""
+@contextlib.contextmanager
+def distinct_sizes() -> Iterator[None]:
+    """A context in which a dynamic compile gives equal-sized dimensions symbols of their own (dynamo's "duck shaping"
+    ties them, and specializing one, a KV head count, would specialize the other, the rows); set directly."""
     from torch.fx.experimental import _config
 
-    return _config.patch(use_duck_shape=False)
+    before, _config.use_duck_shape = _config.use_duck_shape, False
+    try:
+        yield
+    finally:
+        _config.use_duck_shape = before
 
 
 def graph_pool() -> Any:
@@ -194,8 +199,7 @@ def begin_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
 
 
-def gpu_sleep(cycles: int) -> None:
-    """Keep the current stream busy for about `cycles` GPU clock cycles (a delay that changes no data)."""
+def gpu_sleep(cycles: int) -> None:  # the current stream busy for about `cycles` GPU clock cycles, no data changed
     torch.cuda._sleep(cycles)
 
 
@@ -280,16 +284,14 @@ def torchao_int8_weight(qdata: torch.Tensor, scale: torch.Tensor, zero: torch.Te
 
 
 def torchao_flat_state_dict(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """torchao's flattening of its tensor subclasses into plain tensors plus safetensors metadata, as transformers'
-    `from_pretrained` reads them back."""
+    """torchao's flattening of its tensor subclasses into plain tensors and metadata (what transformers reads)."""
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
     return flatten_tensor_state_dict(state)
 
 
 def stored_tensors(param: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors a (possibly quantized) parameter is stored as: torchao's inner tensors, or bitsandbytes'
-    data with its scales (4-bit absmax, int8 row scales)."""
+    """The plain tensors a (quantized) parameter is stored as: torchao's inner ones, bitsandbytes' data and scales."""
     names = getattr(param, "tensor_data_names", None)  # torchao's tensor subclasses
     if names:
         return [getattr(param, n) for n in names]

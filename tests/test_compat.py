@@ -90,6 +90,26 @@ def test_distinct_sizes_gives_equal_dimensions_their_own_symbols():
     torch._dynamo.reset()
 
 
+def test_dynamic_dims_marks_as_dynamo_does_and_one_compile_serves_every_size():
+    from torch._dynamo.utils import counters
+
+    plain = torch.ones(3, 5)
+    compat.dynamic_dims(plain, (0,))
+    compat.dynamic_dims(plain, (1,))
+    reference = torch.ones(3, 5)
+    torch._dynamo.maybe_mark_dynamic(reference, [0, 1])
+    assert plain._dynamo_weak_dynamic_indices == reference._dynamo_weak_dynamic_indices == {0, 1}
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda x: x.sum(0) * 2, backend="eager", dynamic=None)
+    for rows in (3, 6, 9):  # fresh tensors, marked at each call as a compiled region's inputs are
+        x = torch.ones(rows, 4)
+        compat.dynamic_dims(x, (0,))
+        assert step(x).tolist() == [2.0 * rows] * 4
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 def test_foreach_helpers():
     a, b = [torch.ones(3), torch.ones(2)], [torch.full((3,), 2.0), torch.full((2,), 3.0)]
     compat.foreach_add_(a, b)
