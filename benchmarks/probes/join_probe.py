@@ -30,10 +30,10 @@ def sync() -> None:
 
 def closed_loop(model: torch.nn.Module, clients: int, lengths: list[int], new: int, seconds: float, rows: int,
                 first_slot: int, cache_len: int, seed: int = 0, budget: int | None = None,
-                compile: bool = False) -> dict[str, float]:
+                compile: bool = False, riding: bool | None = None) -> dict[str, float]:
     """Clients that resend at once for `seconds`: output tokens/s, TTFT quantiles, join host seconds, steps. With
     `budget`, at most that many prompt tokens join at one step (beyond the first request), as `devmap serve`'s
-    --join-tokens."""
+    --join-tokens. `riding`: whether joiners ride the decode steps (`continuous_batch`'s; None: by model size)."""
     rng = random.Random(seed)
     vocab = model.config.vocab_size
 
@@ -76,7 +76,7 @@ def closed_loop(model: torch.nn.Module, clients: int, lengths: list[int], new: i
     while time.perf_counter() < end:
         part: dict[str, float] = {}
         left = generate_continuous(model, first, admit, emit, rows=rows, first_slot=first_slot,
-                                   cache_len=cache_len, compile=compile, stats=part)
+                                   cache_len=cache_len, compile=compile, stats=part, riding=riding)
         stats = {k: stats[k] + part[k] for k in stats}
         queue = [SlotRequest(r["prompt"], new - r["tokens"], r) for r in left] + queue
         first, queue = queue[:rows], queue[rows:]

@@ -39,7 +39,8 @@ def profiled(model: torch.nn.Module, rows: int, first_slot: int, cache_len: int,
     """The top kernels of three eager steps of `rows` rows alone, then of three carrying `width` - 1 prompt tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    with continuous_batch(model, rows=rows, first_slot=first_slot, cache_len=cache_len, graphs=False) as batch:
+    with continuous_batch(model, rows=rows, first_slot=first_slot, cache_len=cache_len, graphs=False,
+                          riding=True) as batch:
         owners = [SlotRequest([5] * 100, batch.most_new_tokens, i) for i in range(rows)]
         batch.step(owners)
         while batch.queued:
@@ -67,8 +68,8 @@ def host_profiled(model: torch.nn.Module, clients: int, lengths: list[int], new:
     from torch.profiler import ProfilerActivity, profile
 
     def loop(riding: bool, length: float) -> dict[str, float]:
-        mixed_joins.RIDING_MIN_PARAMETERS = 0 if riding else 1 << 62
-        return closed_loop(model, clients, lengths, new, length, rows, first_slot, cache_len, compile=True)
+        return closed_loop(model, clients, lengths, new, length, rows, first_slot, cache_len, compile=True,
+                           riding=riding)
 
     for riding in (True, False):
         loop(riding, 2.0)  # compiles, captures
@@ -93,7 +94,6 @@ def main() -> None:
                         help="only: closed loops of compiled steps with joiners riding and joining apart, then the "
                              "host's busiest calls over a riding loop (CUDA runtime calls and torch ops)")
     args = parser.parse_args()
-    mixed_joins.RIDING_MIN_PARAMETERS = 0  # whatever the model's size: this probe is about riding steps
     bandwidth = copy_bandwidth()
     model = devmap.load(args.model, "balanced", dtype="bf16")
     print(f"joined {join_projections(model)} projection groups", flush=True)
@@ -109,9 +109,10 @@ def main() -> None:
     if args.host:
         host_profiled(model, args.clients, lengths, args.new, args.seconds, rows, first_slot, cache_len)
         return
-    print(f"warm-up (compiles): {timed(lambda: warm_up(model, args.clients, 4096)):.1f} s", flush=True)
+    print(f"warm-up (compiles): {timed(lambda: warm_up(model, args.clients, 4096, riding=True)):.1f} s", flush=True)
     start = time.perf_counter()
-    with continuous_batch(model, rows=rows, first_slot=first_slot, cache_len=cache_len, compile=True) as batch:
+    with continuous_batch(model, rows=rows, first_slot=first_slot, cache_len=cache_len, compile=True,
+                          riding=True) as batch:
         print(f"batch of {rows} rows opened (captures): {time.perf_counter() - start:.1f} s", flush=True)
         owners = [SlotRequest([5] * 100, batch.most_new_tokens, i) for i in range(rows)]
         batch.step(owners)
@@ -135,7 +136,7 @@ def main() -> None:
     for budget in [int(b) for b in args.budgets.split(",")]:
         mixed_joins.RIDING_TOKENS = budget
         result = closed_loop(model, args.clients, lengths, args.new, args.seconds, rows, first_slot, cache_len,
-                             compile=True)
+                             compile=True, riding=True)
         step = result["wall_s"] / max(result["steps"], 1)
         print(f"closed loop, {budget} prompt tokens per step:", {k: round(v, 4) for k, v in result.items()},
               f"{step * 1e3:.2f} ms per step", flush=True)

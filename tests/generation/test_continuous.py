@@ -298,7 +298,6 @@ def test_joiners_beyond_a_steps_prompt_tokens_wait_in_their_rows(model, run, mon
     """Steps that carry joiners' prompts take the oldest queued ones up to their prompt tokens (one at least): the
     others hold their rows and ride later steps, and get the tokens of generating alone; a batch stopped while some
     still wait returns them as unfinished, with no tokens."""
-
     if not every_layer_joined(model):
         pytest.skip("joiners ride decode steps where every layer is joined")
     monkeypatch.setattr(mixed_joins, "RIDING_TOKENS", 12)
@@ -351,7 +350,6 @@ def test_steps_carry_prompts_by_default_where_the_weights_bound_them(monkeypatch
     """A 13B LLaMA rides by default, a 1.1B one joins apart (its steps are bound by the host); `riding` decides
     where every layer is joined, and a model whose layers are not cannot ride."""
     from transformers import LlamaConfig
-
 
     monkeypatch.setattr(mixed_joins, "RIDING_MIN_PARAMETERS", 10_000_000_000)  # the default (the tests set it to 0)
     llama_13b = LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40)
