@@ -109,12 +109,14 @@ def test_half_precision_model_decodes_transformers_greedy_tokens_with_the_kernel
     ids = torch.randint(3, 1000, (4, 12), device="cuda:0")
     expected = reference.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None).cpu()
     for compile in (False, True):
+        if compile:  # the counter is a list that compiled code would guard on (a compile per call): eager only
+            assert calls
+            monkeypatch.undo()
         for _ in range(2):  # run (and compile), then capture and replay
             assert torch.equal(generate(placed, ids, max_new_tokens=12, eos_token_id=[], compile=compile), expected)
             got, left, _ = run_continuous(placed, reqs[:3], reqs[3:], rows=4, first_slot=32, cache_len=48,
                                           compile=compile)
             assert not left and got == tokens
-    assert calls
 
 
 @pytest.mark.parametrize("joined", [False, True], ids=["transformers-layers", "joined-projections"])
