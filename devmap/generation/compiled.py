@@ -9,7 +9,10 @@ traced once whatever the depth, and its compiled code is found in torch's on-dis
 batch's first steps (decode and joins) of a tiny LLaMA on a 2-core CPU with inductor (`benchmarks/probes/
 compile_regions.py --tiny 4,16 --rows 8 --steps 16`): 4 layers 88.0 s compiled whole, 38.8 s by regions; 16 layers
 337.0 s whole, 32.4 s by regions; restarts (caches filled) 45.5 / 180.1 s whole, 8.1 / 7.0 s by regions. On a CPU,
-with no CUDA graph to replay, a step by regions runs slower (16 layers: 8.8 against 5.5 ms; a guard check per region).
+with no CUDA graph to replay, a step by regions runs slower (16 layers: 8.8 against 5.5 ms; a guard check per region),
+and so does a GPU step that devmap cannot capture (the last stage's, when the head lives on another device). On one
+H200, a `devmap serve` cold start (fresh process, inductor's cache empty): 13B 45 s by regions against 261 s whole,
+1.1B 49 against 160 s, with the same tokens per second (benchmarks/RESULTS.md).
 
 Regions are compiled without inductor's CUDA graphs (`mode=None`): devmap captures the steps itself, with their lanes'
 static KV caches, per-stage graph pools and event ordering. The first call of a step compiles its regions (eager run),
