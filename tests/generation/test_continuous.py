@@ -294,6 +294,35 @@ def test_compiled_steps_join_like_eager_ones_and_compile_once(model, run, compil
         release_graphs(model)
 
 
+def test_steps_carrying_prompts_compile_as_many_graphs_whatever_the_depth(tiny_llama, run_continuous,
+                                                                          compiled_on_cpu):
+    """Riding steps are compiled region by region like decode steps: each layer writes the pack's keys and values
+    through its own part of the cache (no layer index to specialize on), so a model six layers deep traces as many
+    operations and graphs as one two deep, with the tokens of generating alone."""
+    from devmap.generation.step_cache import release_graphs
+
+    counters = compiled_on_cpu
+    reqs = requests(5, seed=3)
+    graphs, traced = [], []
+    for depth in (2, 6):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = tiny_llama(num_hidden_layers=depth)
+        join_projections(model)
+        try:
+            got, left, queue = run_continuous(model, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=40,
+                                              lanes=1, split_layers=[1], compile=True)
+        finally:
+            release_graphs(model)
+        assert not left and not queue
+        assert got == {r.owner: generate(model, torch.tensor([r.prompt]), max_new_tokens=r.max_new_tokens,
+                                         split_layers=[1], eos_token_id=[])[0, len(r.prompt):].tolist() for r in reqs}
+        graphs.append(counters["stats"]["unique_graphs"])
+        traced.append(counters["stats"]["calls_captured"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0] and traced[1] == traced[0]
+
+
 def test_joiners_beyond_a_steps_prompt_tokens_wait_in_their_rows(model, run, monkeypatch):
     """Steps that carry joiners' prompts take the oldest queued ones up to their prompt tokens (one at least): the
     others hold their rows and ride later steps, and get the tokens of generating alone; a batch stopped while some
