@@ -6,12 +6,12 @@ every batch shape and pack width): the steps carrying joiners' prompts where the
 weights that devmap's own products read (floating point, or torchao's int8 with a scale per row in layers whose
 projections are joined: `devmap.generation.int8_products`; a layer left unjoined would run torchao's product, which
 compiles to something slower than eager). Compiled, a 13B int8 model at 32 clients gave 1.02–1.13× bf16's tokens/s where
-eager int8 steps gave 0.83× (both before joiners rode the decode steps); its load took longer than bf16's (283 against
-168–193 s on an H200 then; bf16 now 232–268 s, 131 s with inductor's cache filled: benchmarks/RESULTS.md). Other
-quantized weights (torchao's int4, bitsandbytes') stay eager unless `--compile` asks: their compiled speed is not
-measured. `--no-compile` turns compiling off. The compile happens at load, in a small continuous batch (its decode step,
-and its joins at every pack width), so the first request does not wait for it (minutes at 13B the first time;
-inductor's on-disk cache makes a restart faster).
+eager int8 steps gave 0.83× (both before joiners rode the decode steps), and 0.89× riding, by regions (benchmarks/
+RESULTS.md). A cold start on one H200 with an empty inductor cache: 45 s at 13B bf16 and 64 s int8 (steps compiled
+region by region; 261 and 283 s compiled whole). Other quantized weights (torchao's int4, bitsandbytes') stay eager
+unless `--compile` asks: their compiled speed is not measured. `--no-compile` turns compiling off. The compile happens
+at load, in a small continuous batch (its decode step, and its joins at every pack width), so the first request does
+not wait for it (inductor's on-disk cache makes a restart faster).
 """
 
 from __future__ import annotations
