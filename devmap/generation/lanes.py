@@ -96,6 +96,7 @@ class LaneStreams:
             self.s.compile_regions(self.dynamic)
         return body
 
+
 def graphs_possible(devices: list[torch.device]) -> bool:
     """CUDA graphs need every stage on a GPU (tests make this True on a CPU to run the cached-step paths,
     whose steps then stay eager)."""

@@ -22,8 +22,8 @@ def model(request, tiny_llama):
     return model
 
 
-def alone(model, prompt, new):
-    out = generate(model, torch.tensor([prompt]), max_new_tokens=new, split_layers=[2], eos_token_id=[])
+def alone(model, prompt, new, split=2):
+    out = generate(model, torch.tensor([prompt]), max_new_tokens=new, split_layers=[split], eos_token_id=[])
     return out[0, len(prompt):].tolist()
 
 
@@ -316,8 +316,7 @@ def test_steps_carrying_prompts_compile_as_many_graphs_whatever_the_depth(tiny_l
         finally:
             release_graphs(model)
         assert not left and not queue
-        assert got == {r.owner: generate(model, torch.tensor([r.prompt]), max_new_tokens=r.max_new_tokens,
-                                         split_layers=[1], eos_token_id=[])[0, len(r.prompt):].tolist() for r in reqs}
+        assert got == {r.owner: alone(model, r.prompt, r.max_new_tokens, split=1) for r in reqs}
         graphs.append(counters["stats"]["unique_graphs"])
         traced.append(counters["stats"]["calls_captured"])
     assert graphs[0] > 0 and graphs[1] == graphs[0] and traced[1] == traced[0]

@@ -47,7 +47,7 @@ def test_kernel_in_a_dynamic_compiled_step_compiles_once_for_any_rows_and_column
     torch._logging.set_logs(recompiles=True)  # a failure's log says which guard failed
     held: dict = {}
     step = compile_region(lambda q: live_columns_attention(q, held["key"], held["value"],
-                                                         held["attended"][:, None, None, :]) * 1.0, dynamic=True)
+                                                          held["attended"][:, None, None, :]) * 1.0, dynamic=True)
     g = torch.Generator().manual_seed(3)
     counters.clear()
     graphs = None
