@@ -6,10 +6,10 @@ shares of the inner dimension, warps, stages), beside the shape devmap's rule pi
 product is `mm(x, w.to(bf16)) * scale`: eager, the conversion writes a bf16 copy of the weight on every call.
 
 It answers whether an int8 model decodes faster than bf16 at 1-64 rows, and which block shapes the rule should pick.
-Past 64 rows (prefills: `--rows 136,512,2048`) it times bf16, torchao's formula, devmap's tiled kernel over
-PREFILL_CONFIGS (rows × output columns × inner block per program, warps, stages, the weights as first operand or
-not) and the weights converted with their scales before a bf16 GEMM: which beats the formula's bf16 copy of every
-weight, and up to how many rows (KERNEL_ROWS).
+Past 64 rows (prefills, steps carrying prompts: `--rows 128,512,2048`) devmap quantizes each row to int8 and runs
+int8 tensor cores (`int8_products.tokens_product`): the probe times it over TOKEN_CONFIGS (rows × output columns ×
+inner block per program, warps, stages) beside devmap's rule, bf16 and torchao's weight-only formula, with each
+one's error against the exact int8-weight product (relative norm), and sums a layer's four products.
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/int8_matmul.py [--rows 2,32,64]
 Check the kernel on CPU (Triton's interpreter):  TRITON_INTERPRET=1 python3 benchmarks/probes/int8_matmul.py --check
@@ -36,6 +36,7 @@ from devmap.generation.int8_products import (  # noqa: E402
     BlockShape,
     int8_product,
     kernel_product,
+    tokens_product,
     torchao_formula,
 )
 
@@ -50,42 +51,37 @@ CONFIGS = ([BlockShape(*c) for c in itertools.product((16, 32, 64, 128), (128, 2
            + [BlockShape(*c) for c in itertools.product((32, 64), (128, 256), (2, 4, 8), (4,), (3,))])
 
 
-# 24 prefill tiles (out, inner, splits, warps, stages, rows, weights first): common Hopper tensor-core tiles
-PREFILL_CONFIGS = [BlockShape(o, i, 1, w, st, r, f) for (r, o, i, w, st) in (
-    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3),
-    (128, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3), (128, 256, 128, 8, 2),
-    (64, 64, 128, 4, 4), (128, 128, 32, 4, 5)) for f in (False, True)]
+# 10 tiles (out, inner, splits, warps, stages, rows): rows × outputs × inner per program
+TOKEN_CONFIGS = [BlockShape(o, i, 1, w, st, r) for (r, o, i, w, st) in (
+    (64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 128, 128, 4, 4), (128, 256, 128, 8, 3), (64, 256, 128, 8, 3),
+    (128, 128, 64, 4, 4), (256, 128, 128, 8, 3), (64, 128, 256, 4, 3), (128, 64, 128, 4, 4), (128, 128, 256, 4, 3))]
 
 
-def prefill_row(name: str, outs: int, ins: int, rows: int, weight: torch.Tensor, qdata: torch.Tensor,
-                scale: torch.Tensor, times: dict[str, float], tiles: bool) -> None:
-    """One prefill row of the table: bf16, torchao's formula, the tiled kernel's best tile (if `tiles`), the weights
-    converted with their scales before a bf16 GEMM, and devmap's product (its rule)."""
+def tokens_row(name: str, outs: int, ins: int, rows: int, weight: torch.Tensor, qdata: torch.Tensor,
+               scale: torch.Tensor, times: dict[str, float]) -> tuple[float, float, float]:
+    """One row of the table past DECODE_ROWS; returns (bf16, torchao's formula, devmap's product) µs."""
     x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
-    want = torch.nn.functional.linear(x, weight).float()
+    exact = x.float() @ (qdata.float() * scale).t()
     bf16 = graph_timed_us(lambda: torch.nn.functional.linear(x, weight), repeat=20)
     formula = graph_timed_us(lambda: torchao_formula(x, qdata, scale), repeat=20)
-    best, best_config = float("nan"), None
-    for config in PREFILL_CONFIGS if tiles else []:
+    best, best_config = float("inf"), None
+    for config in TOKEN_CONFIGS:
         try:
-            got = kernel_product(x, qdata, scale, config)
+            us = graph_timed_us(lambda config=config: tokens_product(x, qdata, scale, config), repeat=20)
         except Exception:  # a tile this GPU cannot hold (shared memory)
             continue
-        if (got.float() - want).abs().max() > 0.05 * want.abs().max():
-            raise AssertionError(f"{name} {rows} {config}: the kernel's product is wrong")
-        us = graph_timed_us(lambda config=config: kernel_product(x, qdata, scale, config), repeat=20)
         times[str(tuple(config))] = round(us, 1)
-        if not us >= best:  # NaN at first
+        if us < best:
             best, best_config = us, config
-    # the weights converted with their scales (one fused multiply), then the bf16 GEMM: measured slower than
-    # torchao's formula at 512-2,048 rows (the conversion ran at ~0.7 TB/s), kept as a column for comparison
-    converted = graph_timed_us(lambda: torch.nn.functional.linear(x, (qdata * scale).to(x.dtype)), repeat=20)
     ours = graph_timed_us(lambda: int8_product(x, qdata, scale), repeat=20)
-    tflops = 2 * rows * outs * ins / bf16 / 1e6
-    tile = f"{best:.1f} {tuple(best_config)}" if best_config else "-"
-    print(f"| {name} {outs}×{ins} | {rows} | {bf16:.1f} ({tflops:.0f} TFLOP/s) | {formula:.1f} | {tile} "
-          f"| {converted:.1f} | {ours:.1f} | {formula / ours:.2f}× "
-          f"| {bf16 / ours:.2f}× |", flush=True)
+
+    def error(got: torch.Tensor) -> float:
+        return ((got.float() - exact).norm() / exact.norm()).item()
+
+    print(f"| {name} {outs}×{ins} | {rows} | {bf16:.1f} | {formula:.1f} | {best:.1f} {tuple(best_config or ())} "
+          f"| {ours:.1f} | {bf16 / ours:.2f}× | {formula / ours:.2f}× | {error(int8_product(x, qdata, scale)):.4f} / "
+          f"{error(torchao_formula(x, qdata, scale)):.4f} |", flush=True)
+    return bf16, formula, ours
 
 
 def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,11 +100,12 @@ def check() -> None:
         for splits in (1, 2, 3):
             got = kernel_product(x, qdata, scale, BlockShape(32, 64, splits, 4, 2))
             torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
-    for config in PREFILL_CONFIGS[:2]:  # a prefill tile, both operand orders
-        x = torch.randn(150, 200, dtype=torch.float16)
-        qdata, scale = quantized(torch.randn(140, 200))
-        got = kernel_product(x, qdata, scale, config._replace(out=32, inner=32, rows=32))
-        torch.testing.assert_close(got.float(), (x.float() @ qdata.float().t()) * scale.t(), atol=2e-2, rtol=2e-2)
+    x = torch.randn(150, 200, dtype=torch.float16)  # int8 tokens: uneven tiles, a masked inner block
+    qdata, scale = quantized(torch.randn(140, 200))
+    token_scale = x.float().abs().amax(1, keepdim=True) / 127
+    want = ((x.float() / token_scale).round() @ qdata.float().t()) * token_scale * scale.t()
+    got = tokens_product(x, qdata, scale, BlockShape(32, 64, 1, 4, 2, rows=32))
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
     print("int8 kernel: equal to the plain product")
 
 
@@ -118,7 +115,6 @@ def main() -> None:
     parser.add_argument("--model", default="llama-2-13b", choices=sorted(SHAPES), help="whose layer's products")
     parser.add_argument("--check", action="store_true", help="check the kernel (on CPU, under TRITON_INTERPRET=1)")
     parser.add_argument("--no-compile", action="store_true", help="leave out torchao under torch.compile")
-    parser.add_argument("--no-tiles", action="store_true", help="prefill rows: leave out the sweep of tiles")
     parser.add_argument("--autotune", action="store_true",
                         help="also torchao under torch.compile's max-autotune, whose Triton matmul templates can take "
                              "the int8-to-bf16 conversion into the product (minutes of autotuning)")
@@ -134,19 +130,21 @@ def main() -> None:
           "microseconds per product")
     every: dict[str, dict[str, float]] = {}
     granularity = Int8WeightOnlyConfig().granularity
-    prefill_rows = [int(r) for r in args.rows.split(",") if int(r) > DECODE_ROWS]
-    if prefill_rows:
-        print("| product | rows | bf16 | torchao's formula | tiled kernel (best tile) | converted, then bf16 "
-              "| devmap's int8 product | formula ÷ devmap | bf16 ÷ devmap |\n|---|---|---|---|---|---|---|---|---|")
     weights = {}  # each product's bf16 weight and its int8 data and scales, made once for both tables
     for name, (outs, ins) in SHAPES[args.model].items():
         weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) / ins ** 0.5
         weights[name] = (weight, *quantized(weight))
-    for name, (outs, ins) in SHAPES[args.model].items():
-        weight, qdata, scale = weights[name]
-        for rows in prefill_rows:
-            prefill_row(name, outs, ins, rows, weight, qdata, scale, every.setdefault(f"{name} {rows}", {}),
-                        not args.no_tiles)
+    token_rows = [int(r) for r in args.rows.split(",") if int(r) > DECODE_ROWS]
+    if token_rows:
+        print("| product | rows | bf16 | torchao's formula | int8 tokens (best tile) | devmap's int8 product "
+              "| bf16 ÷ devmap | formula ÷ devmap | error: devmap / formula |\n|---|---|---|---|---|---|---|---|---|")
+    for rows in token_rows:
+        layer = [0.0] * 3
+        for name, (outs, ins) in SHAPES[args.model].items():
+            times = tokens_row(name, outs, ins, rows, *weights[name], every.setdefault(f"{name} {rows}", {}))
+            layer = [a + b for a, b in zip(layer, times)]
+        print(f"a layer's four products at {rows} rows: bf16 {layer[0]:.0f} µs, torchao's formula {layer[1]:.0f}, "
+              f"devmap {layer[2]:.0f} ({layer[0] / layer[2]:.2f}× / {layer[1] / layer[2]:.2f}×)", flush=True)
     decode_rows = [int(r) for r in args.rows.split(",") if int(r) <= DECODE_ROWS]
     if not decode_rows:
         if args.times:

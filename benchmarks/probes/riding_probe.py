@@ -1,11 +1,11 @@
 """Decode steps that carry joiners' prompts: what their compile and captures cost, what a step costs by the prompt
 tokens it carries, and a closed loop's pace at several step budgets, beside the weight-read floor.
 
-Run on a GPU machine:  PYTHONPATH=. python3 benchmarks/probes/riding_probe.py --model llama-2-13b
-Loads the model (random bf16 weights), joins its projections as `devmap serve` does, times the service's warm-up
-(the compiles) and the opening of a batch of `--clients` rows (its captures), then the GPU time of one step of every
-row alone and carrying a pack of several widths, then closed loops of `--clients` clients (`join_probe`'s) with
-compiled steps at each of `--budgets` prompt tokens per step.
+Run on a GPU machine:  PYTHONPATH=. python3 benchmarks/probes/riding_probe.py --model llama-2-13b [--quantize int8]
+Loads the model (random bf16 weights, or int8 ones), joins its projections as `devmap serve` does, times the
+service's warm-up (the compiles) and the opening of a batch of `--clients` rows (its captures), then the GPU time of
+one step of every row alone and carrying a pack of several widths, then closed loops of `--clients` clients
+(`join_probe`'s) with compiled steps at each of `--budgets` prompt tokens per step.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import devmap
 from devmap.generation import mixed_joins
 from devmap.generation.continuous import SlotRequest, continuous_batch
 from devmap.generation.joined_projections import join_projections
+from devmap.loading.quantize import quantized_nbytes
 from devmap.serving.warm_up import warm_up
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,6 +89,7 @@ def main() -> None:
     parser = loop_arguments(__doc__)
     parser.add_argument("--budgets", default="512,256,1024", help="prompt tokens a step carries at most")
     parser.add_argument("--widths", default="64,128,256,384")
+    parser.add_argument("--quantize", default=None, choices=["int8"], help="int8 weights (`devmap serve --quantize`)")
     parser.add_argument("--profile", action="store_true",
                         help="only: the kernels of eager steps, alone and carrying a pack of the second width")
     parser.add_argument("--host", action="store_true",
@@ -95,9 +97,9 @@ def main() -> None:
                              "host's busiest calls over a riding loop (CUDA runtime calls and torch ops)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
-    model = devmap.load(args.model, "balanced", dtype="bf16")
+    model = devmap.load(args.model, "balanced", dtype="bf16", quantization=args.quantize)
     print(f"joined {join_projections(model)} projection groups", flush=True)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = quantized_nbytes(model)
     print(f"HBM {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB: floor {weights / bandwidth * 1e3:.2f} ms "
           "per step (weights only)", flush=True)
     lengths = [int(n) for n in args.lengths.split(",")]

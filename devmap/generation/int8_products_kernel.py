@@ -1,7 +1,8 @@
 """The Triton kernels behind `int8_products.int8_product` (imported only where they run: Triton comes with torch's
 CUDA wheels). Decode steps (few rows): one program per block of output columns and share of the inner dimension,
 and, where the inner dimension is split, a second kernel that adds the shares in a fixed order (the same sums on
-every run). Prefills (many rows): one program per tile of rows × output columns."""
+every run). More rows: each row quantized to int8 (one program a row), then one program per tile of rows × output
+columns on int8 tensor cores."""
 
 from __future__ import annotations
 
@@ -44,41 +45,66 @@ def add_shares(Shares, Out, count, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def int8_tiles_kernel(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row,
-                      BLOCK_ROWS: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
-                      WEIGHTS_FIRST: tl.constexpr, EVEN_IN: tl.constexpr):
-    """Out[rows, outs] = X[rows, ins] · (W[outs, ins] in X's dtype)ᵀ · Scale[outs] for prefills: program (r, o) makes
-    the tile of row block r and output block o, accumulated in float32. Row blocks are the grid's first axis, so the
-    programs that run together share their weight block (read from HBM once, then from L2). WEIGHTS_FIRST computes
-    the transposed tile (W · Xᵀ), with the converted weights as the product's first operand (on Hopper, the one that
-    may come from registers); EVEN_IN: `ins` is a multiple of BLOCK_IN (no mask on the inner dimension)."""
+def _rounded_int8(x, scale):
+    """round(x / scale) as int8, rounded half to even as torch.round does, the division correctly rounded as torch's
+    (Triton's `/` is approximate on GPUs)."""
+    scaled = tl.math.div_rn(x, scale)
+    low = tl.floor(scaled)
+    above = scaled - low
+    odd = low - 2.0 * tl.floor(low * 0.5)  # 1.0 where low is odd
+    return tl.where((above > 0.5) | ((above == 0.5) & (odd == 1.0)), low + 1.0, low).to(tl.int8)
+
+
+@triton.jit
+def quantize_rows_kernel(X, Q, Scales, ins, x_row, q_row, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Q[r] = round(X[r] / Scales[r]) in int8, Scales[r] = max |X[r]| / 127 (program r: one row, float32
+    arithmetic); an all-zero row gets scale 1. ONE_PASS: the row fits one BLOCK (read once), else read twice."""
+    row = tl.program_id(0)
+    if ONE_PASS:
+        inner = tl.arange(0, BLOCK)
+        x = tl.load(X + row * x_row + inner, mask=inner < ins, other=0.0).to(tl.float32)
+        most = tl.max(tl.abs(x), axis=0)
+        scale = tl.where(most > 0, most / 127.0, 1.0)
+        tl.store(Q + row * q_row + inner, _rounded_int8(x, scale), mask=inner < ins)
+    else:
+        biggest = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, ins, BLOCK):
+            inner = start + tl.arange(0, BLOCK)
+            x = tl.load(X + row * x_row + inner, mask=inner < ins, other=0.0).to(tl.float32)
+            biggest = tl.maximum(biggest, tl.abs(x))
+        most = tl.max(biggest, axis=0)
+        scale = tl.where(most > 0, most / 127.0, 1.0)
+        for start in range(0, ins, BLOCK):
+            inner = start + tl.arange(0, BLOCK)
+            x = tl.load(X + row * x_row + inner, mask=inner < ins, other=0.0).to(tl.float32)
+            tl.store(Q + row * q_row + inner, _rounded_int8(x, scale), mask=inner < ins)
+    tl.store(Scales + row, scale)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def int8_tokens_tiles_kernel(Q, QScales, W, Scale, Out, rows, outs, ins, w_row, out_row, BLOCK_ROWS: tl.constexpr,
+                             BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, EVEN_IN: tl.constexpr):
+    """Out[rows, outs] = (Q[rows, ins] · W[outs, ins]ᵀ) · QScales[rows] · Scale[outs] for tokens quantized to int8
+    (`quantize_rows_kernel`): program (r, o) makes the tile of row block r and output block o on int8 tensor cores,
+    summed in int32 (exact: a row's sums are the same whatever the tile or the other rows). Row blocks are the
+    grid's first axis: programs that run together share their weight block (read from HBM once, then from L2)."""
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     out = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    if WEIGHTS_FIRST:
-        acc = tl.zeros((BLOCK_OUT, BLOCK_ROWS), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
     keep_row = row < rows
     keep_out = out < outs
+    sums = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.int32)
     for start in range(0, ins, BLOCK_IN):
         inner = start + tl.arange(0, BLOCK_IN)
-        x_mask = keep_row[:, None]
+        q_mask = keep_row[:, None]
         w_mask = keep_out[:, None]
         if not EVEN_IN:
-            x_mask = x_mask & (inner[None, :] < ins)
+            q_mask = q_mask & (inner[None, :] < ins)
             w_mask = w_mask & (inner[None, :] < ins)
-        x = tl.load(X + row[:, None] * x_row + inner[None, :], mask=x_mask, other=0.0)
+        q = tl.load(Q + row[:, None] * ins + inner[None, :], mask=q_mask, other=0)
         w = tl.load(W + out[:, None] * w_row + inner[None, :], mask=w_mask, other=0)
-        if WEIGHTS_FIRST:
-            acc += tl.dot(w.to(x.dtype), tl.trans(x))
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        sums = tl.dot(q, tl.trans(w), sums, out_dtype=tl.int32)
+    q_scale = tl.load(QScales + row, mask=keep_row, other=0.0)
     scale = tl.load(Scale + out, mask=keep_out, other=0.0)
-    if WEIGHTS_FIRST:
-        acc = acc * scale[:, None]
-        tl.store(Out + row[None, :] * out_row + out[:, None], acc.to(Out.dtype.element_ty),
-                 mask=keep_row[None, :] & keep_out[:, None])
-    else:
-        acc = acc * scale[None, :]
-        tl.store(Out + row[:, None] * out_row + out[None, :], acc.to(Out.dtype.element_ty),
-                 mask=keep_row[:, None] & keep_out[None, :])
+    product = sums.to(tl.float32) * q_scale[:, None] * scale[None, :]
+    tl.store(Out + row[:, None] * out_row + out[None, :], product.to(Out.dtype.element_ty),
+             mask=keep_row[:, None] & keep_out[None, :])

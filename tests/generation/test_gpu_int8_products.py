@@ -1,6 +1,7 @@
 """GPU-only, one GPU: int8 products with a scale per output row (`--quantize int8`'s weights) through the Triton
-kernel against the plain computation, and an int8 half-precision model with joined projections decoding torchao's
-greedy tokens (captured steps, continuous batches)."""
+kernels against the plain computation (decode rows as they are, more rows quantized per token), and an int8
+half-precision model with joined projections decoding torchao's weight-only greedy tokens, its prompts of more than
+DECODE_ROWS tokens quantized per token as the reference does (captured steps, continuous batches)."""
 
 import copy
 
@@ -10,7 +11,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from devmap.generation import int8_products
-from devmap.generation.int8_products import KERNEL_ROWS, int8_product, kernel_applies
+from devmap.generation.int8_products import DECODE_ROWS, int8_product, kernel_applies
 from devmap.testing import require_gpus
 
 pytestmark = require_gpus(1)
@@ -19,19 +20,54 @@ pytestmark = require_gpus(1)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_products_equal_the_plain_product(dtype):
     torch.manual_seed(0)
-    # decode kernel, tiled kernel (64- and 256-row tiles, the most rows)
+    # the decode kernel (up to DECODE_ROWS rows), then int8 tokens (both tile heights, uneven tiles, > 2,048 rows)
     for rows, outs, ins in ((1, 5120, 5120), (2, 15360, 5120), (32, 27648, 512), (64, 640, 13824), (7, 100, 300),
-                            (65, 5120, 5120), (300, 1000, 700), (2048, 27648, 512), (1024, 5120, 13824)):
+                            (65, 5120, 5120), (300, 1000, 700), (2100, 27648, 512), (1024, 5120, 13824)):
         x = torch.randn(rows, ins, device="cuda", dtype=dtype)
         weight = torch.randn(outs, ins, device="cuda")
         scale = weight.abs().amax(1, keepdim=True) / 127
         qdata = (weight / scale).round().clamp(-128, 127).to(torch.int8)
         assert kernel_applies(x, qdata, scale)
-        want = (x.float() @ qdata.float().t()) * scale.t()
+        if rows <= DECODE_ROWS:
+            want = (x.float() @ qdata.float().t()) * scale.t()
+        else:
+            token_scale = x.float().abs().amax(1, keepdim=True) / 127
+            want = ((x.float() / token_scale).round() @ qdata.float().t()) * token_scale * scale.t()
         torch.testing.assert_close(int8_product(x, qdata, scale).float(), want, atol=5e-2, rtol=2e-2)
     assert not kernel_applies(x.float(), qdata, scale)  # float32: torchao's formula
-    x = torch.randn(KERNEL_ROWS + 1, 300, device="cuda", dtype=dtype)  # past KERNEL_ROWS: torchao's formula
-    assert not kernel_applies(x, qdata, scale)
+
+
+def test_int8_tokens_products_do_not_depend_on_the_other_rows():
+    """Past DECODE_ROWS each row is quantized on its own and summed exactly: a row's product has the same bits in a
+    product of any other rows (past DECODE_ROWS)."""
+    torch.manual_seed(0)
+    for outs, ins in ((15360, 5120), (5120, 13824), (1000, 300)):
+        x = torch.randn(2100, ins, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(outs, ins, device="cuda")
+        scale = weight.abs().amax(1, keepdim=True) / 127
+        qdata = (weight / scale).round().clamp(-128, 127).to(torch.int8)
+        every = int8_product(x, qdata, scale)
+        for begin, end in ((0, 65), (30, 200), (1000, 2100), (2000, 2100)):
+            assert torch.equal(int8_product(x[begin:end], qdata, scale), every[begin:end])
+
+
+def int8_tokens_past_decode_rows(linear: nn.Module) -> None:
+    """Make a torchao int8 Linear quantize each token of a product of more than DECODE_ROWS rows, as devmap does,
+    in plain float32 arithmetic (the reference)."""
+    from devmap.compat import torchao_int8_parts
+
+    qdata, scale, _ = torchao_int8_parts(linear.weight)
+    weight_only = linear.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        if rows.shape[0] <= DECODE_ROWS:
+            return weight_only(x)
+        token_scale = rows.abs().amax(1, keepdim=True) / 127
+        out = ((rows / token_scale).round() @ qdata.float().t()) * token_scale * scale.float().reshape(1, -1)
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+    linear.forward = forward
 
 
 def test_int8_half_precision_model_decodes_torchaos_greedy_tokens(monkeypatch, run_continuous,
@@ -43,8 +79,9 @@ def test_int8_half_precision_model_decodes_torchaos_greedy_tokens(monkeypatch, r
     from devmap.generation.joined_projections import join_projections
 
     calls = []
-    kernel = int8_products.kernel_product
-    monkeypatch.setattr(int8_products, "kernel_product", lambda *a: calls.append(1) or kernel(*a))
+    kernel, tokens_kernel = int8_products.kernel_product, int8_products.tokens_product
+    monkeypatch.setattr(int8_products, "kernel_product", lambda *a: calls.append("rows") or kernel(*a))
+    monkeypatch.setattr(int8_products, "tokens_product", lambda *a: calls.append("tokens") or tokens_kernel(*a))
     torch.manual_seed(21)
     config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=1000, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -54,14 +91,20 @@ def test_int8_half_precision_model_decodes_torchaos_greedy_tokens(monkeypatch, r
     linears = [m for layer in reference.model.layers for m in layer.modules() if type(m) is nn.Linear]
     torchao_int8_rows(linears, Int8WeightOnlyConfig(set_inductor_config=False))
     joined = copy.deepcopy(reference)
+    for linear in linears:
+        int8_tokens_past_decode_rows(linear)
     assert join_projections(joined) == 2 * config.num_hidden_layers
     reqs, tokens = requests_and_their_tokens(reference, 23, 8, 30, 10)
     ids = torch.randint(3, 1000, (4, 12), device="cuda:0")
-    expected = reference.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None).cpu()
+    long_ids = torch.randint(3, 1000, (4, 40), device="cuda:0")  # a prefill of 160 rows: int8 tokens
+    expected, long_expected = (reference.generate(i, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                                  eos_token_id=None).cpu() for i in (ids, long_ids))
     for compile in (False, True):  # the kernel in captured eager steps, and inside torch.compile's graphs
         for _ in range(2):  # run (and compile), then capture and replay
             assert torch.equal(generate(joined, ids, max_new_tokens=12, eos_token_id=[], compile=compile), expected)
+            assert torch.equal(generate(joined, long_ids, max_new_tokens=12, eos_token_id=[], compile=compile),
+                               long_expected)
             got, left, _ = run_continuous(joined, reqs[:3], reqs[3:], rows=4, first_slot=32, cache_len=48,
                                           compile=compile)
             assert not left and got == tokens
-    assert calls
+    assert set(calls) == {"rows", "tokens"}

@@ -157,8 +157,9 @@ def test_int8_joined_steps_compile_once_for_every_batch_size(model, run_continuo
 
 
 def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(model, monkeypatch):
-    """A service prepares the kernel's variants at load: each distinct int8 weight shape once per prepared row
-    count (every block shape and Triton's specializations), none on the CPU, where the kernel does not run."""
+    """A service prepares the kernels' variants at load: each distinct int8 weight shape once per prepared row
+    count (every block shape and Triton's specializations, and each tile height past DECODE_ROWS), none on the CPU,
+    where the kernels do not run."""
     from devmap.generation import int8_products
     from devmap.generation.joined_projections import int8_weights
 
@@ -171,15 +172,20 @@ def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(
     monkeypatch.setattr(int8_products, "kernel_applies", lambda x, q, s: True)
     monkeypatch.setattr(int8_products, "kernel_product",
                         lambda x, q, s: runs.append((x.shape[0], tuple(q.shape))))
+    monkeypatch.setattr(int8_products, "tokens_product",
+                        lambda x, q, s: runs.append((x.shape[0], tuple(q.shape))))
     shapes = {tuple(q.shape) for q, _ in weights}
     assert int8_products.prepare_kernels(weights, torch.bfloat16) == len(shapes) * len(int8_products.PREPARED_ROWS)
     assert set(runs) == {(rows, shape) for rows in int8_products.PREPARED_ROWS for shape in shapes}
+    assert {rows for rows, _ in runs} > {int8_products.DECODE_ROWS, int8_products.DECODE_ROWS + 1,
+                                         int8_products.SMALL_TOKEN_ROWS + 1}
     assert int8_weights(model) == []  # nothing joined, nothing int8
 
 
 INT8_KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from devmap.generation.int8_products import BlockShape, kernel_product
+    from devmap.generation import int8_products
+    from devmap.generation.int8_products import BlockShape, kernel_product, tokens_product
 
     torch.manual_seed(0)
     # every decode block shape: narrow (split in 4, 8 (more splits than inner blocks) and 2 shares), wide (no split)
@@ -192,19 +198,23 @@ INT8_KERNEL_CHECK = textwrap.dedent("""
         want = (x.float() @ qdata.float().t()) * scale.t()
         assert got.shape == (rows, outs) and got.dtype == x.dtype
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
-    # the prefill kernel: several row and output blocks, both operand orders, an inner dimension its block divides
-    # and one it does not, and the default shape past DECODE_ROWS
-    for rows, outs, ins in ((70, 40, 96), (130, 72, 100)):
+    # past DECODE_ROWS: each row quantized to int8 (rounded half to even, as torch.round), int32 sums; several row and
+    # output blocks, an inner dimension the block divides and one it does not, and the default tile
+    for rows, outs, ins in ((70, 40, 96), (130, 72, 100), (65, 96, 256)):
         x = torch.randn(rows, ins, dtype=torch.float16)
+        x[0, :4] = torch.tensor([0.5, 1.5, -2.5, 127.0])  # scale 1: the halves round to even
         weight = torch.randn(outs, ins)
         scale = weight.abs().amax(1, keepdim=True) / 127
         qdata = (weight / scale).round().clamp(-128, 127).to(torch.int8)
-        want = (x.float() @ qdata.float().t()) * scale.t()
-        for shape in (BlockShape(32, 32, 1, 4, 2, rows=32), BlockShape(16, 32, 1, 4, 2, rows=64, weights_first=True),
-                      None):
-            got = kernel_product(x, qdata, scale, shape)
+        token_scale = x.float().abs().amax(1, keepdim=True) / 127
+        want = ((x.float() / token_scale).round() @ qdata.float().t()) * token_scale * scale.t()
+        for shape in (BlockShape(32, 32, 1, 4, 2, rows=32), BlockShape(16, 64, 1, 4, 2, rows=16), None):
+            got = tokens_product(x, qdata, scale, shape)
             assert got.shape == (rows, outs) and got.dtype == x.dtype
-            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+        one_pass, int8_products.ONE_PASS_ROW = int8_products.ONE_PASS_ROW, 64  # then rows read twice, in blocks
+        torch.testing.assert_close(tokens_product(x, qdata, scale).float(), want, atol=1e-2, rtol=1e-2)
+        int8_products.ONE_PASS_ROW = one_pass
     print("kernel ok")
 """)
 
