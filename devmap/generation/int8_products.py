@@ -7,10 +7,11 @@ kernels read the int8 weights (`int8_products_kernel`):
   registers, the rows as they are (weight-only int8, torchao's `Int8WeightOnlyConfig`);
 - more rows (prefills, steps carrying prompts, large batches; bound by arithmetic): `tokens_product`, each row
   quantized to int8 with a scale of its own (max |x| / 127, as torchao's `Int8DynamicActivationInt8WeightConfig`
-  and vLLM's dynamic int8 do), then int8 tensor cores, summed exactly in int32. On an H200, over a 13B layer's four
-  products, 1.5-2.0× the pace of converting the weights in a tiled kernel and 1.0-1.4× cuBLAS's bf16 at
-  64-2,048 rows; its error against the exact int8-weight product is ~0.9% (relative norm) where weight-only's is
-  ~0.2%.
+  and vLLM's dynamic int8 do), then int8 tensor cores, summed exactly in int32: a row's product is the same
+  whatever rows it is computed with. Over a 13B layer's four products (`benchmarks/probes/int8_matmul.py`, H200)
+  1.0-1.4× the pace of cuBLAS's bf16 at 96-2,080 rows, 1.5-2.0× a tiled kernel converting the weights; at 64 rows
+  (H100) 150 µs where the decode kernel takes 195 (at 1-32 rows the decode kernel is 5-10% ahead: 122-138 µs
+  against 135-145). Its error against the exact int8-weight product is ~0.9% (relative norm), weight-only's ~0.2%.
 Anything else (CPU, float32) runs torchao's weight-only formula, with its numbers.
 """
 
@@ -20,7 +21,8 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-DECODE_ROWS = 64  # rows (tokens) up to which the decode kernel runs (all rows in one block)
+DECODE_ROWS = 32  # rows (tokens) up to which the decode kernel runs (all rows in one block)
+TINY_TOKEN_ROWS = 64  # rows up to which `tokens_product`'s tiles are 64 outputs wide (128 beyond)
 SMALL_TOKEN_ROWS = 320  # rows up to which `tokens_product`'s tiles are 64 rows high (128 beyond)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -66,8 +68,8 @@ def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 
 # every block shape, and Triton's specializations of `rows` (1, multiples of 16) up to DECODE_ROWS; then each tile
-# height of `tokens_product` (whose sizes are not specialized on)
-PREPARED_ROWS = (1, 2, 16, 17, 32, 33, DECODE_ROWS, DECODE_ROWS + 1, SMALL_TOKEN_ROWS + 1)
+# of `tokens_product` (whose sizes are not specialized on)
+PREPARED_ROWS = (1, 2, 16, 17, DECODE_ROWS, DECODE_ROWS + 1, TINY_TOKEN_ROWS + 1, SMALL_TOKEN_ROWS + 1)
 
 
 
@@ -106,14 +108,12 @@ class BlockShape(NamedTuple):
 
 def block_shape(rows: int, outs: int) -> BlockShape:
     """The decode kernel's block shape for a product of `rows` rows (up to DECODE_ROWS): the fastest of 36 shapes
-    timed on an H100 for LLaMA-2-13B's products at 2-64 rows (`benchmarks/probes/int8_matmul.py`), as a rule. Wide
+    timed on an H100 for LLaMA-2-13B's products at 2-32 rows (`benchmarks/probes/int8_matmul.py`), as a rule. Wide
     products (qkv, gate_up) have programs enough; narrow ones (o, down: fewer output columns than 8,192) split their
     inner dimension so that every SM has weights to read."""
     if outs >= 8192:
-        return BlockShape(32, 128, 1) if rows <= 16 else BlockShape(128, 256, 1) if rows <= 32 else \
-            BlockShape(128, 128, 1)
-    return BlockShape(32, 128, 4) if rows <= 16 else BlockShape(64, 128, 8) if rows <= 32 else \
-        BlockShape(32, 128, 2)
+        return BlockShape(32, 128, 1) if rows <= 16 else BlockShape(128, 256, 1)
+    return BlockShape(32, 128, 4) if rows <= 16 else BlockShape(64, 128, 8)
 
 
 def kernel_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
@@ -143,9 +143,12 @@ ONE_PASS_ROW = 16384  # elements up to which the per-token quantization reads a 
 
 
 def tokens_block_shape(rows: int) -> BlockShape:
-    """The tile of `tokens_product` for `rows` rows: of 10 tiles timed on an H200 for LLaMA-2-13B's four products
-    at 96-2,080 rows (`benchmarks/probes/int8_matmul.py --rows 96,…,2080`), the fastest over a layer, as a rule:
-    64 rows × 128 outputs × 128 inner up to SMALL_TOKEN_ROWS rows, then 128 × 128 × 128 with 8 warps."""
+    """The tile of `tokens_product` for `rows` rows: the fastest over a layer of LLaMA-2-13B's four products, as a
+    rule (10 tiles timed on an H200 at 96-2,080 rows, `benchmarks/probes/int8_matmul.py --rows 96,…,2080`; 81 on an
+    H100 at 64): 64 rows × 64 outputs × 256 inner up to TINY_TOKEN_ROWS rows, 64 × 128 × 128 up to
+    SMALL_TOKEN_ROWS, then 128 × 128 × 128 with 8 warps."""
+    if rows <= TINY_TOKEN_ROWS:
+        return BlockShape(64, 256, 1, 4, 3, rows=64)
     return BlockShape(128, 128, 1, 4, 4, rows=64) if rows <= SMALL_TOKEN_ROWS else \
         BlockShape(128, 128, 1, 8, 3, rows=128)
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..compat import stored_tensors, torchao_int8_rows
 from ..errors import UsageError
-from ..planning.device_maps import owner_of
+from ..planning.device_maps import DeviceMap, owner_of
 from ..planning.planner import Plan
 from ..planning.quantization import INT4_GROUP, NF4_BLOCK, Quantization
 from .checkpoint import TensorEntry
@@ -45,7 +45,7 @@ def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.de
     assert plan.quantization is not None
     by_block: dict[str, list[str]] = {}
     for name in later:
-        by_block.setdefault(owner_of(name, plan.device_map) or "", []).append(name)
+        by_block.setdefault(block_of(name, plan.device_map), []).append(name)
     ready: "queue.Queue[list[str] | BaseException | None]" = queue.Queue()
     slots = threading.Semaphore(2)  # blocks in full precision: the one being read, the one being quantized
     stop = threading.Event()
@@ -95,6 +95,17 @@ def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.de
         stop.set()
         slots.release()  # a reader waiting for a slot wakes up and stops
         reader.join()
+
+
+def block_of(name: str, device_map: DeviceMap) -> str:
+    """The block a tensor is read and quantized with: the innermost numbered module around it (a decoder layer,
+    `model.layers.3`), or its device-map entry where that is deeper (a layer split over devices) or there is no
+    number (embeddings, head). A model placed whole on one device (`{"": 0}`) is still quantized layer by layer."""
+    owner = owner_of(name, device_map) or ""
+    parts = name.split(".")
+    numbered = [i for i, part in enumerate(parts[:-1]) if part.isdigit()]
+    layer = ".".join(parts[:numbered[-1] + 1]) if numbered else ""
+    return layer if len(layer) > len(owner) else owner
 
 
 def quantize_linears(model: nn.Module, layer_names: list[str], quantization: Quantization) -> None:

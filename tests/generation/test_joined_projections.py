@@ -188,8 +188,8 @@ INT8_KERNEL_CHECK = textwrap.dedent("""
     from devmap.generation.int8_products import BlockShape, kernel_product, tokens_product
 
     torch.manual_seed(0)
-    # every decode block shape: narrow (split in 4, 8 (more splits than inner blocks) and 2 shares), wide (no split)
-    for rows, outs, ins in ((1, 96, 200), (5, 64, 128), (20, 64, 260), (33, 40, 300), (3, 8200, 130)):
+    # every decode block shape: narrow (split in 4 and 8 shares, more than inner blocks), wide (no split)
+    for rows, outs, ins in ((1, 96, 200), (5, 64, 128), (20, 64, 260), (32, 40, 300), (3, 8200, 130), (30, 8200, 70)):
         x = torch.randn(rows, ins, dtype=torch.float16)
         weight = torch.randn(outs, ins)
         scale = weight.abs().amax(1, keepdim=True) / 127

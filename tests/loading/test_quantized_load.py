@@ -44,6 +44,26 @@ def test_int8_logits_stay_near_the_bfloat16_model(tiny, int8_model):
     assert (want - got).abs().max() <= 0.02 * want.abs().max()
 
 
+def test_a_model_on_one_device_is_quantized_layer_by_layer(tiny, monkeypatch):
+    """A device holds one or two layers in full precision beyond its plan while they are quantized, also where the
+    whole model is placed on it (`{"": device}`): a 13B int8 model then loads on a GPU of 80 GB."""
+    from devmap.loading import quantize
+    from devmap.loading.quantize import block_of
+
+    assert block_of("model.layers.3.mlp.up_proj.weight", {"": 0}) == "model.layers.3"
+    assert block_of("model.layers.3.mlp.up_proj.weight", {"model.layers.3.mlp": 0, "": 1}) == "model.layers.3.mlp"
+    assert block_of("model.layers.12.self_attn.q_proj.weight", {"model.layers.12": 0}) == "model.layers.12"
+    assert block_of("lm_head.weight", {"": 0}) == "" and block_of("lm_head.weight", {"lm_head": 1}) == "lm_head"
+    groups = []
+    quantize_linears = quantize.quantize_linears
+    monkeypatch.setattr(quantize, "quantize_linears", lambda model, names, q: groups.append(names) or
+                        quantize_linears(model, names, q))
+    model = devmap.load(tiny, device_map="cpu", quantization="int8")
+    assert model.devmap_plan.device_map == {"": "cpu"}
+    assert len(groups) == len(model.model.layers)
+    assert all({name.split(".")[2] for name in names} == {str(i)} for i, names in enumerate(groups))
+
+
 def test_a_quantized_load_leaves_inductors_settings_alone(tiny):
     """torchao's configs turn on coordinate-descent autotuning for the whole process unless told not to; a load
     must not change how later compiles of any model run."""
