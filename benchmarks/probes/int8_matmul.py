@@ -5,8 +5,8 @@ the int8 weights and converts them in registers) over 36 block shapes (output co
 shares of the inner dimension, warps, stages), beside the shape devmap's rule picks. torchao's per-row int8
 product is `mm(x, w.to(bf16)) * scale`: eager, the conversion writes a bf16 copy of the weight on every call.
 
-It answers whether an int8 model decodes faster than bf16 at 1-64 rows, and which block shapes the rule should pick.
-Past 64 rows (prefills, steps carrying prompts: `--rows 128,512,2048`) devmap quantizes each row to int8 and runs
+It answers whether an int8 model decodes faster than bf16 at 1-32 rows, and which block shapes the rule should pick.
+Past 32 rows (prefills, steps carrying prompts: `--rows 128,512,2048`) devmap quantizes each row to int8 and runs
 int8 tensor cores (`int8_products.tokens_product`): the probe times it over TOKEN_CONFIGS (rows × output columns ×
 inner block per program, warps, stages) beside devmap's rule, bf16 and torchao's weight-only formula, with each
 one's error against the exact int8-weight product (relative norm), and sums a layer's four products.
@@ -55,17 +55,21 @@ CONFIGS = ([BlockShape(*c) for c in itertools.product((16, 32, 64, 128), (128, 2
 TOKEN_CONFIGS = [BlockShape(o, i, 1, w, st, r) for (r, o, i, w, st) in (
     (64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 128, 128, 4, 4), (128, 256, 128, 8, 3), (64, 256, 128, 8, 3),
     (128, 128, 64, 4, 4), (256, 128, 128, 8, 3), (64, 128, 256, 4, 3), (128, 64, 128, 4, 4), (128, 128, 256, 4, 3))]
+# `--tile-grid`: 81 small tiles, for 33-64 rows
+TILE_GRID = [BlockShape(o, i, 1, 4, st, r) for r, o, i, st in itertools.product((16, 32, 64), (32, 64, 128),
+                                                                                (128, 256, 512), (3, 4, 5))]
 
 
 def tokens_row(name: str, outs: int, ins: int, rows: int, weight: torch.Tensor, qdata: torch.Tensor,
-               scale: torch.Tensor, times: dict[str, float]) -> tuple[float, float, float]:
-    """One row of the table past DECODE_ROWS; returns (bf16, torchao's formula, devmap's product) µs."""
+               scale: torch.Tensor, times: dict[str, float], tile_grid: bool) -> tuple[float, float, float]:
+    """One row of the table past DECODE_ROWS (tiles: TOKEN_CONFIGS, or TILE_GRID); returns (bf16, torchao's formula,
+    devmap's product) µs."""
     x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
     exact = x.float() @ (qdata.float() * scale).t()
     bf16 = graph_timed_us(lambda: torch.nn.functional.linear(x, weight), repeat=20)
     formula = graph_timed_us(lambda: torchao_formula(x, qdata, scale), repeat=20)
     best, best_config = float("inf"), None
-    for config in TOKEN_CONFIGS:
+    for config in TILE_GRID if tile_grid else TOKEN_CONFIGS:
         try:
             us = graph_timed_us(lambda config=config: tokens_product(x, qdata, scale, config), repeat=20)
         except Exception:  # a tile this GPU cannot hold (shared memory)
@@ -118,6 +122,7 @@ def main() -> None:
     parser.add_argument("--autotune", action="store_true",
                         help="also torchao under torch.compile's max-autotune, whose Triton matmul templates can take "
                              "the int8-to-bf16 conversion into the product (minutes of autotuning)")
+    parser.add_argument("--tile-grid", action="store_true", help="past 32 rows: sweep TILE_GRID, not TOKEN_CONFIGS")
     parser.add_argument("--times", default=None, help="write every block shape's time (JSON) here")
     args = parser.parse_args()
     if args.check:
@@ -141,7 +146,8 @@ def main() -> None:
     for rows in token_rows:
         layer = [0.0] * 3
         for name, (outs, ins) in SHAPES[args.model].items():
-            times = tokens_row(name, outs, ins, rows, *weights[name], every.setdefault(f"{name} {rows}", {}))
+            times = tokens_row(name, outs, ins, rows, *weights[name], every.setdefault(f"{name} {rows}", {}),
+                               args.tile_grid)
             layer = [a + b for a, b in zip(layer, times)]
         print(f"a layer's four products at {rows} rows: bf16 {layer[0]:.0f} µs, torchao's formula {layer[1]:.0f}, "
               f"devmap {layer[2]:.0f} ({layer[0] / layer[2]:.2f}× / {layer[1] / layer[2]:.2f}×)", flush=True)

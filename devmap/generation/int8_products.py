@@ -145,8 +145,8 @@ ONE_PASS_ROW = 16384  # elements up to which the per-token quantization reads a 
 def tokens_block_shape(rows: int) -> BlockShape:
     """The tile of `tokens_product` for `rows` rows: the fastest over a layer of LLaMA-2-13B's four products, as a
     rule (10 tiles timed on an H200 at 96-2,080 rows, `benchmarks/probes/int8_matmul.py --rows 96,…,2080`; 81 on an
-    H100 at 64): 64 rows × 64 outputs × 256 inner up to TINY_TOKEN_ROWS rows, 64 × 128 × 128 up to
-    SMALL_TOKEN_ROWS, then 128 × 128 × 128 with 8 warps."""
+    H100 at 64, `--rows 64 --tile-grid`): 64 rows × 64 outputs × 256 inner up to TINY_TOKEN_ROWS rows, 64 × 128 ×
+    128 up to SMALL_TOKEN_ROWS, then 128 × 128 × 128 with 8 warps."""
     if rows <= TINY_TOKEN_ROWS:
         return BlockShape(64, 256, 1, 4, 3, rows=64)
     return BlockShape(128, 128, 1, 4, 4, rows=64) if rows <= SMALL_TOKEN_ROWS else \

@@ -5,13 +5,13 @@ every batch shape and pack width): the steps carrying joiners' prompts where the
 (`devmap.generation.mixed_joins`), else the joins' prefill. It compiles them where that wins: every block on a GPU, and
 weights that devmap's own products read (floating point, or torchao's int8 with a scale per row in layers whose
 projections are joined: `devmap.generation.int8_products`; a layer left unjoined would run torchao's product, which
-compiles to something slower than eager). Compiled, a 13B int8 model at 32 clients gave 1.02–1.13× bf16's tokens/s where
-eager int8 steps gave 0.83× (both before joiners rode the decode steps), and 0.89× riding, by regions (benchmarks/
-RESULTS.md). A cold start on one H200 with an empty inductor cache: 45 s at 13B bf16 and 64 s int8 (steps compiled
-region by region; 261 and 283 s compiled whole). Other quantized weights (torchao's int4, bitsandbytes') stay eager
-unless `--compile` asks: their compiled speed is not measured. `--no-compile` turns compiling off. The compile happens
-at load, in a small continuous batch (its decode step, and its joins at every pack width), so the first request does
-not wait for it (inductor's on-disk cache makes a restart faster).
+compiles to something slower than eager). Compiled, a 13B int8 model at 32 clients gave 1.18× bf16's tokens/s on an
+H200 and 1.35× on an H100 (riding, by regions, products past 32 rows on int8 tensor cores), where eager int8 steps
+had given 0.83× (benchmarks/RESULTS.md). A cold start on one H200 with an empty inductor cache: 45-54 s at 13B bf16
+and 60-64 s int8 (steps compiled region by region; 261 and 283 s compiled whole). Other quantized weights (torchao's
+int4, bitsandbytes') stay eager unless `--compile` asks: their compiled speed is not measured. `--no-compile` turns
+compiling off. The compile happens at load, in a small continuous batch (its decode step, and its joins at every pack
+width), so the first request does not wait for it (inductor's on-disk cache makes a restart faster).
 """
 
 from __future__ import annotations
