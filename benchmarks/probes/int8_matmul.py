@@ -51,12 +51,11 @@ CONFIGS = ([BlockShape(*c) for c in itertools.product((16, 32, 64, 128), (128, 2
            + [BlockShape(*c) for c in itertools.product((32, 64), (128, 256), (2, 4, 8), (4,), (3,))])
 
 
-# 14 tiles (out, inner, splits, warps, stages, rows): rows × outputs × inner per program
+# 10 tiles (out, inner, splits, warps, stages, rows): rows × outputs × inner per program
 TOKEN_CONFIGS = [BlockShape(o, i, 1, w, st, r) for (r, o, i, w, st) in (
     (64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (128, 128, 128, 4, 4), (128, 256, 128, 8, 3), (64, 256, 128, 8, 3),
-    (128, 128, 64, 4, 4), (256, 128, 128, 8, 3), (64, 128, 256, 4, 3), (128, 64, 128, 4, 4), (128, 128, 256, 4, 3),
-    (64, 64, 256, 4, 3), (128, 64, 128, 8, 4), (64, 64, 128, 4, 4), (64, 128, 256, 8, 3))]
-# `--tile-grid`: 81 small tiles, for 33-64 rows (4 warps)
+    (128, 128, 64, 4, 4), (256, 128, 128, 8, 3), (64, 128, 256, 4, 3), (128, 64, 128, 4, 4), (128, 128, 256, 4, 3))]
+# `--tile-grid`: 81 small tiles, for 33-64 rows
 TILE_GRID = [BlockShape(o, i, 1, 4, st, r) for r, o, i, st in itertools.product((16, 32, 64), (32, 64, 128),
                                                                                 (128, 256, 512), (3, 4, 5))]
 

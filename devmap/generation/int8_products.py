@@ -23,9 +23,7 @@ import torch
 
 DECODE_ROWS = 32  # rows (tokens) up to which the decode kernel runs (all rows in one block)
 TINY_TOKEN_ROWS = 64  # rows up to which `tokens_product`'s tiles are 64 outputs wide (128 beyond)
-NARROW_TOKEN_ROWS = 160  # the same for products of fewer than 8,192 outputs
-SMALL_TOKEN_ROWS = 128  # rows up to which `tokens_product`'s tiles of wide products are 64 rows high (128 beyond)
-NARROW_SMALL_TOKEN_ROWS = 288  # the same for products of fewer than 8,192 outputs
+SMALL_TOKEN_ROWS = 320  # rows up to which `tokens_product`'s tiles are 64 rows high (128 beyond)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -71,8 +69,7 @@ def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 # every block shape, and Triton's specializations of `rows` (1, multiples of 16) up to DECODE_ROWS; then each tile
 # of `tokens_product` (whose sizes are not specialized on)
-PREPARED_ROWS = (1, 2, 16, 17, DECODE_ROWS, DECODE_ROWS + 1, TINY_TOKEN_ROWS + 1, SMALL_TOKEN_ROWS + 1,
-                 NARROW_TOKEN_ROWS + 1, NARROW_SMALL_TOKEN_ROWS + 1)
+PREPARED_ROWS = (1, 2, 16, 17, DECODE_ROWS, DECODE_ROWS + 1, TINY_TOKEN_ROWS + 1, SMALL_TOKEN_ROWS + 1)
 
 
 
@@ -145,18 +142,15 @@ def kernel_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
 ONE_PASS_ROW = 16384  # elements up to which the per-token quantization reads a row once (else twice, 1,024 a step)
 
 
-def tokens_block_shape(rows: int, outs: int) -> BlockShape:
-    """The tile of `tokens_product` for `rows` rows and `outs` output columns: the fastest for LLaMA-2-13B's wide
-    (qkv, gate_up) and narrow (o, down: fewer than 8,192 outputs) products, as a rule (the probe's tiles timed on an
-    H200 at 64-2,080 rows: `benchmarks/probes/int8_matmul.py --rows 64,…,2080`): 64 rows × 64 outputs × 256 inner
-    for few rows (up to TINY_TOKEN_ROWS wide, NARROW_TOKEN_ROWS narrow), then 64 × 128 × 128 (up to
-    SMALL_TOKEN_ROWS wide, NARROW_SMALL_TOKEN_ROWS narrow), then 128 × 128 × 128 with 8 warps."""
-    narrow = outs < 8192
-    if rows <= (NARROW_TOKEN_ROWS if narrow else TINY_TOKEN_ROWS):
+def tokens_block_shape(rows: int) -> BlockShape:
+    """The tile of `tokens_product` for `rows` rows: the fastest over a layer of LLaMA-2-13B's four products, as a
+    rule (10 tiles timed on an H200 at 96-2,080 rows, `benchmarks/probes/int8_matmul.py --rows 96,…,2080`; 81 on an
+    H100 at 64, `--rows 64 --tile-grid`): 64 rows × 64 outputs × 256 inner up to TINY_TOKEN_ROWS rows, 64 × 128 ×
+    128 up to SMALL_TOKEN_ROWS, then 128 × 128 × 128 with 8 warps."""
+    if rows <= TINY_TOKEN_ROWS:
         return BlockShape(64, 256, 1, 4, 3, rows=64)
-    if rows <= (NARROW_SMALL_TOKEN_ROWS if narrow else SMALL_TOKEN_ROWS):
-        return BlockShape(128, 128, 1, 4, 4, rows=64)
-    return BlockShape(128, 128, 1, 8, 3, rows=128)
+    return BlockShape(128, 128, 1, 4, 4, rows=64) if rows <= SMALL_TOKEN_ROWS else \
+        BlockShape(128, 128, 1, 8, 3, rows=128)
 
 
 def tokens_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
@@ -170,7 +164,7 @@ def tokens_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
 
     rows, ins = x.shape
     outs = qdata.shape[0]
-    shape = shape or tokens_block_shape(rows, outs)
+    shape = shape or tokens_block_shape(rows)
     quantized = torch.empty((rows, ins), dtype=torch.int8, device=x.device)
     token_scales = torch.empty(rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(ins) if ins <= ONE_PASS_ROW else 1024

@@ -178,9 +178,7 @@ def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(
     assert int8_products.prepare_kernels(weights, torch.bfloat16) == len(shapes) * len(int8_products.PREPARED_ROWS)
     assert set(runs) == {(rows, shape) for rows in int8_products.PREPARED_ROWS for shape in shapes}
     assert {rows for rows, _ in runs} > {int8_products.DECODE_ROWS, int8_products.DECODE_ROWS + 1,
-                                         int8_products.TINY_TOKEN_ROWS + 1, int8_products.SMALL_TOKEN_ROWS + 1,
-                                         int8_products.NARROW_TOKEN_ROWS + 1,
-                                         int8_products.NARROW_SMALL_TOKEN_ROWS + 1}
+                                         int8_products.SMALL_TOKEN_ROWS + 1}
     assert int8_weights(model) == []  # nothing joined, nothing int8
 
 
