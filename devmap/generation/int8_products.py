@@ -72,8 +72,6 @@ def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 PREPARED_ROWS = (1, 2, 16, 17, DECODE_ROWS, DECODE_ROWS + 1, TINY_TOKEN_ROWS + 1, SMALL_TOKEN_ROWS + 1)
 
 
-
-
 def prepare_kernels(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> int:
     """Run the kernels once for each distinct int8 weight (data, scales) shape and each of PREPARED_ROWS, so that
     Triton compiles every variant a step can use now (then caches it on disk) instead of in a service's first
@@ -168,7 +166,7 @@ def tokens_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     quantized = torch.empty((rows, ins), dtype=torch.int8, device=x.device)
     token_scales = torch.empty(rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(ins) if ins <= ONE_PASS_ROW else 1024
-    quantize_rows_kernel[(rows,)](x, quantized, token_scales, ins, x.stride(0), ins, BLOCK=block,
+    quantize_rows_kernel[(rows,)](x, quantized, token_scales, ins, x.stride(0), BLOCK=block,
                                   ONE_PASS=ins <= ONE_PASS_ROW, num_warps=min(16, max(4, block // 1024)))
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     int8_tokens_tiles_kernel[(triton.cdiv(rows, shape.rows), triton.cdiv(outs, shape.out))](

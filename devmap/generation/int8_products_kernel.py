@@ -56,16 +56,16 @@ def _rounded_int8(x, scale):
 
 
 @triton.jit
-def quantize_rows_kernel(X, Q, Scales, ins, x_row, q_row, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    """Q[r] = round(X[r] / Scales[r]) in int8, Scales[r] = max |X[r]| / 127 (program r: one row, float32
-    arithmetic); an all-zero row gets scale 1. ONE_PASS: the row fits one BLOCK (read once), else read twice."""
+def quantize_rows_kernel(X, Q, Scales, ins, x_row, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Q[r] = round(X[r] / Scales[r]) in int8 (Q contiguous), Scales[r] = max |X[r]| / 127 (program r: one row,
+    float32 arithmetic); an all-zero row gets scale 1. ONE_PASS: the row fits one BLOCK (read once), else twice."""
     row = tl.program_id(0)
     if ONE_PASS:
         inner = tl.arange(0, BLOCK)
         x = tl.load(X + row * x_row + inner, mask=inner < ins, other=0.0).to(tl.float32)
         most = tl.max(tl.abs(x), axis=0)
         scale = tl.where(most > 0, most / 127.0, 1.0)
-        tl.store(Q + row * q_row + inner, _rounded_int8(x, scale), mask=inner < ins)
+        tl.store(Q + row * ins + inner, _rounded_int8(x, scale), mask=inner < ins)
     else:
         biggest = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, ins, BLOCK):
@@ -77,7 +77,7 @@ def quantize_rows_kernel(X, Q, Scales, ins, x_row, q_row, BLOCK: tl.constexpr, O
         for start in range(0, ins, BLOCK):
             inner = start + tl.arange(0, BLOCK)
             x = tl.load(X + row * x_row + inner, mask=inner < ins, other=0.0).to(tl.float32)
-            tl.store(Q + row * q_row + inner, _rounded_int8(x, scale), mask=inner < ins)
+            tl.store(Q + row * ins + inner, _rounded_int8(x, scale), mask=inner < ins)
     tl.store(Scales + row, scale)
 
 

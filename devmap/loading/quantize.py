@@ -43,9 +43,11 @@ def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.de
     N(0, std) where it has none), then let the library quantize them. A helper thread reads block i + 1 while
     this thread quantizes block i, so a device holds at most two blocks in full precision beyond its plan."""
     assert plan.quantization is not None
+    units = {name for name, module in model.named_modules()
+             if type(module).__name__ in plan.no_split_module_classes}
     by_block: dict[str, list[str]] = {}
     for name in later:
-        by_block.setdefault(block_of(name, plan.device_map), []).append(name)
+        by_block.setdefault(block_of(name, plan.device_map, units), []).append(name)
     ready: "queue.Queue[list[str] | BaseException | None]" = queue.Queue()
     slots = threading.Semaphore(2)  # blocks in full precision: the one being read, the one being quantized
     stop = threading.Event()
@@ -97,15 +99,14 @@ def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.de
         reader.join()
 
 
-def block_of(name: str, device_map: DeviceMap) -> str:
-    """The block a tensor is read and quantized with: the innermost numbered module around it (a decoder layer,
-    `model.layers.3`), or its device-map entry where that is deeper (a layer split over devices) or there is no
-    number (embeddings, head). A model placed whole on one device (`{"": 0}`) is still quantized layer by layer."""
+def block_of(name: str, device_map: DeviceMap, units: set[str]) -> str:
+    """The block a tensor is read and quantized with: the unit around it (`units`: the modules the plan never splits,
+    a decoder layer), or its device-map entry where that is deeper (a unit split over devices) or there is no unit
+    (embeddings, head). A model placed whole on one device (`{"": 0}`) is still quantized unit by unit."""
     owner = owner_of(name, device_map) or ""
     parts = name.split(".")
-    numbered = [i for i, part in enumerate(parts[:-1]) if part.isdigit()]
-    layer = ".".join(parts[:numbered[-1] + 1]) if numbered else ""
-    return layer if len(layer) > len(owner) else owner
+    unit = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in units), "")
+    return unit if len(unit) > len(owner) else owner
 
 
 def quantize_linears(model: nn.Module, layer_names: list[str], quantization: Quantization) -> None:

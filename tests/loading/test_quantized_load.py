@@ -50,10 +50,14 @@ def test_a_model_on_one_device_is_quantized_layer_by_layer(tiny, monkeypatch):
     from devmap.loading import quantize
     from devmap.loading.quantize import block_of
 
-    assert block_of("model.layers.3.mlp.up_proj.weight", {"": 0}) == "model.layers.3"
-    assert block_of("model.layers.3.mlp.up_proj.weight", {"model.layers.3.mlp": 0, "": 1}) == "model.layers.3.mlp"
-    assert block_of("model.layers.12.self_attn.q_proj.weight", {"model.layers.12": 0}) == "model.layers.12"
-    assert block_of("lm_head.weight", {"": 0}) == "" and block_of("lm_head.weight", {"lm_head": 1}) == "lm_head"
+    units = {"model.layers.3", "model.layers.12"}  # the modules a plan never splits (decoder layers)
+    assert block_of("model.layers.3.mlp.up_proj.weight", {"": 0}, units) == "model.layers.3"
+    assert block_of("model.layers.3.mlp.up_proj.weight", {"model.layers.3.mlp": 0, "": 1}, units) == \
+        "model.layers.3.mlp"
+    assert block_of("model.layers.12.self_attn.q_proj.weight", {"model.layers.12": 0}, units) == "model.layers.12"
+    assert block_of("model.layers.12.mlp.experts.7.up_proj.weight", {"": 0}, units) == "model.layers.12"
+    assert block_of("lm_head.weight", {"": 0}, units) == ""
+    assert block_of("lm_head.weight", {"lm_head": 1}, units) == "lm_head"
     groups = []
     quantize_linears = quantize.quantize_linears
     monkeypatch.setattr(quantize, "quantize_linears", lambda model, names, q: groups.append(names) or
