@@ -64,6 +64,22 @@ def test_accelerate_hooks_are_bypassed_and_put_back(llama):
     remove_hook_from_module(model, recurse=True)
 
 
+def test_a_swapped_module_keeps_a_hook_that_moves_arguments_and_refuses_one_that_offloads():
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    old, new = nn.Linear(4, 4), nn.Linear(4, 4)
+    assert compat.device_hook_moved(old, new) and not hasattr(new, "_hf_hook")  # no hook, nothing to move
+    add_hook_to_module(old, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+    assert compat.device_hook_moved(old, new)
+    x = torch.ones(1, 4)
+    assert new._hf_hook is old._hf_hook and torch.equal(new(x), compat.own_forward(new)(x))
+    offloaded, other = nn.Linear(4, 4), nn.Linear(4, 4)
+    add_hook_to_module(offloaded, AlignDevicesHook(execution_device="cpu", offload=True,
+                                                   weights_map={"weight": offloaded.weight.data,
+                                                                "bias": offloaded.bias.data}))
+    assert not compat.device_hook_moved(offloaded, other) and not hasattr(other, "_hf_hook")
+
+
 def test_recompile_limit_and_the_stance_that_refuses_to_compile():
     compat.raise_recompile_limit(64)
     assert torch._dynamo.config.recompile_limit >= 64
@@ -147,6 +163,26 @@ def test_int8_by_weight_shape_equals_torchao_s_quantize():
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     assert torch.equal(nn.functional.linear(x, rebuilt), layers[0](x))
     assert compat.torchao_int8_parts(nn.Linear(4, 4).weight) is None  # plain weights: no torchao import
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
+def test_torchao_int4_comes_apart_into_levels_scales_and_zeros():
+    pytest.importorskip("torchao")
+    from torchao.quantization import quantize_
+
+    from devmap.loading.quantize import torchao_config
+    from devmap.planning.quantization import parse_quantization
+
+    linear = nn.Linear(13824, 256, bias=False, device="cuda", dtype=torch.bfloat16)  # 13,824 is padded to 14,336
+    quantize_(linear, torchao_config(parse_quantization("int4")))
+    q, scale, zero = compat.torchao_int4_levels(linear.weight)
+    assert q.shape == (256, 13824) and q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert scale.shape == zero.shape == (256, 13824 // 128)
+    values = ((q.float() - 8).reshape(256, -1, 128) * scale.float()[..., None] + zero.float()[..., None])
+    eye = torch.eye(13824, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(values.reshape(256, -1).to(torch.bfloat16), linear(eye).t(), atol=1e-6, rtol=1e-2)
+    assert compat.torchao_int4_levels(torch.ones(2, 2, device="cuda")) is None
 
 
 @pytest.mark.gpu

@@ -8,7 +8,8 @@ into it (no second copy; transformers' own forward and the weights' values are u
 share buffers this way must not be saved with safetensors, which refuses shared memory: the serving engine, which
 owns its models and never saves them, joins them at load. `JoinedLayer.of` finds such buffers in any model, and
 devmap's stages run such layers (prefills and decode steps) on them, int8 products through
-`int8_products.int8_product`; layers it finds none in run transformers' own forward.
+`int8_products.int8_product`, int4 ones through `four_bit_products.four_bit_product` (torchao's int4 Linear layers
+are first taken into devmap's layout: `four_bit_linear`); layers it finds none in run transformers' own forward.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..compat import attention_function, own_forward, torchao_int8_parts, torchao_int8_weight
+from .four_bit_linear import FourBitLinear, own_four_bit_linears
+from .four_bit_products import FourBitWeight, four_bit_product
 from .int8_products import int8_product
 
 JOINED_MODEL_TYPES = ("llama",)  # whose decoder layer `JoinedLayer.__call__` redoes (qwen3 adds norms of q and k,
@@ -29,12 +32,14 @@ JOINED_MODEL_TYPES = ("llama",)  # whose decoder layer `JoinedLayer.__call__` re
 
 def join_projections(model: nn.Module) -> int:
     """Store each LLaMA decoder layer's query, key and value weights (and biases) end to end in one buffer, and its
-    gate and up weights in another, the Linear modules' parameters becoming views into them. Full-precision weights
-    and torchao's int8 weights with one scale per output row are joined; others (4-bit, bitsandbytes, offloaded,
-    mixed) stay as they are, as does a group whose device has no room for the joined buffer for a moment.
+    gate and up weights in another, the Linear modules' parameters becoming views into them. Full-precision weights,
+    torchao's int8 weights with one scale per output row and int4 ones (torchao's, on GPUs, first swapped for
+    `FourBitLinear` modules of the same numbers) are joined; others (bitsandbytes', offloaded, mixed) stay as they
+    are, as does a group whose device has no room for the joined buffer for a moment.
     Returns the groups joined (two per layer at most)."""
     if getattr(model.config, "model_type", None) not in JOINED_MODEL_TYPES:
         return 0
+    own_four_bit_linears(model)
     joined = 0
     for layer in model.model.layers:
         for group in _groups(layer):
@@ -57,10 +62,10 @@ def every_layer_joined(model: nn.Module) -> bool:
     return bool(layers) and all(joined is not None for joined in layers)
 
 
-def int8_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(int8 data, scales) of every product of the model's joined layers that has int8 weights, in layer order."""
-    return [(p.qdata, p.scale) for joined in joined_layers(model) if joined is not None
-            for p in (joined.qkv, joined.out, joined.gate_up, joined.down) if p.qdata is not None]
+def joined_products(model: nn.Module) -> list[Product]:
+    """Every product of the model's joined layers, in layer order (int8 weights: `qdata`, 4-bit: `four_bit`)."""
+    return [p for joined in joined_layers(model) if joined is not None
+            for p in (joined.qkv, joined.out, joined.gate_up, joined.down)]
 
 
 def _groups(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
@@ -74,8 +79,11 @@ def _groups(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
 
 
 def _stored(linear: nn.Module) -> list[torch.Tensor] | None:
-    """The plain tensors a Linear's weight is stored as: [weight] (full precision) or [int8 data, scales] (and the
-    zero point when it has one); None for a weight of any other form."""
+    """The plain tensors a Linear's weight is stored as: [weight] (full precision), [int8 data, scales] (and the
+    zero point when it has one) or, for a FourBitLinear, [packed levels, scales, zeros]; None for a weight of any
+    other form."""
+    if isinstance(linear, FourBitLinear):
+        return [linear.packed, linear.scale, linear.zero]
     weight = getattr(linear, "weight", None)
     if not isinstance(weight, torch.Tensor):
         return None
@@ -89,9 +97,10 @@ def _stored(linear: nn.Module) -> list[torch.Tensor] | None:
 
 
 def _joinable(group: Sequence[nn.Module]) -> bool:
-    """Plain Linear modules over one input size, their weights stored the same way (full precision, or int8) in
-    contiguous tensors on one real device, all with biases or none."""
-    if any(type(linear) is not nn.Linear for linear in group):
+    """Plain Linear modules (or FourBitLinear ones) over one input size, their weights stored the same way (full
+    precision, int8 or int4) in contiguous tensors on one real device, all with biases or none."""
+    kinds = {type(linear) for linear in group}
+    if len(kinds) != 1 or not kinds <= {nn.Linear, FourBitLinear}:
         return False
     stored = [_stored(linear) for linear in group]
     if any(parts is None for parts in stored):
@@ -101,7 +110,7 @@ def _joinable(group: Sequence[nn.Module]) -> bool:
             and all(len(parts) == len(first) and all(
                 p.device == f.device and p.dtype == f.dtype and p.shape[1:] == f.shape[1:] and p.is_contiguous()
                 for p, f in zip(parts, first)) for parts in stored)
-            and all(linear.weight.shape[1] == group[0].weight.shape[1] for linear in group))
+            and all(linear.in_features == group[0].in_features for linear in group))
 
 
 @torch.no_grad()
@@ -119,9 +128,12 @@ def _join(group: Sequence[nn.Module]) -> bool:
     for linear, parts in zip(group, stored):
         end = begin + parts[0].shape[0]
         views = [buffer[begin:end] for buffer in buffers]
-        weight = views[0] if len(views) == 1 else torchao_int8_weight(views[0], views[1], (views + [None])[2],
-                                                                       linear.weight)
-        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if isinstance(linear, FourBitLinear):
+            linear.packed, linear.scale, linear.zero = views
+        else:
+            weight = views[0] if len(views) == 1 else torchao_int8_weight(views[0], views[1], (views + [None])[2],
+                                                                           linear.weight)
+            linear.weight = nn.Parameter(weight, requires_grad=False)
         if bias is not None:
             linear.bias = nn.Parameter(bias[begin:end], requires_grad=linear.bias.requires_grad)
         begin = end
@@ -145,13 +157,15 @@ def _end_to_end(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
 @dataclass
 class Product:
     """A product of a layer's input with one or more Linear modules' weights lying end to end in one buffer:
-    full-precision (`weight`) or int8 with a scale per output row (`qdata`, `scale`), and the biases if any."""
+    full-precision (`weight`), int8 with a scale per output row (`qdata`, `scale`) or int4 (`four_bit`), and the
+    biases if any."""
 
     weight: torch.Tensor | None
     qdata: torch.Tensor | None
     scale: torch.Tensor | None
     bias: torch.Tensor | None
     sizes: list[int]  # each module's output size, in order
+    four_bit: FourBitWeight | None = None
 
     @classmethod
     def of(cls, group: Sequence[nn.Module]) -> Product | None:
@@ -170,11 +184,15 @@ class Product:
         if any(part is None for part in joined):
             return None
         sizes = [parts[0].shape[0] for parts in stored]
+        if isinstance(group[0], FourBitLinear):
+            return cls(None, None, None, bias, sizes, FourBitWeight(*joined))
         if len(joined) == 1:
             return cls(joined[0], None, None, bias, sizes)
         return cls(None, joined[0], joined[1], bias, sizes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.four_bit is not None:
+            return four_bit_product(x, self.four_bit, self.bias)
         if self.qdata is not None:
             return int8_product(x, self.qdata, self.scale, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -208,8 +226,8 @@ class JoinedLayer:
             return None
         attention, mlp = layer.self_attn, layer.mlp
         products = [Product.of(g) for g in (groups[0], (attention.o_proj,), groups[1], (mlp.down_proj,))]
-        if any(p is None for p in products) or any(type(m) is not nn.Linear for m in (attention.o_proj,
-                                                                                       mlp.down_proj)):
+        if any(p is None for p in products) or any(type(m) not in (nn.Linear, FourBitLinear)
+                                                   for m in (attention.o_proj, mlp.down_proj)):
             return None
         return cls(layer, *products)
 

@@ -134,7 +134,7 @@ class ModelRegistry:
             try:
                 joined = join_projections(model)  # the service owns the model and never saves it: see there
                 log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
-                _prepare_int8_kernels(model, model_id)
+                _prepare_product_kernels(model, model_id)
                 tokenizer = load_tokenizer(path)
                 context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
                 compiled = _compiled(model, self.limits, model.devmap_plan.quantization, rows, context)
@@ -216,17 +216,18 @@ class ModelRegistry:
         return [r.id for r in self.all() if now - r.last_used > seconds and not r.busy.locked()]
 
 
-def _prepare_int8_kernels(model: nn.Module, model_id: str) -> None:
-    """Compile the int8 decode-product kernel's variants for the model's joined int8 weights now, at load, rather
-    than in its first requests (nothing to do without int8 weights or off GPUs)."""
-    from ..generation.int8_products import prepare_kernels
-    from ..generation.joined_projections import int8_weights
+def _prepare_product_kernels(model: nn.Module, model_id: str) -> None:
+    """Compile the variants of devmap's product kernels for the model's joined int8 and 4-bit weights now, at load,
+    rather than in its first requests (nothing to do without such weights or off GPUs)."""
+    from ..generation import four_bit_products, int8_products
+    from ..generation.joined_projections import joined_products
 
     started = time.monotonic()
-    runs = prepare_kernels(int8_weights(model), model.get_input_embeddings().weight.dtype)
+    products, dtype = joined_products(model), model.get_input_embeddings().weight.dtype
+    runs = int8_products.prepare_kernels([(p.qdata, p.scale) for p in products if p.qdata is not None], dtype)
+    runs += four_bit_products.prepare_kernels([p.four_bit for p in products if p.four_bit is not None], dtype)
     if runs:
-        log.debug("%s: int8 product kernel prepared for %d shapes in %.1f s", model_id, runs,
-                  time.monotonic() - started)
+        log.debug("%s: product kernels prepared for %d shapes in %.1f s", model_id, runs, time.monotonic() - started)
 
 
 def _compiled(model: nn.Module, limits: EngineLimits, quantization: Quantization | None, rows: int,

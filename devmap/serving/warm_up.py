@@ -3,15 +3,17 @@
 A service compiles a model's decode steps and its joins (`devmap.generation.compiled`, dynamic sizes: one compile for
 every batch shape and pack width): the steps carrying joiners' prompts where they ride
 (`devmap.generation.mixed_joins`), else the joins' prefill. It compiles them where that wins: every block on a GPU, and
-weights that devmap's own products read (floating point, or torchao's int8 with a scale per row in layers whose
-projections are joined: `devmap.generation.int8_products`; a layer left unjoined would run torchao's product, which
-compiles to something slower than eager). Compiled, a 13B int8 model at 32 clients gave 1.18× bf16's tokens/s on an
-H200 and 1.35× on an H100 (riding, by regions, products past 32 rows on int8 tensor cores), where eager int8 steps
-had given 0.83× (benchmarks/RESULTS.md). A cold start on one H200 with an empty inductor cache: 45-54 s at 13B bf16
-and 60-64 s int8 (steps compiled region by region; 261 and 283 s compiled whole). Other quantized weights (torchao's
-int4, bitsandbytes') stay eager unless `--compile` asks: their compiled speed is not measured. `--no-compile` turns
-compiling off. The compile happens at load, in a small continuous batch (its decode step, and its joins at every pack
-width), so the first request does not wait for it (inductor's on-disk cache makes a restart faster).
+weights that devmap's own products read (floating point, or torchao's int8 with a scale per row or int4 in layers
+whose projections are joined: `devmap.generation.int8_products`, `devmap.generation.four_bit_products`; a layer left
+unjoined would run torchao's product, which compiles to something slower than eager). Compiled, a 13B int8 model at
+32 clients gave 1.18× bf16's tokens/s on an H200 and 1.35× on an H100 (riding, by regions, products past 32 rows on
+int8 tensor cores), where eager int8 steps had given 0.83×; int4 0.91× (and 1.16× at one client) on an H200, where
+eager tinygemm steps had given 0.15× (benchmarks/RESULTS.md). A cold start on one H200 with an empty inductor cache:
+45-54 s at 13B bf16 and 60-64 s int8 (steps compiled region by region; 261 and 283 s compiled whole), 60 s int4.
+Other quantized weights (bitsandbytes') stay eager unless `--compile` asks: their compiled speed is not measured.
+`--no-compile` turns compiling off. The compile happens at load, in a small continuous batch (its decode step, and its
+joins at every pack width), so the first request does not wait for it (inductor's on-disk cache makes a restart
+faster).
 """
 
 from __future__ import annotations
@@ -30,10 +32,9 @@ WARM_UP_STEPS = 4  # the first decode step compiles, the second captures, the re
 
 def compiles(model: nn.Module, wanted: bool | None, quantization: Quantization | None) -> bool:
     """Whether the service compiles `model`'s decode steps: `wanted` (None: where it wins: unquantized weights, or
-    torchao int8 weights in every layer joined), every block on a GPU. Other quantized weights compile only when
-    asked (`--compile`)."""
-    read_by_devmap = quantization is None or (
-        (quantization.scheme, quantization.library) == ("int8", "torchao") and every_layer_joined(model))
+    quantized ones that devmap's products read, every layer joined), every block on a GPU. Other quantized weights
+    compile only when asked (`--compile`)."""
+    read_by_devmap = quantization is None or every_layer_joined(model)
     if wanted is False or (not read_by_devmap and not wanted):
         return False
     devices = set(getattr(model, "hf_device_map", {"": "cpu"}).values())

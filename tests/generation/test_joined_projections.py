@@ -161,11 +161,11 @@ def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(
     count (every block shape and Triton's specializations, and each tile height past DECODE_ROWS), none on the CPU,
     where the kernels do not run."""
     from devmap.generation import int8_products
-    from devmap.generation.joined_projections import int8_weights
+    from devmap.generation.joined_projections import joined_products
 
     pytest.importorskip("torchao")
     clone = joined_copy(int8_copy(model))
-    weights = int8_weights(clone)
+    weights = [(p.qdata, p.scale) for p in joined_products(clone) if p.qdata is not None]
     assert len(weights) == 4 * len(model.model.layers)  # qkv, o, gate_up, down per layer
     assert int8_products.prepare_kernels(weights, torch.float32) == 0  # CPU: torchao's formula, nothing to prepare
     runs = []
@@ -179,7 +179,7 @@ def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(
     assert set(runs) == {(rows, shape) for rows in int8_products.PREPARED_ROWS for shape in shapes}
     assert {rows for rows, _ in runs} > {int8_products.DECODE_ROWS, int8_products.DECODE_ROWS + 1,
                                          int8_products.SMALL_TOKEN_ROWS + 1}
-    assert int8_weights(model) == []  # nothing joined, nothing int8
+    assert joined_products(model) == []  # nothing joined, nothing int8
 
 
 INT8_KERNEL_CHECK = textwrap.dedent("""

@@ -8,7 +8,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `transformers_causal_mask`: `masking_utils.create_causal_mask` | transformers | prompt masks for attention kinds other than sdpa/eager (devmap builds those itself: `devmap.generation.masks`) | 5.17, 5.24 |
 | `attention_implementation`: `config._attn_implementation` | transformers | the decode mask's form (booleans for sdpa, floats for eager) | 5.17, 5.24 |
 | `with_decode_attention`, `sdpa_attention`, `attention_function`: `AttentionInterface.register`, `sdpa_attention_forward`, `ALL_ATTENTION_FUNCTIONS`, `config._attn_implementation` set for a step | transformers | decode steps attend over live cache columns only (`generation.decode_attention`); transformers' sdpa reads every column, and with grouped KV heads and a mask copies the cache to every query head (17% of a 1.1B step) | 5.17, 5.24 |
-| `own_forward`, `hook_execution_device`, `device_hooks_bypassed`: `_hf_hook`, `_old_forward`, `AlignDevicesHook` | accelerate | a placed model's device hooks re-check every argument (2x a decode step) and break compiled steps | 1.15 |
+| `own_forward`, `hook_execution_device`, `device_hooks_bypassed`, `device_hook_moved`: `_hf_hook`, `_old_forward`, `AlignDevicesHook` | accelerate | a placed model's device hooks re-check every argument (2x a decode step) and break compiled steps; a module swapped for devmap's (4-bit Linear layers) keeps its hook | 1.15 |
 | `raise_recompile_limit`: `torch._dynamo.config.recompile_limit` | torch | one compiled entry per stage, lane shape and kind | 2.11, 2.14 |
 | `fail_on_recompile`: `torch.compiler.set_stance` | torch | a CUDA-graph capture must never compile | 2.11, 2.14 |
 | `dynamic_dims`: `torch._dynamo.maybe_mark_dynamic` (its `_dynamo_weak_dynamic_indices` mark) | torch | a continuous batch's decode step compiled once for its rows and cache length only (every size symbolic took minutes to compile) | 2.11, 2.14 |
@@ -18,6 +18,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `foreach_add_`, `foreach_zero_`, `foreach_copies`: `torch._foreach_*` | torch | gradient sums in one fused launch per group | 2.11, 2.14 |
 | `pipeline_stage_fixed`: `PipelineStage._shape_inference`, `_get_init_p2p_neighbors_ops` | torch | torch 2.11's shape inference moves BatchNorm statistics, and its start-up handshake sends to its own rank when a V schedule puts neighbouring stages on one rank (gloo refuses: "Pair is not connected") | 2.11, 2.14 |
 | `torchao_int8_rows`, `torchao_int8_parts`, `torchao_int8_weight`, `torchao_flat_state_dict`: `Int8Tensor` fields, `flatten_tensor_state_dict` | torchao | int8 per weight shape (2.5x less host time than `quantize_` per Linear); int8 weights joined and read by devmap's decode products (`generation.int8_products`); pre-quantized saves | 0.18 |
+| `torchao_int4_levels`: `Int4TilePackedTo4dTensor.scale_and_zero`, `block_size`, `aten._weight_int4pack_mm` | torchao | int4 weights taken into devmap's plain layout, read by its kernels (`generation.four_bit_products`) | 0.18 |
 | `stored_tensors`: `tensor_data_names`, `quant_state.absmax`, `SCB` | torchao, bitsandbytes | what a quantized weight stores, for plans and saves | torchao 0.18, bitsandbytes 0.50 |
 """
 
@@ -30,7 +31,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .releases import require_supported
+from ..releases import require_supported
 
 require_supported()  # what follows was checked on the releases of devmap.releases.SUPPORTED only
 
@@ -127,6 +128,20 @@ def _only_moves_arguments(hook: Any) -> bool:
 
     hooks = getattr(hook, "hooks", None) or [hook]
     return all(isinstance(h, AlignDevicesHook) and not h.offload for h in hooks)
+
+
+def device_hook_moved(old: nn.Module, new: nn.Module) -> bool:
+    """Give `new` (taking `old`'s place) the accelerate hook `old` has: True where there is none or it only moves
+    arguments (`new` then runs where `old` ran); False, nothing done, for a hook that brings offloaded weights in."""
+    hook = getattr(old, "_hf_hook", None)
+    if hook is None:
+        return True
+    if not _only_moves_arguments(hook):
+        return False
+    from accelerate.hooks import add_hook_to_module
+
+    add_hook_to_module(new, hook)
+    return True
 
 
 @contextlib.contextmanager
@@ -245,56 +260,8 @@ def pipeline_stage_fixed(stage: Any) -> Any:
     return stage
 
 
-# --- torchao and bitsandbytes -------------------------------------------------------------------------------------
+# --- torchao and bitsandbytes: `quantized_weights` -----------------------------------------------------------
 
-
-def torchao_int8_rows(layers: list[nn.Module], config: Any) -> None:
-    """`quantize_(layer, Int8WeightOnlyConfig())` for each Linear, as one `Int8Tensor.from_hp` per weight shape (rows
-    are quantized independently: the same data and scales, without quantize_'s millisecond of Python per Linear)."""
-    from torchao.quantization import Int8Tensor
-    from torchao.quantization.utils import recommended_inductor_config_setter
-
-    if config.set_inductor_config:
-        recommended_inductor_config_setter()
-    groups: dict[tuple, list[nn.Module]] = {}
-    for layer in layers:
-        groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype, layer.weight.device), []).append(layer)
-    for same in groups.values():
-        stacked = Int8Tensor.from_hp(torch.stack([layer.weight.detach() for layer in same]), config.granularity)
-        for i, layer in enumerate(same):
-            zero = None if stacked.zero_point is None else stacked.zero_point[i].clone()
-            weight = torchao_int8_weight(stacked.qdata[i].clone(), stacked.scale[i].clone(), zero, stacked)
-            layer.weight = nn.Parameter(weight, requires_grad=False)
-
-
-def torchao_int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """(int8 data: out × in, scales: out × 1, zero point or None) of torchao's int8 weight-only weight with a scale per
-    output row (`Int8Tensor`, no activation quantization); None for any other tensor (no torchao import for those)."""
-    if (type(weight).__name__ != "Int8Tensor" or weight.act_quant_kwargs is not None or weight.qdata.dim() != 2
-            or weight.act_pre_scale is not None or list(weight.block_size) != [1, weight.qdata.shape[1]]):
-        return None
-    return weight.qdata, weight.scale, weight.zero_point
-
-
-def torchao_int8_weight(qdata: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, like: Any) -> Any:
-    """torchao's int8 weight-only weight of these tensors (a scale per output row), in `like`'s dtype."""
-    from torchao.quantization import Int8Tensor
-
-    return Int8Tensor(qdata, scale, [1, qdata.shape[1]], like.dtype, zero_point=zero)
-
-
-def torchao_flat_state_dict(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """torchao's flattening of its tensor subclasses into plain tensors and metadata (what transformers reads)."""
-    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
-
-    return flatten_tensor_state_dict(state)
-
-
-def stored_tensors(param: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors a (quantized) parameter is stored as: torchao's inner ones, bitsandbytes' data and scales."""
-    names = getattr(param, "tensor_data_names", None)  # torchao's tensor subclasses
-    if names:
-        return [getattr(param, n) for n in names]
-    state, scb = getattr(param, "quant_state", None), getattr(param, "SCB", None)
-    return [param.data, *([state.absmax] if state is not None else []),
-            *([scb] if isinstance(scb, torch.Tensor) else [])]
+from .quantized_weights import (  # noqa: E402, F401  (re-exported; imported after require_supported)
+    stored_tensors, torchao_flat_state_dict, torchao_int4_levels, torchao_int8_parts, torchao_int8_rows,
+    torchao_int8_weight)

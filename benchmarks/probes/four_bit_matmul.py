@@ -1,0 +1,110 @@
+"""GPU time of a LLaMA-2-13B layer's four products with 4-bit weights, against bf16 and the floor of reading the
+weights once: the libraries' kernels (torchao's int4 in tinygemm's layout: what `--quantize int4` ran before devmap
+read it itself; bitsandbytes' nf4, which `--quantize nf4` runs) and devmap's int4 products
+(`devmap.generation.four_bit_products`):
+its rows kernel at the rule's block shape (up to 256 rows), the values kernel + cuBLAS, what `four_bit_product` picks,
+and, with `--grid`, the rows kernel's best over a grid of shapes (output columns, shares, warps, stages). Also checks
+that devmap's layout, taken from torchao's weights, gives its products (relative error printed). nf4 rows time the
+library only.
+
+Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/four_bit_matmul.py [--rows 1,32,64,256,2048] [--grid]
+Shapes: query/key/value and gate/up joined. Each call captured 50 times in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import copy_bandwidth, graph_timed_us  # noqa: E402
+
+from devmap.generation.four_bit_linear import four_bit_weight  # noqa: E402
+from devmap.generation.four_bit_products import (  # noqa: E402
+    BlockShape, block_shape, four_bit_rows_product, kernel_product, values)
+
+SHAPES = {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)}
+
+
+def library_linear(weight: torch.Tensor, scheme: str) -> torch.nn.Module:
+    """The Linear as devmap's loader quantizes it with the scheme's library."""
+    from devmap.loading.quantize import quantize_linears
+    from devmap.planning.quantization import parse_quantization
+
+    holder = torch.nn.Module()
+    holder.linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="cuda", dtype=weight.dtype)
+    holder.linear.weight.data.copy_(weight)
+    quantize_linears(holder, ["linear"], parse_quantization(scheme))
+    return holder.linear
+
+
+def grid(rows: int, outs: int, groups: int) -> list[BlockShape]:
+    """Shapes to time: every row in one block up to 32 rows (output columns, shares, warps, stages), tiles beyond."""
+    if rows <= 32:
+        return [BlockShape(out, max(1, min(groups, share * block_shape(rows, outs * 256 // out, groups).splits)),
+                           warps, stages)
+                for out, share, warps, stages in itertools.product((128, 256), (1, 2), (4, 8), (2, 3, 4))]
+    return [BlockShape(out, 1, warps, 3, height)
+            for height, out, warps in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,32,64,128,256,512,2048")
+    parser.add_argument("--schemes", default="int4", help="int4 and/or nf4 (the library only)")
+    parser.add_argument("--grid", action="store_true", help="time a grid of block shapes beside the rule's")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    print(f"HBM {bandwidth / 1e12:.2f} TB/s (copy); torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print("| scheme | product | rows | bf16 µs | library µs | devmap µs | rows kernel µs | values + mm µs | best µs | "
+          "best shape | floor µs | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    totals: dict[str, float] = {}
+    for scheme in args.schemes.split(","):
+        for name, (outs, ins) in SHAPES.items():
+            torch.manual_seed(0)
+            weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) * 0.02
+            linear = library_linear(weight, scheme)
+            ours = four_bit_weight(linear)
+            nbytes = sum(t.numel() * t.element_size() for t in ours) if ours else weight.numel() // 2
+            floor = nbytes / bandwidth * 1e6
+            for rows in [int(r) for r in args.rows.split(",")]:
+                x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
+                bf16 = graph_timed_us(lambda: torch.nn.functional.linear(x, weight), repeat=50)
+                library = graph_timed_us(lambda: linear(x), repeat=50)
+                if ours is None:
+                    print(f"| {scheme} | {name} | {rows} | {bf16:.1f} | {library:.1f} | | | | | | {floor:.1f} | |")
+                    continue
+                with torch.no_grad():
+                    want, got = linear(x).float(), four_bit_rows_product(x, *ours).float()
+                error = ((got - want).norm() / want.norm()).item()
+                rule = graph_timed_us(lambda: four_bit_rows_product(x, *ours), repeat=50)
+                kernel = graph_timed_us(lambda: kernel_product(x, ours), repeat=50) if rows <= 256 else float("nan")
+                dense = graph_timed_us(lambda: torch.mm(x, values(ours, x.dtype).t()), repeat=50)
+                best, best_shape = kernel, "rule"
+                if args.grid and rows <= 512:
+                    for shape in grid(rows, outs, ours.scale.shape[1]):
+                        try:
+                            us = graph_timed_us(lambda shape=shape: kernel_product(x, ours, shape), repeat=50)
+                        except Exception as exc:  # noqa: BLE001 - a probe: a shape too large for the SM, say so
+                            print(f"{shape}: {type(exc).__name__}")
+                            continue
+                        if us < best:
+                            best, best_shape = us, str(tuple(shape))
+                for key, value in (("bf16", bf16), ("library", library), ("devmap", rule), ("best", best)):
+                    totals[f"{scheme} {key} {rows}"] = totals.get(f"{scheme} {key} {rows}", 0.0) + value
+                print(f"| {scheme} | {name} | {rows} | {bf16:.1f} | {library:.1f} | {rule:.1f} | {kernel:.1f} | "
+                      f"{dense:.1f} | {best:.1f} | {best_shape} | {floor:.1f} | {error:.4f} |", flush=True)
+            linear = ours = None
+            torch.cuda.empty_cache()
+    print("one 13B layer's four products, µs (×40 for a step):")
+    for key, value in totals.items():
+        print(f"  {key}: {value:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""torchao's and bitsandbytes' quantized weights, as devmap reads and writes them (the rows for them in
+`devmap.compat`'s table): their tensor subclasses' fields, and their layouts taken apart into plain levels and scales
+for devmap's kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+def torchao_int8_rows(layers: list[nn.Module], config: Any) -> None:
+    """`quantize_(layer, Int8WeightOnlyConfig())` for each Linear, as one `Int8Tensor.from_hp` per weight shape (rows
+    are quantized independently: the same data and scales, without quantize_'s millisecond of Python per Linear)."""
+    from torchao.quantization import Int8Tensor
+    from torchao.quantization.utils import recommended_inductor_config_setter
+
+    if config.set_inductor_config:
+        recommended_inductor_config_setter()
+    groups: dict[tuple, list[nn.Module]] = {}
+    for layer in layers:
+        groups.setdefault((tuple(layer.weight.shape), layer.weight.dtype, layer.weight.device), []).append(layer)
+    for same in groups.values():
+        stacked = Int8Tensor.from_hp(torch.stack([layer.weight.detach() for layer in same]), config.granularity)
+        for i, layer in enumerate(same):
+            zero = None if stacked.zero_point is None else stacked.zero_point[i].clone()
+            weight = torchao_int8_weight(stacked.qdata[i].clone(), stacked.scale[i].clone(), zero, stacked)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def torchao_int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(int8 data: out × in, scales: out × 1, zero point or None) of torchao's int8 weight-only weight with a scale per
+    output row (`Int8Tensor`, no activation quantization); None for any other tensor (no torchao import for those)."""
+    if (type(weight).__name__ != "Int8Tensor" or weight.act_quant_kwargs is not None or weight.qdata.dim() != 2
+            or weight.act_pre_scale is not None or list(weight.block_size) != [1, weight.qdata.shape[1]]):
+        return None
+    return weight.qdata, weight.scale, weight.zero_point
+
+
+def torchao_int8_weight(qdata: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, like: Any) -> Any:
+    """torchao's int8 weight-only weight of these tensors (a scale per output row), in `like`'s dtype."""
+    from torchao.quantization import Int8Tensor
+
+    return Int8Tensor(qdata, scale, [1, qdata.shape[1]], like.dtype, zero_point=zero)
+
+
+def torchao_flat_state_dict(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """torchao's flattening of its tensor subclasses into plain tensors and metadata (what transformers reads)."""
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    return flatten_tensor_state_dict(state)
+
+
+def stored_tensors(param: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a (quantized) parameter is stored as: torchao's inner ones, bitsandbytes' data and scales."""
+    names = getattr(param, "tensor_data_names", None)  # torchao's tensor subclasses
+    if names:
+        return [getattr(param, n) for n in names]
+    state, scb = getattr(param, "quant_state", None), getattr(param, "SCB", None)
+    return [param.data, *([state.absmax] if state is not None else []),
+            *([scb] if isinstance(scb, torch.Tensor) else [])]
+
+
+def torchao_int4_levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(levels: out × in uint8 0..15, scales, zeros: out × groups) of torchao's int4 weight in tinygemm's layout
+    (`Int4TilePackedTo4dTensor`: w = (q - 8) · scale + zero per group), without its padding; None for any other
+    tensor. tinygemm's packing is its kernel's private tiling: the weight is read back through the kernel itself
+    (the identity times the weight), and each level recovered from its value, scale and zero."""
+    if (type(weight).__name__ != "Int4TilePackedTo4dTensor" or getattr(weight, "act_pre_scale", None) is not None
+            or weight.qdata.dim() != 4 or not weight.qdata.is_cuda):
+        return None
+    outs, ins = weight.shape
+    group = weight.block_size[-1]
+    scale_and_zero = weight.scale_and_zero  # groups (padded) × outs (padded) × (scale, zero)
+    eye = torch.eye(scale_and_zero.shape[0] * group, dtype=torch.bfloat16, device=weight.qdata.device)
+    values = torch.ops.aten._weight_int4pack_mm(eye, weight.qdata, group, scale_and_zero)[:ins, :outs].t()
+    del eye
+    scale = scale_and_zero[: ins // group, :outs, 0].t().contiguous()
+    zero = scale_and_zero[: ins // group, :outs, 1].t().contiguous()
+    grouped = values.float().reshape(outs, ins // group, group)
+    q = ((grouped - zero.float()[..., None]) / scale.float()[..., None] + 8).round_().clamp_(0, 15)
+    return q.reshape(outs, ins).to(torch.uint8), scale, zero
+

@@ -1,0 +1,207 @@
+"""Matrix products with int4 weights (`--quantize int4`: torchao's numbers, tinygemm's formula, w = (q - 8) · scale +
+zero per group of 128 along the inner dimension, q in 0..15) in a plain layout that devmap's kernels read: two weights
+a byte (in each group, weight j in the low half of byte j, weight group/2 + j in its high half), output row by output
+row (`FourBitWeight`), so that q, k and v (gate and up) lie end to end and a decode step reads each layer in few
+products. torchao's tinygemm is built for a row or a few: at 32 rows of a 13B layer it took 4.4× bf16's time, at
+2,048 rows 24×, and serving a 13B model at 32 clients ran at 0.15× bf16's tokens/s.
+
+On CUDA, in half precision, `four_bit_product` runs `four_bit_products_kernel`'s: up to TILED_ROWS rows (decode
+steps, steps carrying a few prompt tokens) the rows kernel reads the 4 bits once per block of rows; more rows
+(prefills) write the weight's values in half precision, then cuBLAS's product reads them. Both compute each weight's
+value in float32 and round it to half precision, as tinygemm does; only the sums' order differs from its. Anywhere
+else the same numbers through a full-precision copy (`dequantize`).
+
+Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.87× bf16's time at one
+row, 0.97× at 32, 1.4× at 64, 2.5× at 128, 2.0× at 256 and 1.1× at 2,048 (tinygemm: 0.6×, 4.4×, 8×, 15×, 23×, 24×).
+bf16 reads its weights at the memory's pace up to ~200 rows; these kernels run at ~4× their own weight-read floor,
+bound by turning 4-bit weights into half precision in registers, not by the bytes: 4 bits save memory more than time.
+
+bitsandbytes' nf4 is not taken into this layout: its levels are a table of 16 values, and a lookup per weight made
+the rows kernel ~5× slower; through the values kernel and cuBLAS, a served 13B nf4 model gained 11% at 32 clients but
+lost 31% at one client against bitsandbytes' own products (H200).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+import torch
+
+DECODE_ROWS = 32  # rows up to which the rows kernel takes every row in one block
+TILE_ROWS = 64  # rows a block of the rows kernel beyond
+TILED_ROWS = 128  # rows up to which int4 runs the rows kernel (then values + cuBLAS: equal at 128, H200)
+PROGRAMS = 264  # programs a product aims at: two per SM of an H100 or H200
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class FourBitWeight(NamedTuple):
+    """A weight of `outs` × `ins` in 4 bits: `packed` (outs × ins/2 uint8, per group of g weights g/2 bytes: weight j
+    in the low half of byte j, g/2 + j in the high half), `scale` and `zero` (outs × ins/group, the weight's dtype):
+    w = (q - 8) · scale + zero."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @property
+    def group(self) -> int:
+        return 2 * self.packed.shape[1] // self.scale.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], 2 * self.packed.shape[1]
+
+
+def packed_halves(q: torch.Tensor, group: int) -> torch.Tensor:
+    """Levels `q` (outs × ins, 0..15) two a byte: in each group, the first half in the low halves of its bytes."""
+    grouped = q.to(torch.uint8).reshape(q.shape[0], -1, 2, group // 2)
+    return (grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
+
+
+def levels(packed: torch.Tensor, group: int) -> torch.Tensor:
+    """The levels (outs × ins, uint8 0..15) that `packed` holds."""
+    grouped = packed.reshape(packed.shape[0], -1, 1, group // 2)
+    return torch.cat([grouped & 15, grouped >> 4], dim=2).reshape(packed.shape[0], -1)
+
+
+def quantize_int4(weight: torch.Tensor, group: int = 128) -> FourBitWeight:
+    """`weight` (outs × ins) as int4 with tinygemm's formula: per group its range in 15 steps, zero its middle (q =
+    8), scale and zero in the weight's dtype. For tests and CPU use; served int4 weights come from torchao's."""
+    outs, ins = weight.shape
+    if ins % group or group % 2:
+        raise ValueError(f"int4 weights need an inner dimension that is a multiple of the group ({group}), got {ins}")
+    grouped = weight.float().reshape(outs, ins // group, group)
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-6)
+    q = ((grouped - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(outs, ins)
+    return FourBitWeight(packed_halves(q, group), scale.to(weight.dtype).contiguous(),
+                         (low + 8 * scale).to(weight.dtype).contiguous())
+
+
+def dequantize(weight: FourBitWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The full-precision weight (outs × ins) the 4 bits stand for, in `dtype` (computed in float32)."""
+    outs, ins = weight.shape
+    q = levels(weight.packed, weight.group)
+    grouped = (q.float() - 8).reshape(outs, -1, weight.group) * weight.scale.float()[..., None]
+    grouped = grouped + weight.zero.float()[..., None]
+    return grouped.reshape(outs, ins).to(dtype)
+
+
+def kernel_applies(x: torch.Tensor, weight: FourBitWeight) -> bool:
+    """Whether `four_bit_product` runs the kernel for `x` (rows × in): CUDA, half precision, contiguous parts, groups
+    of at least 32 that are a power of two."""
+    group = weight.group
+    return (x.is_cuda and x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.stride(1) == 1
+            and all(t.is_contiguous() for t in weight) and group >= 32 and group & (group - 1) == 0)
+
+
+def four_bit_product(x: torch.Tensor, weight: FourBitWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (… × in) · weightᵀ (+ bias), in x's dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = four_bit_rows_product(flat, *weight).reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+@torch.library.custom_op("devmap::four_bit_rows_product", mutates_args=())
+def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                          zero: torch.Tensor) -> torch.Tensor:
+    """x (rows × in) · weightᵀ in x's dtype: the kernel (by `kernel_applies`) or the dequantized weight's product.
+    An operator of its own, so that torch.compile calls it as it is: the block shape for the rows at hand is chosen
+    at each call, never guarded on in a compiled step (one compile serves every batch size)."""
+    weight = FourBitWeight(packed, scale, zero)
+    if not kernel_applies(x, weight):
+        return torch.mm(x, dequantize(weight, x.dtype).t())
+    if x.shape[0] <= TILED_ROWS:
+        return kernel_product(x, weight)
+    return torch.mm(x, values(weight, x.dtype).t())
+
+
+@four_bit_rows_product.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], packed.shape[0]))
+
+
+class BlockShape(NamedTuple):
+    """How the rows kernel cuts a product: output columns per program, shares of the inner dimension (added in a
+    fixed order by a second kernel), Triton's warps and pipeline stages, rows per program (0: every row in one
+    block)."""
+
+    out: int
+    splits: int
+    warps: int = 4
+    stages: int = 3
+    rows: int = 0
+
+
+def block_shape(rows: int, outs: int, groups: int) -> BlockShape:
+    """The rows kernel's cut, as a rule from the fastest of 24 shapes per product of a 13B layer at 1, 32, 64 and 256
+    rows (H200): 64 output columns a program, every row in one block up to DECODE_ROWS (the inner dimension in twice
+    the shares that make PROGRAMS programs), tiles of TILE_ROWS beyond (shares to make PROGRAMS programs), at most
+    one share per group."""
+    import triton
+
+    if rows <= DECODE_ROWS:
+        return BlockShape(64, min(groups, 2 * max(1, PROGRAMS // triton.cdiv(outs, 64))))
+    blocks = triton.cdiv(outs, 64) * triton.cdiv(rows, TILE_ROWS)
+    return BlockShape(64, max(1, min(groups, PROGRAMS // blocks)), rows=TILE_ROWS)
+
+
+def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | None = None) -> torch.Tensor:
+    """x (rows × in) · weightᵀ (int4) through the rows kernel, cut as `shape` says (default: `block_shape`'s
+    rule)."""
+    import triton
+
+    from .four_bit_products_kernel import four_bit_rows_kernel
+    from .int8_products_kernel import add_shares
+
+    rows, ins = x.shape
+    outs, groups = weight.packed.shape[0], weight.scale.shape[1]
+    shape = shape or block_shape(rows, outs, groups)
+    out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
+    shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
+                                                       device=x.device)
+    block_rows = shape.rows or max(16, triton.next_power_of_2(rows))
+    four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
+        x, weight.packed, weight.scale, weight.zero, shares, rows, outs, ins, x.stride(0), weight.packed.stride(0),
+        groups, outs, rows * outs, GROUP=weight.group, BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out,
+        SPLIT=shape.splits, num_warps=shape.warps, num_stages=shape.stages)
+    if shape.splits > 1:
+        add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
+    return out
+
+
+def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> torch.Tensor:
+    """The weight's values (outs × ins) in `dtype`, written by `four_bit_values_kernel` (computed in float32)."""
+    import triton
+
+    from .four_bit_products_kernel import four_bit_values_kernel
+
+    outs, ins = weight.shape
+    out = torch.empty((outs, ins), dtype=dtype, device=weight.packed.device)
+    four_bit_values_kernel[(triton.cdiv(outs, block_out), weight.scale.shape[1])](
+        weight.packed, weight.scale, weight.zero, out, outs, weight.packed.stride(0), weight.scale.shape[1], ins,
+        GROUP=weight.group, BLOCK_OUT=block_out)
+    return out
+
+
+# each block height and Triton's specializations of `rows` (1, multiples of 16), tiles, and the values kernel
+PREPARED_ROWS = (1, 16, 17, DECODE_ROWS, DECODE_ROWS + 1, TILED_ROWS, TILED_ROWS + 1)
+
+
+def prepare_kernels(weights: Iterable[FourBitWeight], dtype: torch.dtype) -> int:
+    """Run the kernel once for each distinct weight shape and each of PREPARED_ROWS, so that Triton compiles every
+    variant a step can use now (then caches it on disk) instead of in a service's first requests. Returns the
+    products run: 0 where the kernel does not apply."""
+    seen, runs = set(), 0
+    with torch.no_grad():
+        for weight in weights:
+            key = (weight.shape, weight.group, weight.packed.device)
+            if key in seen:
+                continue
+            seen.add(key)
+            for rows in PREPARED_ROWS:
+                x = torch.zeros(rows, weight.shape[1], dtype=dtype, device=weight.packed.device)
+                if kernel_applies(x, weight):
+                    four_bit_rows_product(x, *weight)
+                    runs += 1
+    return runs

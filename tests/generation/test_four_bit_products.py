@@ -1,0 +1,143 @@
+"""int4 weights in devmap's plain layout: packing, the numbers they stand for, the CPU product, Linear modules of
+them joined and decoding as the unjoined model does, and the kernels in Triton's interpreter (on a GPU:
+`test_gpu_four_bit_products.py`)."""
+
+import copy
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from devmap import generate
+from devmap.generation.four_bit_linear import FourBitLinear, own_four_bit_linears
+from devmap.generation.four_bit_products import (
+    FourBitWeight, dequantize, four_bit_product, kernel_applies, levels, packed_halves, quantize_int4)
+from devmap.generation.joined_projections import JoinedLayer, every_layer_joined, join_projections, joined_products
+
+
+def test_levels_pack_two_a_byte_in_group_halves():
+    q = torch.randint(0, 16, (3, 256), dtype=torch.uint8)
+    packed = packed_halves(q, 128)
+    assert packed.shape == (3, 128) and packed.dtype == torch.uint8
+    assert torch.equal(packed[:, 0] & 15, q[:, 0]) and torch.equal(packed[:, 0] >> 4, q[:, 64])
+    assert torch.equal(packed[:, 64] & 15, q[:, 128])  # the second group starts its own halves
+    assert torch.equal(levels(packed, 128), q)
+
+
+def test_weights_come_back_within_half_a_step_of_their_group():
+    torch.manual_seed(0)
+    weight = torch.randn(48, 512) * torch.linspace(0.1, 3, 512)
+    quantized = quantize_int4(weight)
+    assert quantized.scale.shape == quantized.zero.shape == (48, 4) and quantized.group == 128
+    error = (dequantize(quantized, torch.float32) - weight).abs().reshape(48, 4, 128).amax(-1)
+    assert (error <= quantized.scale / 2 + 1e-5).all()
+    q = levels(quantized.packed, 128).reshape(48, 4, 128)
+    assert (q.amin(-1) == 0).all() and (q.amax(-1) == 15).all()  # each group's ends are levels 0 and 15
+    with pytest.raises(ValueError, match="multiple of the group"):
+        quantize_int4(torch.randn(4, 200))
+
+
+def test_the_cpu_product_is_the_dequantized_weights_product():
+    torch.manual_seed(2)
+    weight = quantize_int4(torch.randn(40, 256))
+    x, bias = torch.randn(2, 3, 256), torch.randn(40)
+    assert not kernel_applies(x.reshape(-1, 256), weight)
+    torch.testing.assert_close(four_bit_product(x, weight, bias),
+                               x @ dequantize(weight, torch.float32).t() + bias)
+
+
+def int4_layers(model: nn.Module) -> nn.Module:
+    """The model with every Linear of its decoder layers a FourBitLinear of its weight."""
+    for layer in model.model.layers:
+        for name, module in list(layer.named_modules()):
+            if isinstance(module, nn.Linear):
+                parent, _, attr = name.rpartition(".")
+                weight = quantize_int4(module.weight.data, group=32)  # the tiny model's sizes are multiples of 32
+                setattr(layer.get_submodule(parent), attr, FourBitLinear(weight, None))
+    return model
+
+
+def test_int4_projections_join_and_decode_the_unjoined_models_tokens(tiny_llama):
+    torch.manual_seed(0)
+    model = int4_layers(tiny_llama())
+    reference = copy.deepcopy(model)
+    assert own_four_bit_linears(model) == 0  # nothing of torchao's here: nothing to take apart
+    assert join_projections(model) == 2 * len(model.model.layers) and every_layer_joined(model)
+    attention = model.model.layers[0].self_attn
+    assert len({p.packed.untyped_storage().data_ptr() for p in (attention.q_proj, attention.k_proj,
+                                                                 attention.v_proj)}) == 1
+    layer = JoinedLayer.of(model.model.layers[0], "llama")
+    assert isinstance(layer.qkv.four_bit, FourBitWeight) and layer.qkv.qdata is None and layer.qkv.weight is None
+    assert len([p for p in joined_products(model) if p.four_bit is not None]) == 4 * len(model.model.layers)
+    ids = torch.randint(3, 500, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+    expected = reference.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(model, ids, max_new_tokens=10, split_layers=[2], eos_token_id=[]), expected)
+
+
+def test_int4_joined_steps_compile_once_for_every_batch_size(model, run_continuous, compiled_on_cpu):
+    """The int4 product is an operator of its own: a compiled continuous batch (aot_eager) traces it whole and never
+    guards on its rows, so batches of other sizes compile nothing more, and the tokens equal the eager batch's."""
+    from devmap.generation.continuous import SlotRequest
+    from devmap.generation.step_cache import release_graphs
+
+    counters = compiled_on_cpu
+    clone = int4_layers(copy.deepcopy(model))
+    assert join_projections(clone) == 2 * len(clone.model.layers)
+    g = torch.Generator().manual_seed(8)
+    reqs = [SlotRequest(torch.randint(3, 500, (n,), generator=g).tolist(), m, f"r{i}")
+            for i, (n, m) in enumerate([(5, 6), (9, 3), (3, 8), (11, 4), (7, 7), (4, 5)])]
+    eager, left, _ = run_continuous(clone, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=40, lanes=1)
+    assert not left
+    try:
+        for round, rows in enumerate((4, 6, 8)):
+            got, left, _ = run_continuous(clone, reqs[:2], reqs[2:], rows=rows, first_slot=12, cache_len=40,
+                                          lanes=1, together=False, compile=True)
+            assert not left and got == eager
+            if round == 0:
+                graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    finally:
+        release_graphs(clone)
+
+
+KERNEL_CHECK = textwrap.dedent("""
+    import torch
+    from devmap.generation.four_bit_products import (BlockShape, block_shape, dequantize, kernel_product,
+                                                      quantize_int4, values)
+    torch.manual_seed(0)
+    # one block of rows (split or not, uneven output blocks), tiles of rows, and the rule's shape
+    for rows, outs, ins, shape in ((1, 96, 256, None), (5, 64, 384, BlockShape(64, 2)),
+                                   (17, 130, 256, BlockShape(32, 3)), (32, 64, 128, None),
+                                   (150, 64, 256, BlockShape(32, 2, rows=64)), (70, 64, 256, None)):
+        weight = quantize_int4(torch.randn(outs, ins))
+        x = torch.randn(rows, ins, dtype=torch.float16)
+        want = x.float() @ dequantize(weight, torch.float16).float().t()
+        torch.testing.assert_close(kernel_product(x, weight, shape).float(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(values(weight, torch.float16), dequantize(weight, torch.float16))
+    assert block_shape(1, 15360, 40) == BlockShape(64, 2) and block_shape(32, 5120, 40) == BlockShape(64, 6)
+    assert block_shape(64, 27648, 40) == BlockShape(64, 1, rows=64)
+    print("kernel ok")
+""")
+
+
+def test_int4_kernels_equal_the_dequantized_product_in_tritons_interpreter(tritons_interpreter):
+    done = tritons_interpreter(KERNEL_CHECK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernel ok" in done.stdout
+
+
+def test_a_service_compiles_an_int4_model_by_default_once_every_layer_is_joined(tiny_llama, monkeypatch):
+    from devmap.planning.quantization import parse_quantization
+    from devmap.serving.warm_up import compiles
+
+    model = int4_layers(tiny_llama())
+    model.hf_device_map = {"": 0}
+    joined = copy.deepcopy(model)
+    join_projections(joined)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not compiles(model, None, parse_quantization("int4"))  # not joined: no compile unless asked
+    model = joined
+    assert compiles(model, None, parse_quantization("int4")) and not compiles(model, False, parse_quantization("int4"))

@@ -1,0 +1,75 @@
+"""GPU-only, one GPU: int4 weights taken from torchao's (tinygemm's layout) into devmap's plain layout stand for the
+same numbers, devmap's kernels give tinygemm's products at every row count, and an int4 LLaMA with joined projections
+decodes the greedy tokens of torchao's own model."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from devmap.generation.four_bit_linear import FourBitLinear, four_bit_weight, own_four_bit_linears
+from devmap.generation.four_bit_products import dequantize, four_bit_product, kernel_applies
+from devmap.loading.quantize import quantize_linears
+from devmap.planning.quantization import parse_quantization
+from devmap.testing import require_gpus
+
+pytestmark = require_gpus(1)
+
+
+def library_linear(outs: int, ins: int, scheme: str) -> nn.Module:
+    holder = nn.Module()
+    holder.linear = nn.Linear(ins, outs, bias=False, device="cuda", dtype=torch.bfloat16)
+    quantize_linears(holder, ["linear"], parse_quantization(scheme))
+    return holder.linear
+
+
+def test_devmaps_layout_gives_torchaos_products_at_every_row_count():
+    pytest.importorskip("torchao")
+    scheme = "int4"
+    torch.manual_seed(0)
+    for outs, ins in ((384, 1024), (5120, 13824), (13824, 5120)):  # 13,824: tinygemm pads it to 14,336
+        linear = library_linear(outs, ins, scheme)
+        weight = four_bit_weight(linear)
+        assert weight is not None and weight.shape == (outs, ins)
+        eye = torch.eye(ins, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            library_values = linear(eye).t().float()
+        # the same numbers, up to bf16's rounding of each value
+        torch.testing.assert_close(dequantize(weight, torch.float32), library_values, atol=1e-6, rtol=1e-2)
+        for rows in (1, 5, 32, 33, 128, 129, 2100):  # one block, tiles, values + cuBLAS
+            x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
+            assert kernel_applies(x, weight)
+            with torch.no_grad():
+                want = linear(x).float()
+            got = four_bit_product(x, weight).float()
+            assert ((got - want).norm() / want.norm()).item() < 5e-3, (scheme, outs, ins, rows)
+        del linear, weight, eye
+        torch.cuda.empty_cache()
+
+
+def test_an_int4_llama_decodes_torchaos_greedy_tokens():
+    pytest.importorskip("torchao")
+    scheme = "int4"
+    from devmap import generate
+    from devmap.generation.joined_projections import join_projections, joined_products
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to("cuda").eval()
+    names = [n for n, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)]
+    quantize_linears(model.model.layers, names, parse_quantization(scheme))
+    reference = copy.deepcopy(model)
+    assert join_projections(model) == 2 * config.num_hidden_layers
+    assert own_four_bit_linears(model) == 0  # already taken
+    assert all(isinstance(m, FourBitLinear) for n, m in model.model.layers.named_modules() if n.endswith("_proj"))
+    assert len([p for p in joined_products(model) if p.four_bit is not None]) == 4 * config.num_hidden_layers
+    ids = torch.randint(3, 500, (2, 12), device="cuda")
+    with torch.no_grad():
+        got, want = model(ids).logits.float(), reference(ids).logits.float()
+    error = ((got - want).norm() / want.norm()).item()
+    assert error < 1e-2, error
+    expected = reference.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(model, ids, max_new_tokens=12, eos_token_id=[]).cpu(), expected.cpu())
