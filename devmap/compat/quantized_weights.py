@@ -61,23 +61,31 @@ def stored_tensors(param: torch.Tensor) -> list[torch.Tensor]:
             *([scb] if isinstance(scb, torch.Tensor) else [])]
 
 
-def torchao_int4_levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def torchao_int4_levels(weight: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor] | None:
     """(levels: out × in uint8 0..15, scales, zeros: out × groups) of torchao's int4 weight in tinygemm's layout
     (`Int4TilePackedTo4dTensor`: w = (q - 8) · scale + zero per group), without its padding; None for any other
     tensor. tinygemm's packing is its kernel's private tiling: the weight is read back through the kernel itself
-    (the identity times the weight), and each level recovered from its value, scale and zero."""
+    (rows of the identity times the weight, `chunk` input columns at a time), and each level recovered from its
+    value, scale and zero."""
     if (type(weight).__name__ != "Int4TilePackedTo4dTensor" or getattr(weight, "act_pre_scale", None) is not None
             or weight.qdata.dim() != 4 or not weight.qdata.is_cuda):
         return None
     outs, ins = weight.shape
     group = weight.block_size[-1]
     scale_and_zero = weight.scale_and_zero  # groups (padded) × outs (padded) × (scale, zero)
-    eye = torch.eye(scale_and_zero.shape[0] * group, dtype=torch.bfloat16, device=weight.qdata.device)
-    values = torch.ops.aten._weight_int4pack_mm(eye, weight.qdata, group, scale_and_zero)[:ins, :outs].t()
-    del eye
+    padded = scale_and_zero.shape[0] * group
     scale = scale_and_zero[: ins // group, :outs, 0].t().contiguous()
     zero = scale_and_zero[: ins // group, :outs, 1].t().contiguous()
-    grouped = values.float().reshape(outs, ins // group, group)
-    q = ((grouped - zero.float()[..., None]) / scale.float()[..., None] + 8).round_().clamp_(0, 15)
-    return q.reshape(outs, ins).to(torch.uint8), scale, zero
-
+    q = torch.empty((outs, ins), dtype=torch.uint8, device=weight.qdata.device)
+    chunk = max(group, chunk // group * group)
+    for begin in range(0, ins, chunk):
+        end = min(begin + chunk, ins)
+        eye = torch.zeros((end - begin, padded), dtype=torch.bfloat16, device=q.device)
+        eye[:, begin:end].fill_diagonal_(1)
+        values = torch.ops.aten._weight_int4pack_mm(eye, weight.qdata, group, scale_and_zero)[:, :outs].t().float()
+        groups = slice(begin // group, -(-end // group))
+        grouped = values.reshape(outs, -1, group)
+        levels = (grouped - zero[:, groups].float()[..., None]) / scale[:, groups].float()[..., None] + 8
+        q[:, begin:end] = levels.round_().clamp_(0, 15).reshape(outs, end - begin).to(torch.uint8)
+    return q, scale, zero

@@ -49,12 +49,15 @@ def four_bit_weight(linear: nn.Module) -> FourBitWeight | None:
 @torch.no_grad()
 def own_four_bit_linears(model: nn.Module) -> int:
     """Swap each torchao int4 Linear of the model's decoder layers for a FourBitLinear of the same numbers and
-    accelerate hook, one at a time (the old weight freed before the next); one whose hook brings offloaded weights in
-    stays. Returns the layers swapped."""
+    accelerate hook, one at a time (the old weight freed before the next); one whose hook brings offloaded weights in,
+    or whose device has no room to take it apart for a moment, stays. Returns the layers swapped."""
     swapped = 0
     for layer in getattr(getattr(model, "model", None), "layers", []):
         for name, module in list(layer.named_modules()):
-            weight = four_bit_weight(module)
+            try:
+                weight = four_bit_weight(module)
+            except torch.OutOfMemoryError:  # no room for the moment it takes: the layer keeps torchao's products
+                continue
             if weight is None:
                 continue
             new = FourBitLinear(weight, getattr(module, "bias", None))
