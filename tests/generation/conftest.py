@@ -72,6 +72,35 @@ def run_continuous():
     return _run_continuous
 
 
+def _compiles_once_for_every_batch_size(model: torch.nn.Module, counters: dict) -> None:
+    """A continuous batch of `model` compiled (under `compiled_on_cpu`, whose `counters` these are) at 4, 6 and 8
+    rows gives the eager batch's tokens, compiles only for the first size and never breaks its graph."""
+    from devmap.generation.continuous import SlotRequest
+    from devmap.generation.step_cache import release_graphs
+
+    g = torch.Generator().manual_seed(8)
+    reqs = [SlotRequest(torch.randint(3, 500, (n,), generator=g).tolist(), m, f"r{i}")
+            for i, (n, m) in enumerate([(5, 6), (9, 3), (3, 8), (11, 4), (7, 7), (4, 5)])]
+    eager, left, _ = _run_continuous(model, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=40, lanes=1)
+    assert not left
+    try:
+        for round, rows in enumerate((4, 6, 8)):
+            got, left, _ = _run_continuous(model, reqs[:2], reqs[2:], rows=rows, first_slot=12, cache_len=40,
+                                           lanes=1, together=False, compile=True)
+            assert not left and got == eager
+            if round == 0:
+                graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    finally:
+        release_graphs(model)
+
+
+@pytest.fixture(scope="package")
+def compiles_once_for_every_batch_size():
+    """A check: compiles_once_for_every_batch_size(model, counters) (see `_compiles_once_for_every_batch_size`)."""
+    return _compiles_once_for_every_batch_size
+
+
 @pytest.fixture(scope="package")
 def requests_and_their_tokens():
     """A factory: requests_and_their_tokens(reference, seed, count, longest, most_new) -> (requests, tokens)."""

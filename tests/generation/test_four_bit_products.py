@@ -77,30 +77,13 @@ def test_int4_projections_join_and_decode_the_unjoined_models_tokens(tiny_llama)
     assert torch.equal(generate(model, ids, max_new_tokens=10, split_layers=[2], eos_token_id=[]), expected)
 
 
-def test_int4_joined_steps_compile_once_for_every_batch_size(model, run_continuous, compiled_on_cpu):
+def test_int4_joined_steps_compile_once_for_every_batch_size(model, compiles_once_for_every_batch_size,
+                                                            compiled_on_cpu):
     """The int4 product is an operator of its own: a compiled continuous batch (aot_eager) traces it whole and never
     guards on its rows, so batches of other sizes compile nothing more, and the tokens equal the eager batch's."""
-    from devmap.generation.continuous import SlotRequest
-    from devmap.generation.step_cache import release_graphs
-
-    counters = compiled_on_cpu
     clone = int4_layers(copy.deepcopy(model))
     assert join_projections(clone) == 2 * len(clone.model.layers)
-    g = torch.Generator().manual_seed(8)
-    reqs = [SlotRequest(torch.randint(3, 500, (n,), generator=g).tolist(), m, f"r{i}")
-            for i, (n, m) in enumerate([(5, 6), (9, 3), (3, 8), (11, 4), (7, 7), (4, 5)])]
-    eager, left, _ = run_continuous(clone, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=40, lanes=1)
-    assert not left
-    try:
-        for round, rows in enumerate((4, 6, 8)):
-            got, left, _ = run_continuous(clone, reqs[:2], reqs[2:], rows=rows, first_slot=12, cache_len=40,
-                                          lanes=1, together=False, compile=True)
-            assert not left and got == eager
-            if round == 0:
-                graphs = counters["stats"]["unique_graphs"]
-        assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
-    finally:
-        release_graphs(clone)
+    compiles_once_for_every_batch_size(clone, compiled_on_cpu)
 
 
 KERNEL_CHECK = textwrap.dedent("""
