@@ -87,9 +87,11 @@ def host_profiled(model: torch.nn.Module, clients: int, lengths: list[int], new:
 
 def main() -> None:
     parser = loop_arguments(__doc__)
-    parser.add_argument("--budgets", default="512,256,1024", help="prompt tokens a step carries at most")
+    parser.add_argument("--budgets", default="512,256,1024",
+                        help="prompt tokens a step carries at most, a closed loop each (empty: no loops)")
     parser.add_argument("--widths", default="64,128,256,384")
-    parser.add_argument("--quantize", default=None, choices=["int8"], help="int8 weights (`devmap serve --quantize`)")
+    parser.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                        help="quantized weights (`devmap serve --quantize`)")
     parser.add_argument("--profile", action="store_true",
                         help="only: the kernels of eager steps, alone and carrying a pack of the second width")
     parser.add_argument("--host", action="store_true",
@@ -135,7 +137,7 @@ def main() -> None:
                   f"(first {times[0] * 1e3:.1f} ms)", flush=True)
         batch.collect(everything=True)
     devmap.release_graphs(model)
-    for budget in [int(b) for b in args.budgets.split(",")]:
+    for budget in [int(b) for b in args.budgets.split(",") if b]:
         mixed_joins.RIDING_TOKENS = budget
         result = closed_loop(model, args.clients, lengths, args.new, args.seconds, rows, first_slot, cache_len,
                              compile=True, riding=True)

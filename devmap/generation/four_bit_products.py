@@ -12,9 +12,12 @@ value in float32 and round it to half precision, as tinygemm does; only the sums
 else the same numbers through a full-precision copy (`dequantize`).
 
 Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.87× bf16's time at one
-row, 0.97× at 32, 1.4× at 64, 2.5× at 128, 2.0× at 256 and 1.1× at 2,048 (tinygemm: 0.6×, 4.4×, 8×, 15×, 23×, 24×).
-bf16 reads its weights at the memory's pace up to ~200 rows; these kernels run at ~4× their own weight-read floor,
-bound by turning 4-bit weights into half precision in registers, not by the bytes: 4 bits save memory more than time.
+row, 0.99× at 32, 1.5× at 96, 2.4× at 160, 2.0× at 288, 1.5× at 544 and 1.1× at 2,048 (tinygemm: 0.6×, 4.5×, 12×,
+18×, 23×, 24×, 24×). bf16 reads its weights at the memory's pace up to ~200 rows; these kernels run at ~4× their own
+weight-read floor, bound by turning 4-bit weights into half precision in registers, not by the bytes: 4 bits save
+memory more than time. So a decode step that carries prompts (`mixed_joins`) costs int4 more than bf16 (13B, H200:
++6.6 / +15.2 / +19.8 / +23.9 ms over an 8.6 ms step for 63 / 127 / 255 / 383 prompt tokens, bf16 +2.6 / +3.7 / +7.8
+/ +12.1 over 9.0 ms), which is where int4 loses to bf16 at 32 clients.
 
 bitsandbytes' nf4 is not taken into this layout: its levels are a table of 16 values, and a lookup per weight made
 the rows kernel ~5× slower; through the values kernel and cuBLAS, a served 13B nf4 model gained 11% at 32 clients but
@@ -27,9 +30,10 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-DECODE_ROWS = 32  # rows up to which the rows kernel takes every row in one block
-TILE_ROWS = 64  # rows a block of the rows kernel beyond
-TILED_ROWS = 128  # rows up to which int4 runs the rows kernel (then values + cuBLAS: equal at 128, H200)
+DECODE_ROWS = 32  # rows up to which the rows kernel cuts the inner dimension in twice the shares
+WIDE_ROWS = 128  # rows up to which a block of 64 output columns takes every row
+TILED_ROWS = 256  # rows up to which int4 runs the rows kernel, every row in one block of 128 output columns beyond
+# WIDE_ROWS (then values + cuBLAS: equal at 288 rows, H100)
 PROGRAMS = 264  # programs a product aims at: two per SM of an H100 or H200
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -135,15 +139,17 @@ class BlockShape(NamedTuple):
 
 def block_shape(rows: int, outs: int, groups: int) -> BlockShape:
     """The rows kernel's cut, as a rule from the fastest of 24 shapes per product of a 13B layer at 1, 32, 64 and 256
-    rows (H200): 64 output columns a program, every row in one block up to DECODE_ROWS (the inner dimension in twice
-    the shares that make PROGRAMS programs), tiles of TILE_ROWS beyond (shares to make PROGRAMS programs), at most
-    one share per group."""
+    rows (H200) and of 48 at 96, 160, 288 and 544 rows (H100): every row in one block (each weight's value is
+    computed once: a second block of rows computes them all again), of 64 output columns up to WIDE_ROWS and 128
+    (8 warps) beyond, the inner dimension in the shares that make PROGRAMS programs (twice as many up to
+    DECODE_ROWS), at most one share per group."""
     import triton
 
+    out, warps = (64, 4) if rows <= WIDE_ROWS else (128, 8)
+    programs = PROGRAMS // triton.cdiv(outs, out)
     if rows <= DECODE_ROWS:
-        return BlockShape(64, min(groups, 2 * max(1, PROGRAMS // triton.cdiv(outs, 64))))
-    blocks = triton.cdiv(outs, 64) * triton.cdiv(rows, TILE_ROWS)
-    return BlockShape(64, max(1, min(groups, PROGRAMS // blocks)), rows=TILE_ROWS)
+        return BlockShape(out, min(groups, 2 * max(1, programs)))
+    return BlockShape(out, max(1, min(groups, programs)), warps)
 
 
 def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | None = None) -> torch.Tensor:
@@ -185,7 +191,7 @@ def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> to
 
 
 # each block height and Triton's specializations of `rows` (1, multiples of 16), tiles, and the values kernel
-PREPARED_ROWS = (1, 16, 17, DECODE_ROWS, DECODE_ROWS + 1, TILED_ROWS, TILED_ROWS + 1)
+PREPARED_ROWS = (1, 16, 17, DECODE_ROWS, DECODE_ROWS + 1, 64, 65, WIDE_ROWS, WIDE_ROWS + 1, TILED_ROWS, TILED_ROWS + 1)
 
 
 def prepare_kernels(weights: Iterable[FourBitWeight], dtype: torch.dtype) -> int:

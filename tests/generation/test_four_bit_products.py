@@ -94,14 +94,16 @@ KERNEL_CHECK = textwrap.dedent("""
     # one block of rows (split or not, uneven output blocks), tiles of rows, and the rule's shape
     for rows, outs, ins, shape in ((1, 96, 256, None), (5, 64, 384, BlockShape(64, 2)),
                                    (17, 130, 256, BlockShape(32, 3)), (32, 64, 128, None),
-                                   (150, 64, 256, BlockShape(32, 2, rows=64)), (70, 64, 256, None)):
+                                   (150, 64, 256, BlockShape(32, 2, rows=64)), (70, 64, 256, None),
+                                   (140, 160, 256, None)):
         weight = quantize_int4(torch.randn(outs, ins))
         x = torch.randn(rows, ins, dtype=torch.float16)
         want = x.float() @ dequantize(weight, torch.float16).float().t()
         torch.testing.assert_close(kernel_product(x, weight, shape).float(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(values(weight, torch.float16), dequantize(weight, torch.float16))
     assert block_shape(1, 15360, 40) == BlockShape(64, 2) and block_shape(32, 5120, 40) == BlockShape(64, 6)
-    assert block_shape(64, 27648, 40) == BlockShape(64, 1, rows=64)
+    assert block_shape(64, 27648, 40) == BlockShape(64, 1) and block_shape(96, 5120, 40) == BlockShape(64, 3)
+    assert block_shape(160, 5120, 40) == BlockShape(128, 6, 8)
     print("kernel ok")
 """)
 
