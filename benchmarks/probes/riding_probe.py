@@ -101,7 +101,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     model = devmap.load(args.model, "balanced", dtype="bf16", quantization=args.quantize)
     print(f"joined {join_projections(model)} projection groups", flush=True)
-    weights = quantized_nbytes(model)
+    weights = quantized_nbytes(model) + sum(b.nbytes for b in model.buffers())  # int4's layers keep theirs as buffers
     print(f"HBM {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB: floor {weights / bandwidth * 1e3:.2f} ms "
           "per step (weights only)", flush=True)
     lengths = [int(n) for n in args.lengths.split(",")]
