@@ -33,7 +33,7 @@ import torch
 DECODE_ROWS = 32  # rows up to which the rows kernel cuts the inner dimension in twice the shares
 WIDE_ROWS = 128  # rows up to which a block of 64 output columns takes every row
 TILED_ROWS = 256  # rows up to which int4 runs the rows kernel, every row in one block of 128 output columns beyond
-# WIDE_ROWS (then values + cuBLAS: equal at 288 rows, H100)
+# WIDE_ROWS (then values + cuBLAS: equal at 288 rows, H200)
 PROGRAMS = 264  # programs a product aims at: two per SM of an H100 or H200
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -190,7 +190,7 @@ def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> to
     return out
 
 
-# each block height and Triton's specializations of `rows` (1, multiples of 16), tiles, and the values kernel
+# each block height (16 to 256 rows) with Triton's specializations of `rows` (1, multiples of 16), and the values kernel
 PREPARED_ROWS = (1, 16, 17, DECODE_ROWS, DECODE_ROWS + 1, 64, 65, WIDE_ROWS, WIDE_ROWS + 1, TILED_ROWS, TILED_ROWS + 1)
 
 
