@@ -11,13 +11,13 @@ steps, steps carrying a few prompt tokens) the rows kernel reads the 4 bits once
 value in float32 and round it to half precision, as tinygemm does; only the sums' order differs from its. Anywhere
 else the same numbers through a full-precision copy (`dequantize`).
 
-Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.87× bf16's time at one
-row, 0.99× at 32, 1.5× at 96, 2.4× at 160, 2.0× at 288, 1.5× at 544 and 1.1× at 2,048 (tinygemm: 0.6×, 4.5×, 12×,
-18×, 23×, 24×, 24×). bf16 reads its weights at the memory's pace up to ~200 rows; these kernels run at ~4× their own
-weight-read floor, bound by turning 4-bit weights into half precision in registers, not by the bytes: 4 bits save
-memory more than time. So a decode step that carries prompts (`mixed_joins`) costs int4 more than bf16 (13B, H200:
-+6.6 / +15.2 / +19.8 / +23.9 ms over an 8.6 ms step for 63 / 127 / 255 / 383 prompt tokens, bf16 +2.6 / +3.7 / +7.8
-/ +12.1 over 9.0 ms), which is where int4 loses to bf16 at 32 clients.
+Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.87× bf16's time at one row,
+0.99× at 32, 1.5× at 96, 2.4× at 160, 2.0× at 288, 1.5× at 544 and 1.1× at 2,048 (tinygemm: 0.6×, 4.5×, 12×, 18×, 23×,
+24×, 24×). bf16 reads its weights at the memory's pace up to ~200 rows; these kernels run at ~4× their own weight-read
+floor, and not for the arithmetic that turns 4-bit weights into half precision (a variant with none per weight was 10%
+faster at one row and slower at 32): 4 bits save memory more than time here. So a decode step that carries prompts
+(`mixed_joins`) costs int4 more than bf16 (13B, H200: +6.6 / +15.2 / +19.8 / +23.9 ms over an 8.6 ms step for 63 / 127 /
+255 / 383 prompt tokens, bf16 +2.6 / +3.7 / +7.8 / +12.1 over 9.0 ms), which is where int4 loses to bf16 at 32 clients.
 
 bitsandbytes' nf4 is not taken into this layout: its levels are a table of 16 values, and a lookup per weight made
 the rows kernel ~5× slower; through the values kernel and cuBLAS, a served 13B nf4 model gained 11% at 32 clients but
