@@ -1,8 +1,8 @@
 """Decode steps that carry joiners' prompts: what their compile and captures cost, what a step costs by the prompt
 tokens it carries, and a closed loop's pace at several step budgets, beside the weight-read floor.
 
-Run on a GPU machine:  PYTHONPATH=. python3 benchmarks/probes/riding_probe.py --model llama-2-13b [--quantize int8]
-Loads the model (random bf16 weights, or int8 ones), joins its projections as `devmap serve` does, times the
+Run on a GPU machine:  PYTHONPATH=. python3 benchmarks/probes/riding_probe.py --model llama-2-13b [--quantize int8|int4]
+Loads the model (random bf16 weights, or int8 or int4 ones), joins its projections as `devmap serve` does, times the
 service's warm-up (the compiles) and the opening of a batch of `--clients` rows (its captures), then the GPU time of
 one step of every row alone and carrying a pack of several widths, then closed loops of `--clients` clients
 (`join_probe`'s) with compiled steps at each of `--budgets` prompt tokens per step.
