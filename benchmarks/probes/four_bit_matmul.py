@@ -1,11 +1,10 @@
-"""GPU time of a LLaMA-2-13B layer's four products with 4-bit weights, against bf16 and the floor of reading the
-weights once: the libraries' kernels (torchao's int4 in tinygemm's layout: what `--quantize int4` ran before devmap
-read it itself; bitsandbytes' nf4, which `--quantize nf4` runs) and devmap's int4 products
-(`devmap.generation.four_bit_products`):
-its rows kernel at the rule's block shape (up to 256 rows), the values kernel + cuBLAS, what `four_bit_product` picks,
-and, with `--grid`, the rows kernel's best over a grid of shapes (output columns, shares, warps, stages). Also checks
-that devmap's layout, taken from torchao's weights, gives its products (relative error printed). nf4 rows time the
-library only.
+"""GPU time of a LLaMA-2-13B layer's four products with 4-bit weights, against bf16 and the floor of reading the weights
+once: the libraries' kernels (torchao's int4 in tinygemm's layout: what `--quantize int4` ran before devmap read it
+itself; bitsandbytes' nf4, which `--quantize nf4` runs) and devmap's int4 products
+(`devmap.generation.four_bit_products`): its rows kernel at the rule's block shape (up to TILED_ROWS rows), the values
+kernel + cuBLAS, what `four_bit_product` picks, and, with `--grid`, the rows kernel's best over a grid of shapes (output
+columns, shares, warps, stages). Also checks that devmap's layout, taken from torchao's weights, gives its products
+(relative error printed). nf4 rows time the library only.
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/four_bit_matmul.py [--rows 1,32,64,256,2048] [--grid]
 Shapes: query/key/value and gate/up joined. Each call captured 50 times in a CUDA graph and replayed.
@@ -25,7 +24,7 @@ from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
 from devmap.generation.four_bit_linear import four_bit_weight  # noqa: E402
 from devmap.generation.four_bit_products import (  # noqa: E402
-    BlockShape, block_shape, four_bit_rows_product, kernel_product, values)
+    PROGRAMS, TILED_ROWS, BlockShape, block_shape, four_bit_rows_product, kernel_product, values)
 
 SHAPES = {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)}
 
@@ -43,13 +42,15 @@ def library_linear(weight: torch.Tensor, scheme: str) -> torch.nn.Module:
 
 
 def grid(rows: int, outs: int, groups: int) -> list[BlockShape]:
-    """Shapes to time: every row in one block up to 32 rows (output columns, shares, warps, stages), tiles beyond."""
+    """Shapes to time: every row in one block up to 32 rows (output columns, shares, warps, stages); beyond, every row
+    in one block or tiles of 64 or 128 rows (output columns, warps; the rule's shares for one block, one share for
+    tiles)."""
     if rows <= 32:
         return [BlockShape(out, max(1, min(groups, share * block_shape(rows, outs * 256 // out, groups).splits)),
                            warps, stages)
                 for out, share, warps, stages in itertools.product((128, 256), (1, 2), (4, 8), (2, 3, 4))]
-    return [BlockShape(out, 1, warps, 3, height)
-            for height, out, warps in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))]
+    return [BlockShape(out, max(1, min(groups, PROGRAMS // -(-outs // out))) if height == 0 else 1, warps, 3, height)
+            for height, out, warps in itertools.product((0, 64, 128), (64, 128, 256), (4, 8))]
 
 
 def main() -> None:
@@ -83,7 +84,8 @@ def main() -> None:
                     want, got = linear(x).float(), four_bit_rows_product(x, *ours).float()
                 error = ((got - want).norm() / want.norm()).item()
                 rule = graph_timed_us(lambda: four_bit_rows_product(x, *ours), repeat=50)
-                kernel = graph_timed_us(lambda: kernel_product(x, ours), repeat=50) if rows <= 256 else float("nan")
+                kernel = graph_timed_us(lambda: kernel_product(x, ours), repeat=50) if rows <= TILED_ROWS \
+                    else float("nan")
                 dense = graph_timed_us(lambda: torch.mm(x, values(ours, x.dtype).t()), repeat=50)
                 best, best_shape = kernel, "rule"
                 if args.grid and rows <= 512:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+
 def torchao_int8_rows(layers: list[nn.Module], config: Any) -> None:
     """`quantize_(layer, Int8WeightOnlyConfig())` for each Linear, as one `Int8Tensor.from_hp` per weight shape (rows
     are quantized independently: the same data and scales, without quantize_'s millisecond of Python per Linear)."""
