@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,32,64,128,256,512,2048")
     parser.add_argument("--schemes", default="int4", help="int4 and/or nf4 (the library only)")
     parser.add_argument("--grid", action="store_true", help="time a grid of block shapes beside the rule's")
+    parser.add_argument("--no-library", action="store_true", help="leave out the library's product (slow at many rows)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"HBM {bandwidth / 1e12:.2f} TB/s (copy); torch {torch.__version__}, {torch.cuda.get_device_name()}")
@@ -76,7 +77,7 @@ def main() -> None:
             for rows in [int(r) for r in args.rows.split(",")]:
                 x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
                 bf16 = graph_timed_us(lambda: torch.nn.functional.linear(x, weight), repeat=50)
-                library = graph_timed_us(lambda: linear(x), repeat=50)
+                library = float("nan") if args.no_library else graph_timed_us(lambda: linear(x), repeat=50)
                 if ours is None:
                     print(f"| {scheme} | {name} | {rows} | {bf16:.1f} | {library:.1f} | | | | | | {floor:.1f} | |")
                     continue

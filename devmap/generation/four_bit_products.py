@@ -6,18 +6,23 @@ products. torchao's tinygemm is built for a row or a few: at 32 rows of a 13B la
 2,048 rows 24×, and serving a 13B model at 32 clients ran at 0.15× bf16's tokens/s.
 
 On CUDA, in half precision, `four_bit_product` runs `four_bit_products_kernel`'s: up to TILED_ROWS rows (decode
-steps, steps carrying a few prompt tokens) the rows kernel reads the 4 bits once per block of rows; more rows
-(prefills) write the weight's values in half precision, then cuBLAS's product reads them. Both compute each weight's
-value in float32 and round it to half precision, as tinygemm does; only the sums' order differs from its. Anywhere
+steps, steps carrying a few prompt tokens) the rows kernel reads the 4 bits once per block of rows and makes each
+weight from bit patterns, (q - 8) · scale + zero in one half-precision fused multiply-add, rounded once; more rows
+(prefills) write the weight's values in half precision (computed in float32 and rounded, as tinygemm does), then
+cuBLAS's product reads them. Only the sums' order and, rarely, a weight's last bit differ from tinygemm's. Anywhere
 else the same numbers through a full-precision copy (`dequantize`).
 
-Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.87× bf16's time at one row,
-0.99× at 32, 1.5× at 96, 2.4× at 160, 2.0× at 288, 1.5× at 544 and 1.1× at 2,048 (tinygemm: 0.6×, 4.5×, 12×, 18×, 23×,
-24×, 24×). bf16 reads its weights at the memory's pace up to ~200 rows; these kernels run at ~4× their own weight-read
-floor, and not for the arithmetic that turns 4-bit weights into half precision (a variant with none per weight was 10%
-faster at one row and slower at 32): 4 bits save memory more than time here. So a decode step that carries prompts
-(`mixed_joins`) costs int4 more than bf16 (13B, H200: +6.6 / +15.2 / +19.8 / +23.9 ms over an 8.6 ms step for 63 / 127 /
+Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.70× bf16's time at one row,
+0.68× at 16, 0.81× at 32, 1.09× at 64, 1.37× at 96, 2.2× at 160, 1.9× at 256, 2.0× at 288 and 1.5× at 544 (tinygemm:
+0.6× at one row, 4.5× at 32, 18× at 160, 24× at 544). bf16 reads its weights at the memory's pace up to ~200 rows; the
+rows kernel runs at ~2.8× its own weight-read floor at 1-16 rows (it had been ~3.7× while each weight took an
+integer-to-float conversion: issue-bound, ncu), and past ~64 rows the weights' making and the tensor cores' products
+take turns (a wait between them in every step of its loop, in the sm_90 assembly). So a decode step that carries prompts
+(`mixed_joins`) costs int4 more than bf16 (13B, H200: +6.8 / +14.5 / +20.2 / +24.3 ms over a 7.7 ms step for 63 / 127 /
 255 / 383 prompt tokens, bf16 +2.6 / +3.7 / +7.8 / +12.1 over 9.0 ms), which is where int4 loses to bf16 at 32 clients.
+Tokens quantized to int8 and int8 tensor cores (as int8 weights' products do past 32 rows) did not help: with each
+group's scale and zero applied to its partial sums they were no faster than the rows kernel at 96-160 rows and took
+1.15-1.5× values + cuBLAS's time at 288-2,048.
 
 bitsandbytes' nf4 is not taken into this layout: its levels are a table of 16 values, and a lookup per weight made
 the rows kernel ~5× slower; through the values kernel and cuBLAS, a served 13B nf4 model gained 11% at 32 clients but
@@ -30,8 +35,10 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-DECODE_ROWS = 32  # rows up to which the rows kernel cuts the inner dimension in twice the shares
-WIDE_ROWS = 128  # rows up to which a block of 64 output columns takes every row
+NARROW_ROWS = 16  # rows up to which a block of 64 output columns takes every row and the rows kernel cuts the inner
+# dimension in twice the shares
+DECODE_ROWS = 32  # rows up to which (from NARROW_ROWS on) a block of 128 output columns (8 warps) takes every row
+WIDE_ROWS = 128  # rows up to which (from DECODE_ROWS on) a block of 64 output columns takes every row
 TILED_ROWS = 256  # rows up to which int4 runs the rows kernel, every row in one block of 128 output columns beyond
 # WIDE_ROWS (then values + cuBLAS: equal at 288 rows, H200)
 PROGRAMS = 264  # programs a product aims at: two per SM of an H100 or H200
@@ -139,15 +146,16 @@ class BlockShape(NamedTuple):
 
 def block_shape(rows: int, outs: int, groups: int) -> BlockShape:
     """The rows kernel's cut, as a rule from the fastest of 24 shapes per product of a 13B layer at 1, 32, 64 and 256
-    rows (H200) and of 48 at 96, 160, 288 and 544 rows (H100): every row in one block (each weight's value is
-    computed once: a second block of rows computes them all again), of 64 output columns up to WIDE_ROWS and 128
-    (8 warps) beyond, the inner dimension in the shares that make PROGRAMS programs (twice as many up to
-    DECODE_ROWS), at most one share per group."""
+    rows (H200), of 48 at 96, 160, 288 and 544 rows (H100) and of 48 at 16 and 32 rows (H200, weights made from bit
+    patterns): every row in one block (each weight's value is computed once: a second block of rows computes them
+    all again), of 64 output columns up to NARROW_ROWS, 128 (8 warps: the rows' inputs read once for twice the
+    outputs) up to DECODE_ROWS, 64 up to WIDE_ROWS and 128 beyond, the inner dimension in the shares that make
+    PROGRAMS programs (twice as many up to NARROW_ROWS), at most one share per group."""
     import triton
 
-    out, warps = (64, 4) if rows <= WIDE_ROWS else (128, 8)
+    out, warps = (64, 4) if rows <= NARROW_ROWS or DECODE_ROWS < rows <= WIDE_ROWS else (128, 8)
     programs = PROGRAMS // triton.cdiv(outs, out)
-    if rows <= DECODE_ROWS:
+    if rows <= NARROW_ROWS:
         return BlockShape(out, min(groups, 2 * max(1, programs)))
     return BlockShape(out, max(1, min(groups, programs)), warps)
 
@@ -157,7 +165,7 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     rule)."""
     import triton
 
-    from .four_bit_products_kernel import four_bit_rows_kernel
+    from .four_bit_products_kernel import four_bit_rows_kernel, levels_ptx
     from .int8_products_kernel import add_shares
 
     rows, ins = x.shape
@@ -167,10 +175,11 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)
     block_rows = shape.rows or max(16, triton.next_power_of_2(rows))
+    levels = levels_ptx(x, weight)
     four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
         x, weight.packed, weight.scale, weight.zero, shares, rows, outs, ins, x.stride(0), weight.packed.stride(0),
         groups, outs, rows * outs, GROUP=weight.group, BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out,
-        SPLIT=shape.splits, num_warps=shape.warps, num_stages=shape.stages)
+        SPLIT=shape.splits, PATTERN=bool(levels), LEVELS=levels, num_warps=shape.warps, num_stages=shape.stages)
     if shape.splits > 1:
         add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
     return out
@@ -190,8 +199,10 @@ def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> to
     return out
 
 
-# each block height (16 to 256 rows) with Triton's specializations of `rows` (1, multiples of 16), and the values kernel
-PREPARED_ROWS = (1, 16, 17, DECODE_ROWS, DECODE_ROWS + 1, 64, 65, WIDE_ROWS, WIDE_ROWS + 1, TILED_ROWS, TILED_ROWS + 1)
+# each block shape (16 to 256 rows) with Triton's specializations of `rows` (1, multiples of 16, others), and the values
+# kernel
+PREPARED_ROWS = (1, 2, NARROW_ROWS, NARROW_ROWS + 1, DECODE_ROWS, DECODE_ROWS + 1, 64, 65, WIDE_ROWS, WIDE_ROWS + 1,
+                 TILED_ROWS, TILED_ROWS + 1)
 
 
 def prepare_kernels(weights: Iterable[FourBitWeight], dtype: torch.dtype) -> int:

@@ -101,7 +101,8 @@ KERNEL_CHECK = textwrap.dedent("""
         want = x.float() @ dequantize(weight, torch.float16).float().t()
         torch.testing.assert_close(kernel_product(x, weight, shape).float(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(values(weight, torch.float16), dequantize(weight, torch.float16))
-    assert block_shape(1, 15360, 40) == BlockShape(64, 2) and block_shape(32, 5120, 40) == BlockShape(64, 6)
+    assert block_shape(1, 15360, 40) == BlockShape(64, 2) and block_shape(16, 5120, 40) == BlockShape(64, 6)
+    assert block_shape(17, 15360, 40) == BlockShape(128, 2, 8) and block_shape(32, 5120, 40) == BlockShape(128, 6, 8)
     assert block_shape(64, 27648, 40) == BlockShape(64, 1) and block_shape(96, 5120, 40) == BlockShape(64, 3)
     assert block_shape(160, 5120, 40) == BlockShape(128, 6, 8)
     print("kernel ok")
@@ -126,3 +127,34 @@ def test_a_service_compiles_an_int4_model_by_default_once_every_layer_is_joined(
     assert not compiles(model, None, parse_quantization("int4"))  # not joined: no compile unless asked
     model = joined
     assert compiles(model, None, parse_quantization("int4")) and not compiles(model, False, parse_quantization("int4"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernels_bit_patterns_give_each_weight_exactly(dtype):
+    """The rows kernel's PTX on CUDA (`_levels_ptx`), step by step on the CPU: each byte's halves set into the
+    mantissa of the dtype's magic give magic + q, adding minus gives q - 8 exactly, and the four bytes of a register
+    come out as the levels of weights j..j+3 (low halves) and GROUP / 2 + j.. (high halves), in order."""
+    pytest.importorskip("triton")
+    from devmap.generation.four_bit_products_kernel import LEVEL_PATTERNS, _levels_ptx
+
+    magic, minus, kind = LEVEL_PATTERNS[dtype]
+    ptx = _levels_ptx(magic, minus, kind)
+    assert f"mov.b32 magic, {magic:#x};" in ptx and f"fma.rn.{kind} $0, t0, $5, $7;" in ptx
+
+    def halves(register: int) -> list[float]:  # a 32-bit register as two values of dtype, low half first
+        pair = torch.tensor([register & 0xFFFF, register >> 16], dtype=torch.int32).to(torch.int16)
+        return pair.view(dtype).tolist()
+
+    q = torch.arange(16)
+    exact = halves(magic & 0xFFFF | (minus & 0xFFFF) << 16)
+    assert [halves(magic | int(level) | int(level) << 16)[0] for level in q] == [exact[0] + level for level in
+                                                                                  q.tolist()]
+    assert [halves(magic | int(level))[0] + exact[1] for level in q] == (q - 8).tolist()
+    torch.manual_seed(0)
+    for word in torch.randint(0, 1 << 32, (50,)).tolist():
+        t0 = (word & 0xFF) | ((word >> 8) & 0xFF) << 16  # prmt 0x4140: bytes 0 and 1 into the halves' low bytes
+        t1 = ((word >> 16) & 0xFF) | ((word >> 24) & 0xFF) << 16  # prmt 0x4342: bytes 2 and 3
+        low = [v + exact[1] for t in (t0, t1) for v in halves(t & 0x000F000F | magic)]
+        high = [v + exact[1] for t in (t0, t1) for v in halves((t >> 4) & 0x000F000F | magic)]
+        packed = torch.tensor([(word >> 8 * i) & 0xFF for i in range(4)], dtype=torch.uint8)
+        assert low == ((packed & 15).int() - 8).tolist() and high == ((packed >> 4).int() - 8).tolist()
