@@ -7,9 +7,9 @@ weights that devmap's own products read (floating point, or torchao's int8 with 
 whose projections are joined: `devmap.generation.int8_products`, `devmap.generation.four_bit_products`; a layer left
 unjoined would run torchao's product, which compiles to something slower than eager). Compiled, a 13B int8 model at
 32 clients gave 1.18× bf16's tokens/s on an H200 and 1.35× on an H100 (riding, by regions, products past 32 rows on
-int8 tensor cores), where eager int8 steps had given 0.83×; int4 0.93× (and 1.16× at one client) on an H200, where
+int8 tensor cores), where eager int8 steps had given 0.83×; int4 0.94× (and 1.42× at one client) on an H200, where
 eager tinygemm steps had given 0.15× (benchmarks/RESULTS.md). A cold start on one H200 with an empty inductor cache:
-45-54 s at 13B bf16 and 60-64 s int8 (steps compiled region by region; 261 and 283 s compiled whole), 60-66 s int4.
+45-54 s at 13B bf16 and 60-64 s int8 (steps compiled region by region; 261 and 283 s compiled whole), 60-74 s int4.
 Other quantized weights (bitsandbytes') stay eager unless `--compile` asks: their compiled speed is not measured.
 `--no-compile` turns compiling off. The compile happens at load, in a small continuous batch (its decode step, and its
 joins at every pack width), so the first request does not wait for it (inductor's on-disk cache makes a restart
