@@ -7,9 +7,9 @@ inputs (no shuffle in registers).
   inner dimension and block of rows (a decode step's rows are one block: each weight is read once), each weight's
   value made in registers and multiplied on tensor cores; shares are added in a fixed order by
   `int8_products_kernel.add_shares`. On CUDA the values come from bit patterns (`levels_ptx`): a level set into a
-  half-precision mantissa, (q - 8) · scale + zero in one fused multiply-add, rounded once; no conversion from
-  integer to float, which had taken ~6 instructions a weight and made the kernel issue-bound (H200: 23% less time at
-  1-16 rows, 10-22% at 64-256). Elsewhere (Triton's interpreter) in float32, then rounded, as tinygemm does.
+  half-precision mantissa, (q - 8) · scale + zero in one fused multiply-add, rounded once, and no conversion from
+  integer to float (with one per weight the kernel had issued ~6 instructions a weight and was issue-bound; H200: 23%
+  less time at 1-16 rows, 10-22% at 64-256). Elsewhere (Triton's interpreter) in float32, then rounded, as tinygemm.
 - `four_bit_values_kernel` (more rows): the weight's values written out in half
   precision, one program per block of output columns and group, for a full-precision product (cuBLAS) to read."""
 

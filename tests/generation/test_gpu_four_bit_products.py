@@ -73,3 +73,20 @@ def test_an_int4_llama_decodes_torchaos_greedy_tokens():
     assert error < 1e-2, error
     expected = reference.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(generate(model, ids, max_new_tokens=12, eos_token_id=[]).cpu(), expected.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_rows_kernels_bit_patterns_give_the_dequantized_product(dtype):
+    """Both half-precision dtypes' PTX (`levels_ptx`), every block shape of the rule, against the product of the
+    weights made in float32: within a last bit of each weight."""
+    from devmap.generation.four_bit_products import kernel_product, quantize_int4
+    from devmap.generation.four_bit_products_kernel import levels_ptx
+
+    torch.manual_seed(0)
+    weight = quantize_int4(torch.randn(320, 512, device="cuda", dtype=dtype), group=64)
+    for rows in (1, 9, 16, 17, 32, 33, 100, 130, 256):
+        x = torch.randn(rows, 512, device="cuda", dtype=dtype)
+        assert levels_ptx(x, weight)
+        want = x.float() @ dequantize(weight, dtype).float().t()
+        got = kernel_product(x, weight).float()
+        assert ((got - want).norm() / want.norm()).item() < 2e-3, (dtype, rows)
