@@ -175,7 +175,7 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)
     block_rows = shape.rows or max(16, triton.next_power_of_2(rows))
-    levels = levels_ptx(x, weight)
+    levels = levels_ptx(x.dtype, weight)
     four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
         x, weight.packed, weight.scale, weight.zero, shares, rows, outs, ins, x.stride(0), weight.packed.stride(0),
         groups, outs, rows * outs, GROUP=weight.group, BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out,

@@ -79,14 +79,15 @@ def test_an_int4_llama_decodes_torchaos_greedy_tokens():
 def test_the_rows_kernels_bit_patterns_give_the_dequantized_product(dtype):
     """Both half-precision dtypes' PTX (`levels_ptx`), every block shape of the rule, against the product of the
     weights made in float32: within a last bit of each weight."""
-    from devmap.generation.four_bit_products import kernel_product, quantize_int4
+    from devmap.generation.four_bit_products import kernel_product, quantize_int4, values
     from devmap.generation.four_bit_products_kernel import levels_ptx
 
     torch.manual_seed(0)
     weight = quantize_int4(torch.randn(320, 512, device="cuda", dtype=dtype), group=64)
+    assert levels_ptx(dtype, weight) and not levels_ptx(torch.float32, weight)
+    assert torch.equal(values(weight, dtype), dequantize(weight, dtype))  # past TILED_ROWS: float32, then rounded
     for rows in (1, 9, 16, 17, 32, 33, 100, 130, 256):
         x = torch.randn(rows, 512, device="cuda", dtype=dtype)
-        assert levels_ptx(x, weight)
         want = x.float() @ dequantize(weight, dtype).float().t()
         got = kernel_product(x, weight).float()
         assert ((got - want).norm() / want.norm()).item() < 2e-3, (dtype, rows)
