@@ -30,18 +30,18 @@ def _values(packed, Scale, Zero, out, scale_row, group, keep_outs):
     return (packed & 15).to(tl.float32) * scale + offset, (packed >> 4).to(tl.float32) * scale + offset
 
 
-def _levels_ptx(magic: int, minus: int, fma: str) -> str:
+def _levels_ptx(magic: int, one: int, minus: int, fma: str) -> str:
     """PTX turning 4 bytes of levels (pack=4: weights j..j+3 in the low halves, GROUP / 2 + j.. in the high halves)
     and each weight's scale and zero (half precision, two a register) into the weights, two a register: each level
     set into the mantissa of `magic` (a power of two whose unit in the last place is 1: magic + q, one LOP3 per two
-    weights), `minus` (-(magic + 8)) added exactly, then (q - 8) · scale + zero in one fused multiply-add (rounded
-    once)."""
+    weights), `minus` (-(magic + 8)) added exactly (a fused multiply-add by `one`), then (q - 8) · scale + zero in
+    one fused multiply-add (rounded once)."""
     return f"""{{
 .reg .b32 t0, t1, u0, u1, nothing, nibbles, magic, one, minus;
 mov.b32 nothing, 0;
 mov.b32 nibbles, 0x000F000F;
 mov.b32 magic, {magic:#x};
-mov.b32 one, {0x3F803F80 if fma == "bf16x2" else 0x3C003C00:#x};
+mov.b32 one, {one:#x};
 mov.b32 minus, {minus:#x};
 prmt.b32 t0, $4, nothing, 0x4140;
 prmt.b32 t1, $4, nothing, 0x4342;
@@ -62,11 +62,11 @@ fma.rn.{fma} $3, u1, $6, $8;
 }}"""
 
 
-# per dtype, two a register: the magic (bfloat16 0x4300 = 128: 128 + q; float16 0x6400 = 1024: 1024 + q), minus
-# (magic + 8) and the fused multiply-add's type
-LEVEL_PATTERNS = {torch.bfloat16: (0x43004300, 0xC308C308, "bf16x2"), torch.float16: (0x64006400, 0xE408E408, "f16x2")}
-BFLOAT16_LEVELS = _levels_ptx(*LEVEL_PATTERNS[torch.bfloat16])
-FLOAT16_LEVELS = _levels_ptx(*LEVEL_PATTERNS[torch.float16])
+# per dtype, two a register: the magic (bfloat16 0x4300 = 128: 128 + q; float16 0x6400 = 1024: 1024 + q), one,
+# minus (magic + 8) and the fused multiply-add's type
+LEVEL_PATTERNS = {torch.bfloat16: (0x43004300, 0x3F803F80, 0xC308C308, "bf16x2"),
+                  torch.float16: (0x64006400, 0x3C003C00, 0xE408E408, "f16x2")}
+LEVELS_PTX = {dtype: _levels_ptx(*pattern) for dtype, pattern in LEVEL_PATTERNS.items()}
 
 
 def levels_ptx(dtype: torch.dtype, weight) -> str:
@@ -74,7 +74,7 @@ def levels_ptx(dtype: torch.dtype, weight) -> str:
     and the zeros are one half-precision dtype; else "" (arithmetic in float32)."""
     if not weight.packed.is_cuda or {dtype, weight.scale.dtype, weight.zero.dtype} != {dtype}:
         return ""
-    return {torch.bfloat16: BFLOAT16_LEVELS, torch.float16: FLOAT16_LEVELS}.get(dtype, "")
+    return LEVELS_PTX.get(dtype, "")
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def four_bit_rows_kernel(X, W, Scale, Zero, Out, rows, outs, ins, x_row, w_row, 
     (program (o, s, r), r the block of rows), in float32, W[o, i] = (q - 8) · Scale[o, g] + Zero[o, g], g = i //
     GROUP (int4). The weights are the products' first operand (W · Xᵀ), made in the registers the tensor cores read
     them from (as the second operand they went through shared memory: ~10% slower over a 13B layer, H200): with
-    PATTERN by `LEVELS`' PTX (`BFLOAT16_LEVELS`, `FLOAT16_LEVELS`: X's, Scale's and Zero's dtype), else in float32
+    PATTERN by `LEVELS`' PTX (`levels_ptx`: X's, Scale's and Zero's dtype), else in float32
     and converted (Triton's interpreter)."""
     HALF: tl.constexpr = GROUP // 2
     block = tl.program_id(0)

@@ -137,14 +137,15 @@ def test_the_kernels_bit_patterns_give_each_weight_exactly(dtype):
     pytest.importorskip("triton")
     from devmap.generation.four_bit_products_kernel import LEVEL_PATTERNS, _levels_ptx
 
-    magic, minus, kind = LEVEL_PATTERNS[dtype]
-    ptx = _levels_ptx(magic, minus, kind)
+    magic, one, minus, kind = LEVEL_PATTERNS[dtype]
+    ptx = _levels_ptx(magic, one, minus, kind)
     assert f"mov.b32 magic, {magic:#x};" in ptx and f"fma.rn.{kind} $0, t0, $5, $7;" in ptx
 
     def halves(register: int) -> list[float]:  # a 32-bit register as two values of dtype, low half first
         pair = torch.tensor([register & 0xFFFF, register >> 16], dtype=torch.int32).to(torch.int16)
         return pair.view(dtype).tolist()
 
+    assert halves(one) == [1.0, 1.0]
     q = torch.arange(16)
     exact = halves(magic & 0xFFFF | (minus & 0xFFFF) << 16)
     assert [halves(magic | int(level) | int(level) << 16)[0] for level in q] == [exact[0] + level for level in
