@@ -15,7 +15,7 @@ Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/int8_matmul.py
 Check the kernel on CPU (Triton's interpreter):  TRITON_INTERPRET=1 python3 benchmarks/probes/int8_matmul.py --check
 Shapes (`--model`): LLaMA-2-13B's layer (hidden 5120, MLP 13824) or TinyLlama-1.1B's, its query/key/value and
 gate/up products joined (as `devmap.generation.joined_projections` runs them). Each call captured 50 times in a
-CUDA graph and replayed.
+CUDA graph and replayed; at 1-32 rows over copies of the weights that L2 cannot hold at once.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ SHAPES = {  # (out, in) of each product of one layer, query/key/value and gate/u
 CONFIGS = ([BlockShape(*c) for c in itertools.product((16, 32, 64, 128), (128, 256, 512), (1,), (4, 8), (3,))]
            + [BlockShape(*c) for c in itertools.product((32, 64), (128, 256), (2, 4, 8), (4,), (3,))])
 
+
+ROTATED_BYTES = 200_000_000  # at 1-32 rows each product is timed over copies of its weights of at least this size
 
 # 10 tiles (out, inner, splits, warps, stages, rows): rows × outputs × inner per program
 TOKEN_CONFIGS = [BlockShape(o, i, 1, w, st, r) for (r, o, i, w, st) in (
@@ -166,9 +168,13 @@ def main() -> None:
         compiled = None if args.no_compile else torch.compile(lambda x: torch.nn.functional.linear(x, torchao_weight))
         tuned = (torch.compile(lambda x: torch.nn.functional.linear(x, torchao_weight),
                                mode="max-autotune-no-cudagraphs") if args.autotune else None)
+        # copies to cycle through, so that no product finds its weight in L2 (50 MB: o's int8 weight would fit)
+        copies = [(qdata, scale)] + [(qdata.clone(), scale.clone()) for _ in range(ROTATED_BYTES // qdata.numel())]
+        bf16_copies = [weight] + [weight.clone() for _ in range(ROTATED_BYTES // (2 * weight.numel()))]
         for rows in decode_rows:
             x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
-            bf16 = graph_timed_us(lambda: torch.nn.functional.linear(x, weight), repeat=50)
+            next_bf16, next_int8 = itertools.cycle(bf16_copies).__next__, itertools.cycle(copies).__next__
+            bf16 = graph_timed_us(lambda: torch.nn.functional.linear(x, next_bf16()), repeat=50)
             eager = graph_timed_us(lambda: torch.nn.functional.linear(x, torchao_weight), repeat=50)
             compiled_us = graph_timed_us(lambda: compiled(x), repeat=50) if compiled is not None else float("nan")
             tuned_us = graph_timed_us(lambda: tuned(x), repeat=50) if tuned is not None else float("nan")
@@ -183,13 +189,13 @@ def main() -> None:
                     continue
                 if (got.float() - want).abs().max() > 0.05 * want.abs().max():
                     raise AssertionError(f"{name} {rows} {config}: the kernel's product is wrong")
-                us = graph_timed_us(lambda config=config: kernel_product(x, qdata, scale, config), repeat=50)
+                us = graph_timed_us(lambda config=config: kernel_product(x, *next_int8(), config), repeat=50)
                 times[str(tuple(config))] = round(us, 1)
                 if us < best:
                     best, best_config = us, config
                 if config.splits == 1 and us < unsplit:
                     unsplit, unsplit_config = us, config
-            ours = graph_timed_us(lambda: int8_product(x, qdata, scale), repeat=50)
+            ours = graph_timed_us(lambda: int8_product(x, *next_int8()), repeat=50)
             bf16_floor = outs * ins * 2 / bandwidth * 1e6
             int8_floor = outs * ins / bandwidth * 1e6
             fastest = min(us for us in (eager, compiled_us, tuned_us, best, ours) if us == us)  # NaN: not run

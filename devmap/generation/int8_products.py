@@ -10,8 +10,11 @@ kernels read the int8 weights (`int8_products_kernel`):
   and vLLM's dynamic int8 do), then int8 tensor cores, summed exactly in int32: a row's product is the same
   whatever rows it is computed with. Over a 13B layer's four products (`benchmarks/probes/int8_matmul.py`, H200)
   1.0-1.4× the pace of cuBLAS's bf16 at 96-2,080 rows, 1.5-2.0× a tiled kernel converting the weights; at 64 rows
-  (H100) 150 µs where the decode kernel takes 195 (at 1-32 rows the decode kernel is 5-10% ahead: 122-138 µs
-  against 135-145). Its error against the exact int8-weight product is ~0.9% (relative norm), weight-only's ~0.2%.
+  (H100) 150 µs where the decode kernel takes 195; at 1-16 rows the decode kernel is ahead (H200: 97-99 µs a layer
+  against 115-117), at 32 rows the tokens 4% faster (122 against 128) at 4× the error, so up to 32 rows the products
+  stay weight-only. Either way the weights are read at 1.3-1.7× their floor, and converting them is not what bounds
+  the decode kernel (made from bit patterns in bfloat16 instead, 9-12% slower). The tokens' error against the exact
+  int8-weight product is ~0.9% (relative norm), weight-only's ~0.2%.
 Anything else (CPU, float32) runs torchao's weight-only formula, with its numbers.
 """
 
@@ -104,14 +107,22 @@ class BlockShape(NamedTuple):
     rows: int = 0
 
 
+NARROW_ROWS = 16  # rows up to which the decode kernel's blocks read 256 inputs a step
+PROGRAMS = 264  # programs a wide product aims at up to NARROW_ROWS: two per SM of an H100 or H200
+
+
 def block_shape(rows: int, outs: int) -> BlockShape:
-    """The decode kernel's block shape for a product of `rows` rows (up to DECODE_ROWS): the fastest of 36 shapes
-    timed on an H100 for LLaMA-2-13B's products at 2-32 rows (`benchmarks/probes/int8_matmul.py`), as a rule. Wide
-    products (qkv, gate_up) have programs enough; narrow ones (o, down: fewer output columns than 8,192) split their
-    inner dimension so that every SM has weights to read."""
+    """The decode kernel's block shape for a product of `rows` rows (up to DECODE_ROWS), as a rule from the fastest
+    of LLaMA-2-13B's products (`benchmarks/probes/int8_matmul.py`): up to NARROW_ROWS, of 36 shapes on an H200 at 1
+    and 16 rows (11% less time a layer than the H100's shapes there); beyond, of 36 on an H100 at 32 rows (within 1%
+    of the H200's best). Wide products (qkv, gate_up) have programs enough: up to NARROW_ROWS blocks of 64 output
+    columns, 128 where that would make more than PROGRAMS programs; narrow ones (o, down: fewer output columns than
+    8,192) split their inner dimension so that every SM has weights to read."""
     if outs >= 8192:
-        return BlockShape(32, 128, 1) if rows <= 16 else BlockShape(128, 256, 1)
-    return BlockShape(32, 128, 4) if rows <= 16 else BlockShape(64, 128, 8)
+        if rows <= NARROW_ROWS:
+            return BlockShape(64 if outs <= 64 * PROGRAMS else 128, 256, 1)
+        return BlockShape(128, 256, 1)
+    return BlockShape(32, 256, 4) if rows <= NARROW_ROWS else BlockShape(64, 128, 8)
 
 
 def kernel_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
