@@ -187,6 +187,25 @@ def test_torchao_int4_comes_apart_into_levels_scales_and_zeros():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
+@pytest.mark.parametrize("nested", [False, True])
+def test_bitsandbytes_four_bit_comes_apart_into_levels_absmax_and_its_table(nested):
+    bnb = pytest.importorskip("bitsandbytes")
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 512, device="cuda", dtype=torch.bfloat16)
+    params = bnb.nn.Params4bit(weight.cpu(), requires_grad=False, quant_type="nf4", blocksize=64,
+                               compress_statistics=nested).cuda()
+    q, absmax, code, dtype = compat.bitsandbytes_four_bit_levels(params)
+    assert q.shape == (96, 512) and q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert absmax.shape == (96, 8) and len(code) == 16 and dtype == torch.bfloat16
+    values = torch.tensor(code, device="cuda")[q.long()].reshape(96, 8, 64) * absmax[..., None]
+    want = bnb.functional.dequantize_4bit(params.data, params.quant_state).float()
+    torch.testing.assert_close(values.reshape(96, 512), want, atol=1e-6, rtol=1e-2)
+    assert compat.bitsandbytes_four_bit_levels(torch.ones(2, 2, device="cuda")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
 def test_graph_pool_capture_and_sleep_on_a_gpu():
     x = torch.ones(4, device="cuda")
     pool = compat.graph_pool()

@@ -1,10 +1,10 @@
 """GPU time of a LLaMA-2-13B layer's four products with 4-bit weights, against bf16 and the floor of reading the weights
-once: the libraries' kernels (torchao's int4 in tinygemm's layout: what `--quantize int4` ran before devmap read it
-itself; bitsandbytes' nf4, which `--quantize nf4` runs) and devmap's int4 products
-(`devmap.generation.four_bit_products`): its rows kernel at the rule's block shape (up to TILED_ROWS rows), the values
-kernel + cuBLAS, what `four_bit_product` picks, and, with `--grid`, the rows kernel's best over a grid of shapes (output
-columns, shares, warps, stages). Also checks that devmap's layout, taken from torchao's weights, gives its products
-(relative error printed). nf4 rows time the library only.
+once: the libraries' kernels (torchao's int4 in tinygemm's layout, bitsandbytes' nf4: what `--quantize int4|nf4` ran
+before devmap read the weights itself) and devmap's 4-bit products (`devmap.generation.four_bit_products`, int4's
+levels or nf4's table): its rows kernel at the rule's block shape (up to TILED_ROWS rows), the values kernel + cuBLAS,
+what `four_bit_product` picks, and, with `--grid`, the rows kernel's best over a grid of shapes (output columns,
+shares, warps, stages). Also checks that devmap's layout, taken from the library's weights, gives its products
+(relative error printed).
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/four_bit_matmul.py [--rows 1,32,64,256,2048] [--grid]
 Shapes: query/key/value and gate/up joined. Each call captured 50 times in a CUDA graph and replayed.
@@ -56,7 +56,7 @@ def grid(rows: int, outs: int, groups: int) -> list[BlockShape]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,32,64,128,256,512,2048")
-    parser.add_argument("--schemes", default="int4", help="int4 and/or nf4 (the library only)")
+    parser.add_argument("--schemes", default="int4", help="int4 and/or nf4")
     parser.add_argument("--grid", action="store_true", help="time a grid of block shapes beside the rule's")
     parser.add_argument("--no-library", action="store_true", help="leave out the library's product (slow at many rows)")
     args = parser.parse_args()
@@ -72,7 +72,7 @@ def main() -> None:
             weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) * 0.02
             linear = library_linear(weight, scheme)
             ours = four_bit_weight(linear)
-            nbytes = sum(t.numel() * t.element_size() for t in ours) if ours else weight.numel() // 2
+            nbytes = sum(t.numel() * t.element_size() for t in ours.tensors) if ours else weight.numel() // 2
             floor = nbytes / bandwidth * 1e6
             for rows in [int(r) for r in args.rows.split(",")]:
                 x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
@@ -82,9 +82,10 @@ def main() -> None:
                     print(f"| {scheme} | {name} | {rows} | {bf16:.1f} | {library:.1f} | | | | | | {floor:.1f} | |")
                     continue
                 with torch.no_grad():
-                    want, got = linear(x).float(), four_bit_rows_product(x, *ours).float()
+                    got = four_bit_rows_product(x, *ours.tensors, list(ours.levels)).float()
+                    want = linear(x).float()
                 error = ((got - want).norm() / want.norm()).item()
-                rule = graph_timed_us(lambda: four_bit_rows_product(x, *ours), repeat=50)
+                rule = graph_timed_us(lambda: four_bit_rows_product(x, *ours.tensors, list(ours.levels)), repeat=50)
                 kernel = graph_timed_us(lambda: kernel_product(x, ours), repeat=50) if rows <= TILED_ROWS \
                     else float("nan")
                 dense = graph_timed_us(lambda: torch.mm(x, values(ours, x.dtype).t()), repeat=50)

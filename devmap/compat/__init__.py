@@ -19,6 +19,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `pipeline_stage_fixed`: `PipelineStage._shape_inference`, `_get_init_p2p_neighbors_ops` | torch | torch 2.11's shape inference moves BatchNorm statistics, and its start-up handshake sends to its own rank when a V schedule puts neighbouring stages on one rank (gloo refuses: "Pair is not connected") | 2.11, 2.14 |
 | `torchao_int8_rows`, `torchao_int8_parts`, `torchao_int8_weight`, `torchao_flat_state_dict`: `Int8Tensor` fields, `flatten_tensor_state_dict` | torchao | int8 per weight shape (2.5x less host time than `quantize_` per Linear); int8 weights joined and read by devmap's decode products (`generation.int8_products`); pre-quantized saves | 0.18 |
 | `torchao_int4_levels`: `Int4TilePackedTo4dTensor.scale_and_zero`, `block_size`, `aten._weight_int4pack_mm` | torchao | int4 weights taken into devmap's plain layout, read by its kernels (`generation.four_bit_products`) | 0.18 |
+| `bitsandbytes_four_bit_levels`: `Params4bit.quant_state` (`absmax`, `code`, `blocksize`, `shape`, `dtype`, `nested`), the packing of two levels a byte, `functional.dequantize_blockwise` | bitsandbytes | nf4 weights taken into devmap's plain layout, read by its kernels (`generation.four_bit_products`) | 0.50 |
 | `stored_tensors`: `tensor_data_names`, `quant_state.absmax`, `SCB` | torchao, bitsandbytes | what a quantized weight stores, for plans and saves | torchao 0.18, bitsandbytes 0.50 |
 """
 
@@ -263,5 +264,5 @@ def pipeline_stage_fixed(stage: Any) -> Any:
 # --- torchao and bitsandbytes: `quantized_weights` -----------------------------------------------------------
 
 from .quantized_weights import (  # noqa: E402, F401  (re-exported; imported after require_supported)
-    stored_tensors, torchao_flat_state_dict, torchao_int4_levels, torchao_int8_parts, torchao_int8_rows,
-    torchao_int8_weight)
+    bitsandbytes_four_bit_levels, stored_tensors, torchao_flat_state_dict, torchao_int4_levels, torchao_int8_parts,
+    torchao_int8_rows, torchao_int8_weight)

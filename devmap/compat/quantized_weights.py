@@ -90,3 +90,25 @@ def torchao_int4_levels(weight: torch.Tensor, chunk: int = 2048) -> tuple[torch.
         levels = (grouped - zero[:, groups].float()[..., None]) / scale[:, groups].float()[..., None] + 8
         q[:, begin:end] = levels.round_().clamp_(0, 15).reshape(outs, end - begin).to(torch.uint8)
     return q, scale, zero
+
+
+def bitsandbytes_four_bit_levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[float],
+                                                                torch.dtype] | None:
+    """(levels: out × in uint8 0..15, absmax: out × blocks float32, the 16 values of its table, its dtype) of
+    bitsandbytes' 4-bit weight (`Params4bit`, nf4 or fp4: w = code[q] · absmax per block), on a GPU, whose blocks
+    do not straddle rows; None for any other tensor. bitsandbytes packs the flattened weight two a byte, the first
+    of each pair in the high half; doubly quantized absmax (`nested`) is dequantized by bitsandbytes itself."""
+    state = getattr(weight, "quant_state", None)
+    if type(weight).__name__ != "Params4bit" or state is None or not weight.data.is_cuda:
+        return None
+    outs, ins = state.shape
+    if ins % state.blocksize or state.code.numel() != 16:
+        return None
+    absmax = state.absmax
+    if state.nested:
+        from bitsandbytes.functional import dequantize_blockwise
+
+        absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
+    packed = weight.data.contiguous().view(torch.uint8).reshape(-1)[: outs * ins // 2]
+    q = torch.stack([packed >> 4, packed & 15], dim=1).reshape(outs, ins)
+    return q, absmax.float().reshape(outs, ins // state.blocksize), state.code.float().tolist(), state.dtype

@@ -1,15 +1,16 @@
-"""Linear layers with int4 weights in devmap's plain layout (`four_bit_products.FourBitWeight`), and taking a loaded
-model's torchao int4 Linear layers (tinygemm's layout) into it: they become `FourBitLinear` modules with the same
-numbers, read by devmap's kernels. The serving engine does this at load (`join_projections`), before joining a layer's
-projections; anything that calls a layer (transformers' own forward too) gets the same products."""
+"""Linear layers with 4-bit weights in devmap's plain layout (`four_bit_products.FourBitWeight`), and taking a loaded
+model's torchao int4 Linear layers (tinygemm's layout) and bitsandbytes' nf4 ones into it: they become `FourBitLinear`
+modules with the same levels and scales, read by devmap's kernels. The serving engine does this at load
+(`join_projections`), before joining a layer's projections; anything that calls a layer (transformers' own forward too)
+gets the same products."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..compat import device_hook_moved, torchao_int4_levels
-from .four_bit_products import FourBitWeight, four_bit_product, packed_halves
+from ..compat import bitsandbytes_four_bit_levels, device_hook_moved, torchao_int4_levels
+from .four_bit_products import INT4_LEVELS, FourBitWeight, four_bit_product, packed_halves
 
 
 class FourBitLinear(nn.Module):
@@ -21,42 +22,52 @@ class FourBitLinear(nn.Module):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scale", weight.scale)
         self.register_buffer("zero", weight.zero)
+        self.levels = tuple(weight.levels)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @property
     def four_bit(self) -> FourBitWeight:
-        return FourBitWeight(self.packed, self.scale, self.zero)
+        return FourBitWeight(self.packed, self.scale, self.zero, self.levels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return four_bit_product(x, self.four_bit, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4, group={self.four_bit.group}"
+        kind = "int4" if self.levels == INT4_LEVELS else "4-bit table"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, group={self.four_bit.group}"
 
 
 def four_bit_weight(linear: nn.Module) -> FourBitWeight | None:
-    """The layer's weight in devmap's layout: torchao's int4 (on a GPU) taken apart, else None."""
+    """The layer's weight in devmap's layout: torchao's int4 or bitsandbytes' nf4 (on a GPU) taken apart, else None.
+    nf4's absmax becomes the scale, in the weight's dtype (rounded from float32), its zero 0."""
     weight = getattr(linear, "weight", None)
     if not isinstance(linear, nn.Linear) or not isinstance(weight, torch.Tensor):
         return None
     parts = torchao_int4_levels(weight)
-    if parts is None:
+    if parts is not None:
+        q, scale, zero = parts
+        return FourBitWeight(packed_halves(q, q.shape[1] // scale.shape[1]), scale, zero)
+    table = bitsandbytes_four_bit_levels(weight)
+    if table is None:
         return None
-    q, scale, zero = parts
-    return FourBitWeight(packed_halves(q, q.shape[1] // scale.shape[1]), scale, zero)
+    q, absmax, levels, dtype = table
+    scale = absmax.to(dtype)
+    return FourBitWeight(packed_halves(q, q.shape[1] // scale.shape[1]), scale, torch.zeros_like(scale),
+                         tuple(levels))
 
 
 @torch.no_grad()
 def own_four_bit_linears(model: nn.Module) -> int:
-    """Swap each torchao int4 Linear of the model's decoder layers for a FourBitLinear of the same numbers and
-    accelerate hook, one at a time (the old weight freed before the next); one whose hook brings offloaded weights in,
-    or whose device has no room to take it apart for a moment, stays. Returns the layers swapped."""
+    """Swap each torchao int4 or bitsandbytes nf4 Linear of the model's decoder layers for a FourBitLinear of the
+    same numbers and accelerate hook, one at a time (the old weight freed before the next); one whose hook brings
+    offloaded weights in, or whose device has no room to take it apart for a moment, stays. Returns the layers
+    swapped."""
     swapped = 0
     for layer in getattr(getattr(model, "model", None), "layers", []):
         for name, module in list(layer.named_modules()):
             try:
                 weight = four_bit_weight(module)
-            except torch.OutOfMemoryError:  # no room for the moment it takes: the layer keeps torchao's products
+            except torch.OutOfMemoryError:  # no room for the moment it takes: the layer keeps its library's products
                 continue
             if weight is None:
                 continue

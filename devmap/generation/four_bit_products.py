@@ -31,7 +31,7 @@ lost 31% at one client against bitsandbytes' own products (H200).
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -45,18 +45,32 @@ PROGRAMS = 264  # programs a product aims at: two per SM of an H100 or H200
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
+INT4_LEVELS = tuple(float(q - 8) for q in range(16))  # int4's levels (torchao, tinygemm's formula)
+
+
 class FourBitWeight(NamedTuple):
     """A weight of `outs` × `ins` in 4 bits: `packed` (outs × ins/2 uint8, per group of g weights g/2 bytes: weight j
-    in the low half of byte j, g/2 + j in the high half), `scale` and `zero` (outs × ins/group, the weight's dtype):
-    w = (q - 8) · scale + zero."""
+    in the low half of byte j, g/2 + j in the high half), `scale` and `zero` (outs × ins/group, the weight's dtype)
+    and the 16 `levels` the 4 bits stand for: w = levels[q] · scale + zero. int4 (torchao): levels q - 8; nf4
+    (bitsandbytes): its table of 16 values, scale each block's absmax, zero 0."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    levels: tuple[float, ...] = INT4_LEVELS
 
     @property
     def group(self) -> int:
         return 2 * self.packed.shape[1] // self.scale.shape[1]
+
+    @property
+    def affine(self) -> bool:
+        """Whether the levels are int4's (q - 8), which the kernels make without a table."""
+        return tuple(self.levels) == INT4_LEVELS
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.packed, self.scale, self.zero
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -93,7 +107,8 @@ def dequantize(weight: FourBitWeight, dtype: torch.dtype) -> torch.Tensor:
     """The full-precision weight (outs × ins) the 4 bits stand for, in `dtype` (computed in float32)."""
     outs, ins = weight.shape
     q = levels(weight.packed, weight.group)
-    grouped = (q.float() - 8).reshape(outs, -1, weight.group) * weight.scale.float()[..., None]
+    level = q.float() - 8 if weight.affine else level_table(weight.levels, q.device)[q.long()]
+    grouped = level.reshape(outs, -1, weight.group) * weight.scale.float()[..., None]
     grouped = grouped + weight.zero.float()[..., None]
     return grouped.reshape(outs, ins).to(dtype)
 
@@ -103,23 +118,35 @@ def kernel_applies(x: torch.Tensor, weight: FourBitWeight) -> bool:
     of at least 32 that are a power of two."""
     group = weight.group
     return (x.is_cuda and x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.stride(1) == 1
-            and all(t.is_contiguous() for t in weight) and group >= 32 and group & (group - 1) == 0)
+            and all(t.is_contiguous() for t in weight.tensors) and group >= 32 and group & (group - 1) == 0)
+
+
+_TABLES: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
+
+
+def level_table(levels: Sequence[float], device: torch.device) -> torch.Tensor:
+    """The 16 levels as a float32 tensor on `device`, made once per device (never inside a CUDA graph's capture
+    after `prepare_kernels`)."""
+    key = (tuple(levels), torch.device(device))
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(key[0], dtype=torch.float32, device=device)
+    return _TABLES[key]
 
 
 def four_bit_product(x: torch.Tensor, weight: FourBitWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (… × in) · weightᵀ (+ bias), in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
-    out = four_bit_rows_product(flat, *weight).reshape(*x.shape[:-1], weight.shape[0])
+    out = four_bit_rows_product(flat, *weight.tensors, list(weight.levels)).reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
 @torch.library.custom_op("devmap::four_bit_rows_product", mutates_args=())
-def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                          zero: torch.Tensor) -> torch.Tensor:
+def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                          levels: Sequence[float]) -> torch.Tensor:
     """x (rows × in) · weightᵀ in x's dtype: the kernel (by `kernel_applies`) or the dequantized weight's product.
     An operator of its own, so that torch.compile calls it as it is: the block shape for the rows at hand is chosen
     at each call, never guarded on in a compiled step (one compile serves every batch size)."""
-    weight = FourBitWeight(packed, scale, zero)
+    weight = FourBitWeight(packed, scale, zero, tuple(levels))
     if not kernel_applies(x, weight):
         return torch.mm(x, dequantize(weight, x.dtype).t())
     if x.shape[0] <= TILED_ROWS:
@@ -128,7 +155,8 @@ def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 
 
 @four_bit_rows_product.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+      levels: Sequence[float]) -> torch.Tensor:
     return x.new_empty((x.shape[0], packed.shape[0]))
 
 
@@ -175,11 +203,12 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)
     block_rows = shape.rows or max(16, triton.next_power_of_2(rows))
-    levels = levels_ptx(x.dtype, weight)
+    ptx = levels_ptx(x.dtype, weight)
     four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
-        x, weight.packed, weight.scale, weight.zero, shares, rows, outs, ins, x.stride(0), weight.packed.stride(0),
-        groups, outs, rows * outs, GROUP=weight.group, BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out,
-        SPLIT=shape.splits, PATTERN=bool(levels), LEVELS=levels, num_warps=shape.warps, num_stages=shape.stages)
+        x, weight.packed, weight.scale, weight.zero, level_table(weight.levels, x.device), shares, rows, outs, ins,
+        x.stride(0), weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, BLOCK_ROWS=block_rows,
+        BLOCK_OUT=shape.out, SPLIT=shape.splits, PATTERN=bool(ptx), LEVELS=ptx, TABLE=not weight.affine,
+        num_warps=shape.warps, num_stages=shape.stages)
     if shape.splits > 1:
         add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
     return out
@@ -194,8 +223,9 @@ def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> to
     outs, ins = weight.shape
     out = torch.empty((outs, ins), dtype=dtype, device=weight.packed.device)
     four_bit_values_kernel[(triton.cdiv(outs, block_out), weight.scale.shape[1])](
-        weight.packed, weight.scale, weight.zero, out, outs, weight.packed.stride(0), weight.scale.shape[1], ins,
-        GROUP=weight.group, BLOCK_OUT=block_out)
+        weight.packed, weight.scale, weight.zero, level_table(weight.levels, out.device), out, outs,
+        weight.packed.stride(0), weight.scale.shape[1], ins, GROUP=weight.group, BLOCK_OUT=block_out,
+        TABLE=not weight.affine)
     return out
 
 
@@ -212,13 +242,13 @@ def prepare_kernels(weights: Iterable[FourBitWeight], dtype: torch.dtype) -> int
     seen, runs = set(), 0
     with torch.no_grad():
         for weight in weights:
-            key = (weight.shape, weight.group, weight.packed.device)
+            key = (weight.shape, weight.group, weight.packed.device, tuple(weight.levels))
             if key in seen:
                 continue
             seen.add(key)
             for rows in PREPARED_ROWS:
                 x = torch.zeros(rows, weight.shape[1], dtype=dtype, device=weight.packed.device)
                 if kernel_applies(x, weight):
-                    four_bit_rows_product(x, *weight)
+                    four_bit_rows_product(x, *weight.tensors, list(weight.levels))
                     runs += 1
     return runs

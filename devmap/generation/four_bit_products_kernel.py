@@ -15,19 +15,32 @@ inputs (no shuffle in registers).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _values(packed, Scale, Zero, out, scale_row, group, keep_outs):
-    """The weights (float32) that the low and high halves of `packed` (outputs `out` × half a group) stand for: (q -
-    8) · scale + zero, the group's scale and zero of each output."""
+def _values(packed, Scale, Zero, Levels, out, scale_row, group, keep_outs, TABLE: tl.constexpr):
+    """The weights (float32) that the low and high halves of `packed` (outputs `out` × half a group) stand for:
+    level(q) · scale + zero, the group's scale and zero of each output; level(q) = q - 8 (int4), or with TABLE
+    Levels[q] (16 float32 values: nf4's)."""
     scale = tl.load(Scale + out * scale_row + group, mask=keep_outs, other=0.0).to(tl.float32)[:, None]
     zero = tl.load(Zero + out * scale_row + group, mask=keep_outs, other=0.0).to(tl.float32)[:, None]
+    if TABLE:
+        return (tl.load(Levels + (packed & 15).to(tl.int32)) * scale + zero,
+                tl.load(Levels + (packed >> 4).to(tl.int32)) * scale + zero)
     offset = zero - 8.0 * scale
     return (packed & 15).to(tl.float32) * scale + offset, (packed >> 4).to(tl.float32) * scale + offset
+
+
+_WEIGHTS_PTX = """fma.rn.{fma} $0, t0, $5, $7;
+fma.rn.{fma} $1, t1, $6, $8;
+fma.rn.{fma} $2, u0, $5, $7;
+fma.rn.{fma} $3, u1, $6, $8;
+}}"""
 
 
 def _levels_ptx(magic: int, one: int, minus: int, fma: str) -> str:
@@ -55,11 +68,7 @@ fma.rn.{fma} t0, t0, one, minus;
 fma.rn.{fma} t1, t1, one, minus;
 fma.rn.{fma} u0, u0, one, minus;
 fma.rn.{fma} u1, u1, one, minus;
-fma.rn.{fma} $0, t0, $5, $7;
-fma.rn.{fma} $1, t1, $6, $8;
-fma.rn.{fma} $2, u0, $5, $7;
-fma.rn.{fma} $3, u1, $6, $8;
-}}"""
+""" + _WEIGHTS_PTX.format(fma=fma)
 
 
 # per dtype, two a register: the magic (bfloat16 0x4300 = 128: 128 + q; float16 0x6400 = 1024: 1024 + q), one,
@@ -69,12 +78,45 @@ LEVEL_PATTERNS = {torch.bfloat16: (0x43004300, 0x3F803F80, 0xC308C308, "bf16x2")
 LEVELS_PTX = {dtype: _levels_ptx(*pattern) for dtype, pattern in LEVEL_PATTERNS.items()}
 
 
+def _table_ptx(low: list[int], high: list[int], fma: str) -> str:
+    """PTX turning 4 bytes of levels (as `_levels_ptx`'s) into the weights by a table of 16 half-precision values
+    (`low` and `high`: their bytes): each level's three low bits pick a byte of the table's first or second half
+    (PRMT, four levels at a time, the raw halves of two bytes as its selector), the level's top bit picks the half
+    (LOP3), the two bytes of each value are paired (PRMT), then level · scale + zero in one fused multiply-add."""
+    words = [f"mov.b32 {name}{i}, {sum(b << 8 * j for j, b in enumerate(bytes_[4 * i:4 * i + 4])):#x};"
+             for name, bytes_ in (("lo", low), ("hi", high)) for i in range(4)]
+    lines = [".reg .b32 lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, pick, idx, top, a, b, pl, ph, t0, t1, u0, u1;",
+             *words, "mov.b32 pick, 0x0000FF00;", "and.b32 idx, $4, 0x77777777;", "shr.b32 top, $4, 3;",
+             "and.b32 top, top, 0x11111111;"]
+    for half, (t, u) in enumerate((("t0", "u0"), ("t1", "u1"))):
+        if half:
+            lines += ["shr.b32 idx, idx, 16;", "shr.b32 top, top, 16;"]
+        lines += ["prmt.b32 a, pick, pick, top;",  # 0xFF for each of the four levels above 7
+                  "prmt.b32 pl, lo0, lo1, idx;", "prmt.b32 b, lo2, lo3, idx;", "lop3.b32 pl, pl, b, a, 0xD8;",
+                  "prmt.b32 ph, hi0, hi1, idx;", "prmt.b32 b, hi2, hi3, idx;", "lop3.b32 ph, ph, b, a, 0xD8;",
+                  f"prmt.b32 {t}, pl, ph, 0x6240;", f"prmt.b32 {u}, pl, ph, 0x7351;"]
+    return "{\n" + "\n".join(lines) + "\n" + _WEIGHTS_PTX.format(fma=fma)
+
+
+TABLE_KINDS = {torch.bfloat16: "bf16x2", torch.float16: "f16x2"}
+
+
+@functools.lru_cache(maxsize=None)
+def table_ptx(dtype: torch.dtype, levels: tuple[float, ...]) -> str:
+    """`_table_ptx` for 16 levels, each rounded to `dtype` (half precision)."""
+    bits = [b & 0xFFFF for b in torch.tensor(levels, dtype=torch.float32).to(dtype).view(torch.int16).tolist()]
+    return _table_ptx([b & 0xFF for b in bits], [b >> 8 for b in bits], TABLE_KINDS[dtype])
+
+
 def levels_ptx(dtype: torch.dtype, weight) -> str:
     """The PTX that the kernels make a `FourBitWeight`'s values in `dtype` with: on CUDA, where `dtype`, the scales
-    and the zeros are one half-precision dtype; else "" (arithmetic in float32)."""
+    and the zeros are one half-precision dtype, int4's bit patterns (`_levels_ptx`) or a table (`table_ptx`, nf4);
+    else "" (arithmetic in float32)."""
     if not weight.packed.is_cuda or {dtype, weight.scale.dtype, weight.zero.dtype} != {dtype}:
         return ""
-    return LEVELS_PTX.get(dtype, "")
+    if weight.affine:
+        return LEVELS_PTX.get(dtype, "")
+    return table_ptx(dtype, tuple(weight.levels)) if dtype in TABLE_KINDS else ""
 
 
 @triton.jit
@@ -88,15 +130,15 @@ def _pattern_values(packed, Scale, Zero, out, scale_row, group, keep_outs, LEVEL
 
 
 @triton.jit
-def four_bit_rows_kernel(X, W, Scale, Zero, Out, rows, outs, ins, x_row, w_row, scale_row, out_row, out_split,
-                         GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_OUT: tl.constexpr,
-                         SPLIT: tl.constexpr, PATTERN: tl.constexpr, LEVELS: tl.constexpr):
+def four_bit_rows_kernel(X, W, Scale, Zero, Levels, Out, rows, outs, ins, x_row, w_row, scale_row, out_row,
+                         out_split, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_OUT: tl.constexpr,
+                         SPLIT: tl.constexpr, PATTERN: tl.constexpr, LEVELS: tl.constexpr, TABLE: tl.constexpr):
     """Out[s, rows, outs] = X[rows, ins] · Wᵀ over every SPLIT-th group of the inner dimension from group s on
-    (program (o, s, r), r the block of rows), in float32, W[o, i] = (q - 8) · Scale[o, g] + Zero[o, g], g = i //
-    GROUP (int4). The weights are the products' first operand (W · Xᵀ), made in the registers the tensor cores read
-    them from (as the second operand they went through shared memory: ~10% slower over a 13B layer, H200): with
-    PATTERN by `LEVELS`' PTX (`levels_ptx`: X's, Scale's and Zero's dtype), else in float32
-    and converted (Triton's interpreter)."""
+    (program (o, s, r), r the block of rows), in float32, W[o, i] = level(q) · Scale[o, g] + Zero[o, g], g = i //
+    GROUP (`_values`: int4, or nf4's table with TABLE). The weights are the products' first operand (W · Xᵀ), made
+    in the registers the tensor cores read them from (as the second operand they went through shared memory: ~10%
+    slower over a 13B layer, H200): with PATTERN by `LEVELS`' PTX (`levels_ptx`: X's, Scale's and Zero's dtype),
+    else in float32 and converted (Triton's interpreter)."""
     HALF: tl.constexpr = GROUP // 2
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -114,7 +156,7 @@ def four_bit_rows_kernel(X, W, Scale, Zero, Out, rows, outs, ins, x_row, w_row, 
         if PATTERN:
             low, high = _pattern_values(packed, Scale, Zero, out, scale_row, group, keep_outs, LEVELS)
         else:
-            low, high = _values(packed, Scale, Zero, out, scale_row, group, keep_outs)
+            low, high = _values(packed, Scale, Zero, Levels, out, scale_row, group, keep_outs, TABLE)
         acc += tl.dot(low.to(x_low.dtype), x_low)
         acc += tl.dot(high.to(x_low.dtype), x_high)
     tl.store(Out + split * out_split + row[None, :] * out_row + out[:, None], acc.to(Out.dtype.element_ty),
@@ -122,8 +164,8 @@ def four_bit_rows_kernel(X, W, Scale, Zero, Out, rows, outs, ins, x_row, w_row, 
 
 
 @triton.jit
-def four_bit_values_kernel(W, Scale, Zero, Out, outs, w_row, scale_row, out_row, GROUP: tl.constexpr,
-                           BLOCK_OUT: tl.constexpr):
+def four_bit_values_kernel(W, Scale, Zero, Levels, Out, outs, w_row, scale_row, out_row, GROUP: tl.constexpr,
+                           BLOCK_OUT: tl.constexpr, TABLE: tl.constexpr):
     """Out[o, i] = W[o, i] (as in `four_bit_rows_kernel`, computed in float32) in Out's dtype, for the block of
     output columns program_id(0) and the group program_id(1). Bound by writing them: the rows kernel's bit patterns
     made it no faster (13B layer, H200: 257 µs either way, 73% of the copy bandwidth)."""
@@ -133,7 +175,7 @@ def four_bit_values_kernel(W, Scale, Zero, Out, outs, w_row, scale_row, out_row,
     half = tl.arange(0, HALF)
     keep = out[:, None] < outs
     packed = tl.load(W + out[:, None] * w_row + group * HALF + half[None, :], mask=keep, other=0)
-    low, high = _values(packed, Scale, Zero, out, scale_row, group, out < outs)
+    low, high = _values(packed, Scale, Zero, Levels, out, scale_row, group, out < outs, TABLE)
     values = Out + out[:, None] * out_row + group * GROUP + half[None, :]
     tl.store(values, low.to(Out.dtype.element_ty), mask=keep)
     tl.store(values + HALF, high.to(Out.dtype.element_ty), mask=keep)

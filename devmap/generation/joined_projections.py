@@ -33,9 +33,9 @@ JOINED_MODEL_TYPES = ("llama",)  # whose decoder layer `JoinedLayer.__call__` re
 def join_projections(model: nn.Module) -> int:
     """Store each LLaMA decoder layer's query, key and value weights (and biases) end to end in one buffer, and its
     gate and up weights in another, the Linear modules' parameters becoming views into them. Full-precision weights,
-    torchao's int8 weights with one scale per output row and int4 ones (torchao's, on GPUs, first swapped for
-    `FourBitLinear` modules of the same numbers) are joined; others (bitsandbytes', offloaded, mixed) stay as they
-    are, as does a group whose device has no room for the joined buffer for a moment.
+    torchao's int8 weights with one scale per output row and 4-bit ones (torchao's int4 and bitsandbytes' nf4, on
+    GPUs, first swapped for `FourBitLinear` modules of the same numbers) are joined; others (bitsandbytes' int8,
+    offloaded, mixed) stay as they are, as does a group whose device has no room for the joined buffer for a moment.
     Returns the groups joined (two per layer at most)."""
     if getattr(model.config, "model_type", None) not in JOINED_MODEL_TYPES:
         return 0
@@ -98,9 +98,11 @@ def _stored(linear: nn.Module) -> list[torch.Tensor] | None:
 
 def _joinable(group: Sequence[nn.Module]) -> bool:
     """Plain Linear modules (or FourBitLinear ones) over one input size, their weights stored the same way (full
-    precision, int8 or int4) in contiguous tensors on one real device, all with biases or none."""
+    precision, int8 or 4-bit of the same levels) in contiguous tensors on one real device, all with biases or none."""
     kinds = {type(linear) for linear in group}
     if len(kinds) != 1 or not kinds <= {nn.Linear, FourBitLinear}:
+        return False
+    if len({getattr(linear, "levels", None) for linear in group}) != 1:  # 4-bit: int4 and nf4 levels never join
         return False
     stored = [_stored(linear) for linear in group]
     if any(parts is None for parts in stored):
@@ -185,7 +187,7 @@ class Product:
             return None
         sizes = [parts[0].shape[0] for parts in stored]
         if isinstance(group[0], FourBitLinear):
-            return cls(None, None, None, bias, sizes, FourBitWeight(*joined))
+            return cls(None, None, None, bias, sizes, FourBitWeight(*joined, group[0].levels))
         if len(joined) == 1:
             return cls(joined[0], None, None, bias, sizes)
         return cls(None, joined[0], joined[1], bias, sizes)

@@ -12,7 +12,7 @@ from torch import nn
 from devmap import generate
 from devmap.generation.four_bit_linear import FourBitLinear, own_four_bit_linears
 from devmap.generation.four_bit_products import (
-    FourBitWeight, dequantize, four_bit_product, kernel_applies, levels, packed_halves, quantize_int4)
+    INT4_LEVELS, FourBitWeight, dequantize, four_bit_product, kernel_applies, levels, packed_halves, quantize_int4)
 from devmap.generation.joined_projections import JoinedLayer, every_layer_joined, join_projections, joined_products
 
 
@@ -47,20 +47,41 @@ def test_the_cpu_product_is_the_dequantized_weights_product():
                                x @ dequantize(weight, torch.float32).t() + bias)
 
 
-def int4_layers(model: nn.Module) -> nn.Module:
-    """The model with every Linear of its decoder layers a FourBitLinear of its weight."""
+# bitsandbytes' nf4 table (`bitsandbytes.functional.get_4bit_type("nf4")`)
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+       0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+
+
+def int4_layers(model: nn.Module, levels: tuple[float, ...] | None = None) -> nn.Module:
+    """The model with every Linear of its decoder layers a FourBitLinear of its weight (int4's levels, or the 4 bits
+    standing for `levels` with int4's scales and zeros)."""
     for layer in model.model.layers:
         for name, module in list(layer.named_modules()):
             if isinstance(module, nn.Linear):
                 parent, _, attr = name.rpartition(".")
                 weight = quantize_int4(module.weight.data, group=32)  # the tiny model's sizes are multiples of 32
+                if levels is not None:
+                    weight = weight._replace(levels=levels, zero=torch.zeros_like(weight.zero))
                 setattr(layer.get_submodule(parent), attr, FourBitLinear(weight, None))
     return model
 
 
-def test_int4_projections_join_and_decode_the_unjoined_models_tokens(tiny_llama):
+def test_a_table_of_levels_stands_for_its_values():
+    torch.manual_seed(1)
+    weight = quantize_int4(torch.randn(8, 128), group=64)._replace(levels=NF4)
+    q = levels(weight.packed, 64).reshape(8, 2, 64)
+    want = torch.tensor(NF4)[q.long()] * weight.scale.float()[..., None] + weight.zero.float()[..., None]
+    assert not weight.affine and quantize_int4(torch.randn(8, 128)).affine
+    torch.testing.assert_close(dequantize(weight, torch.float32), want.reshape(8, 128), rtol=0, atol=0)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(four_bit_product(x, weight), x @ want.reshape(8, 128).t())
+
+
+@pytest.mark.parametrize("table", [None, NF4], ids=["int4", "nf4"])
+def test_int4_projections_join_and_decode_the_unjoined_models_tokens(tiny_llama, table):
     torch.manual_seed(0)
-    model = int4_layers(tiny_llama())
+    model = int4_layers(tiny_llama(), table)
     reference = copy.deepcopy(model)
     assert own_four_bit_linears(model) == 0  # nothing of torchao's here: nothing to take apart
     assert join_projections(model) == 2 * len(model.model.layers) and every_layer_joined(model)
@@ -69,6 +90,7 @@ def test_int4_projections_join_and_decode_the_unjoined_models_tokens(tiny_llama)
                                                                  attention.v_proj)}) == 1
     layer = JoinedLayer.of(model.model.layers[0], "llama")
     assert isinstance(layer.qkv.four_bit, FourBitWeight) and layer.qkv.qdata is None and layer.qkv.weight is None
+    assert layer.qkv.four_bit.levels == (table or INT4_LEVELS)
     assert len([p for p in joined_products(model) if p.four_bit is not None]) == 4 * len(model.model.layers)
     ids = torch.randint(3, 500, (2, 9))
     with torch.no_grad():
@@ -101,6 +123,10 @@ KERNEL_CHECK = textwrap.dedent("""
         want = x.float() @ dequantize(weight, torch.float16).float().t()
         torch.testing.assert_close(kernel_product(x, weight, shape).float(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(values(weight, torch.float16), dequantize(weight, torch.float16))
+        table = weight._replace(levels=tuple(torch.randn(16).tolist()))  # a table of levels (nf4's kind)
+        want = x.float() @ dequantize(table, torch.float16).float().t()
+        torch.testing.assert_close(kernel_product(x, table, shape).float(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(values(table, torch.float16), dequantize(table, torch.float16))
     assert block_shape(1, 15360, 40) == BlockShape(64, 2) and block_shape(16, 5120, 40) == BlockShape(64, 6)
     assert block_shape(17, 15360, 40) == BlockShape(128, 2, 8) and block_shape(32, 5120, 40) == BlockShape(128, 6, 8)
     assert block_shape(64, 27648, 40) == BlockShape(64, 1) and block_shape(96, 5120, 40) == BlockShape(64, 3)
@@ -159,3 +185,59 @@ def test_the_kernels_bit_patterns_give_each_weight_exactly(dtype):
         high = [v + exact[1] for t in (t0, t1) for v in halves((t >> 4) & 0x000F000F | magic)]
         packed = torch.tensor([(word >> 8 * i) & 0xFF for i in range(4)], dtype=torch.uint8)
         assert low == ((packed & 15).int() - 8).tolist() and high == ((packed >> 4).int() - 8).tolist()
+
+
+def run_ptx(ptx: str, word: int) -> dict[str, int]:
+    """The registers after the integer part of a table's PTX (`mov`, `and`, `shr`, `prmt`, `lop3`: everything before
+    its fused multiply-adds) with `word` in $4, each instruction as PTX defines it."""
+    regs: dict[str, int] = {"$4": word}
+
+    def value(operand: str) -> int:
+        return regs[operand] if operand in regs else int(operand, 0)
+
+    for line in ptx.splitlines():
+        op, _, rest = line.strip().rstrip(";").partition(" ")
+        args = [a.strip() for a in rest.split(",")]
+        if op == "mov.b32":
+            regs[args[0]] = value(args[1])
+        elif op == "and.b32":
+            regs[args[0]] = value(args[1]) & value(args[2])
+        elif op == "shr.b32":
+            regs[args[0]] = value(args[1]) >> value(args[2])
+        elif op == "prmt.b32":  # bytes of {b, a} picked by the selector's nibbles; bit 3: the byte's sign, replicated
+            pool, selector, out = value(args[1]) | value(args[2]) << 32, value(args[3]), 0
+            for i in range(4):
+                nibble = selector >> 4 * i & 0xF
+                byte = pool >> 8 * (nibble & 7) & 0xFF
+                out |= (0xFF if byte & 0x80 else 0) << 8 * i if nibble & 8 else byte << 8 * i
+            regs[args[0]] = out
+        elif op == "lop3.b32":  # bit (a, b, c) of the result: bit a·4 + b·2 + c of the immediate
+            a, b, c, lut = (value(x) for x in args[1:])
+            regs[args[0]] = sum(((lut >> ((a >> k & 1) << 2 | (b >> k & 1) << 1 | (c >> k & 1))) & 1) << k
+                                for k in range(32))
+        elif op.startswith("fma"):
+            break
+    return regs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_tables_ptx_gives_each_weight_its_level(dtype):
+    """The rows kernel's PTX for a table of levels (`table_ptx`, nf4's), run instruction by instruction on the CPU:
+    the four bytes of a register come out as the levels (rounded to dtype) of weights j..j+3 (low halves) and GROUP
+    / 2 + j.. (high halves), in order, two a register, before the scale and zero."""
+    pytest.importorskip("triton")
+    from devmap.generation.four_bit_products_kernel import TABLE_KINDS, table_ptx
+
+    ptx = table_ptx(dtype, NF4)
+    assert f"fma.rn.{TABLE_KINDS[dtype]} $0, t0, $5, $7;" in ptx
+    table = torch.tensor(NF4).to(dtype)
+
+    def halves(register: int) -> list[float]:  # a 32-bit register as two values of dtype, low half first
+        return torch.tensor([register & 0xFFFF, register >> 16], dtype=torch.int32).to(torch.int16).view(dtype).tolist()
+
+    torch.manual_seed(0)
+    for word in torch.randint(0, 1 << 32, (200,)).tolist() + [0, 0xFFFFFFFF, 0x88888888, 0x77777777]:
+        regs = run_ptx(ptx, word)
+        packed = torch.tensor([(word >> 8 * i) & 0xFF for i in range(4)], dtype=torch.uint8)
+        assert halves(regs["t0"]) + halves(regs["t1"]) == table[(packed & 15).long()].tolist()
+        assert halves(regs["u0"]) + halves(regs["u1"]) == table[(packed >> 4).long()].tolist()

@@ -1,6 +1,6 @@
-"""GPU-only, one GPU: int4 weights taken from torchao's (tinygemm's layout) into devmap's plain layout stand for the
-same numbers, devmap's kernels give tinygemm's products at every row count, and an int4 LLaMA with joined projections
-decodes the greedy tokens of torchao's own model."""
+"""GPU-only, one GPU: int4 weights taken from torchao's (tinygemm's layout) and nf4 ones from bitsandbytes' into
+devmap's plain layout stand for the same numbers, devmap's kernels give the library's products at every row count, and
+a 4-bit LLaMA with joined projections decodes the greedy tokens of the library's own model."""
 
 import copy
 
@@ -14,8 +14,10 @@ from devmap.generation.four_bit_products import dequantize, four_bit_product, ke
 from devmap.loading.quantize import quantize_linears
 from devmap.planning.quantization import parse_quantization
 from devmap.testing import require_gpus
+from test_four_bit_products import NF4  # noqa: E402  (this folder is on the path: no package)
 
 pytestmark = require_gpus(1)
+LIBRARY = {"int4": "torchao", "nf4": "bitsandbytes"}
 
 
 def library_linear(outs: int, ins: int, scheme: str) -> nn.Module:
@@ -25,9 +27,9 @@ def library_linear(outs: int, ins: int, scheme: str) -> nn.Module:
     return holder.linear
 
 
-def test_devmaps_layout_gives_torchaos_products_at_every_row_count():
-    pytest.importorskip("torchao")
-    scheme = "int4"
+@pytest.mark.parametrize("scheme", ["int4", "nf4"])
+def test_devmaps_layout_gives_the_librarys_products_at_every_row_count(scheme):
+    pytest.importorskip(LIBRARY[scheme])
     torch.manual_seed(0)
     for outs, ins in ((384, 1024), (5120, 13824), (13824, 5120)):  # 13,824: tinygemm pads it to 14,336
         linear = library_linear(outs, ins, scheme)
@@ -36,8 +38,9 @@ def test_devmaps_layout_gives_torchaos_products_at_every_row_count():
         eye = torch.eye(ins, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             library_values = linear(eye).t().float()
-        # the same numbers, up to bf16's rounding of each value
+        # the same numbers, up to bf16's rounding of each value (and, nf4, of each block's absmax)
         torch.testing.assert_close(dequantize(weight, torch.float32), library_values, atol=1e-6, rtol=1e-2)
+        assert weight.affine == (scheme == "int4") and weight.group == (128 if scheme == "int4" else 64)
         for rows in (1, 5, 32, 33, 128, 129, 2100):  # one block, tiles, values + cuBLAS
             x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
             assert kernel_applies(x, weight)
@@ -49,9 +52,9 @@ def test_devmaps_layout_gives_torchaos_products_at_every_row_count():
         torch.cuda.empty_cache()
 
 
-def test_an_int4_llama_decodes_torchaos_greedy_tokens():
-    pytest.importorskip("torchao")
-    scheme = "int4"
+@pytest.mark.parametrize("scheme", ["int4", "nf4"])
+def test_a_four_bit_llama_decodes_the_librarys_greedy_tokens(scheme):
+    pytest.importorskip(LIBRARY[scheme])
     from devmap import generate
     from devmap.generation.joined_projections import join_projections, joined_products
 
@@ -77,8 +80,8 @@ def test_an_int4_llama_decodes_torchaos_greedy_tokens():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_rows_kernels_bit_patterns_give_the_dequantized_product(dtype):
-    """Both half-precision dtypes' PTX (`levels_ptx`), every block shape of the rule, against the product of the
-    weights made in float32: within a last bit of each weight."""
+    """Both half-precision dtypes' PTX (`levels_ptx`: int4's bit patterns and a table's), every block shape of the
+    rule, against the product of the weights made in float32: within a last bit of each weight."""
     from devmap.generation.four_bit_products import kernel_product, quantize_int4, values
     from devmap.generation.four_bit_products_kernel import levels_ptx
 
@@ -86,8 +89,12 @@ def test_the_rows_kernels_bit_patterns_give_the_dequantized_product(dtype):
     weight = quantize_int4(torch.randn(320, 512, device="cuda", dtype=dtype), group=64)
     assert levels_ptx(dtype, weight) and not levels_ptx(torch.float32, weight)
     assert torch.equal(values(weight, dtype), dequantize(weight, dtype))  # past TILED_ROWS: float32, then rounded
+    nf4 = weight._replace(levels=NF4, zero=torch.zeros_like(weight.zero))  # a table: nf4's PTX
+    assert levels_ptx(dtype, nf4) != levels_ptx(dtype, weight)
+    torch.testing.assert_close(values(nf4, dtype), dequantize(nf4, dtype), rtol=2 ** -7, atol=1e-6)
     for rows in (1, 9, 16, 17, 32, 33, 100, 130, 256):
         x = torch.randn(rows, 512, device="cuda", dtype=dtype)
-        want = x.float() @ dequantize(weight, dtype).float().t()
-        got = kernel_product(x, weight).float()
-        assert ((got - want).norm() / want.norm()).item() < 2e-3, (dtype, rows)
+        for four_bit in (weight, nf4):
+            want = x.float() @ dequantize(four_bit, dtype).float().t()
+            got = kernel_product(x, four_bit).float()
+            assert ((got - want).norm() / want.norm()).item() < 2e-3, (dtype, rows, four_bit.affine)
