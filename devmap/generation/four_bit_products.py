@@ -107,7 +107,7 @@ def dequantize(weight: FourBitWeight, dtype: torch.dtype) -> torch.Tensor:
     """The full-precision weight (outs × ins) the 4 bits stand for, in `dtype` (computed in float32)."""
     outs, ins = weight.shape
     q = levels(weight.packed, weight.group)
-    level = q.float() - 8 if weight.affine else level_table(weight.levels, q.device)[q.long()]
+    level = q.float() - 8 if weight.affine else level_table(weight.levels, q.device, weight.scale.dtype)[q.long()]
     grouped = level.reshape(outs, -1, weight.group) * weight.scale.float()[..., None]
     grouped = grouped + weight.zero.float()[..., None]
     return grouped.reshape(outs, ins).to(dtype)
@@ -124,12 +124,14 @@ def kernel_applies(x: torch.Tensor, weight: FourBitWeight) -> bool:
 _TABLES: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
 
-def level_table(levels: Sequence[float], device: torch.device) -> torch.Tensor:
-    """The 16 levels as a float32 tensor on `device`, made once per device (never inside a CUDA graph's capture
-    after `prepare_kernels`)."""
-    key = (tuple(levels), torch.device(device))
+def level_table(levels: Sequence[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The 16 levels as a float32 tensor on `device`, each rounded to `dtype` (the scales': a weight stands for
+    level · scale + zero with both factors in the weight's dtype, as the rows kernel makes it, whatever path computes
+    it; int4's levels are exact), made once per device and dtype (never inside a CUDA graph's capture after
+    `prepare_kernels`)."""
+    key = (tuple(levels), torch.device(device), dtype)
     if key not in _TABLES:
-        _TABLES[key] = torch.tensor(key[0], dtype=torch.float32, device=device)
+        _TABLES[key] = torch.tensor(key[0], dtype=torch.float32).to(dtype).to(device=device, dtype=torch.float32)
     return _TABLES[key]
 
 
@@ -204,9 +206,10 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
                                                        device=x.device)
     block_rows = shape.rows or max(16, triton.next_power_of_2(rows))
     ptx = levels_ptx(x.dtype, weight)
+    table = level_table(weight.levels, x.device, weight.scale.dtype)
     four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
-        x, weight.packed, weight.scale, weight.zero, level_table(weight.levels, x.device), shares, rows, outs, ins,
-        x.stride(0), weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, BLOCK_ROWS=block_rows,
+        x, weight.packed, weight.scale, weight.zero, table, shares, rows, outs, ins, x.stride(0),
+        weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, BLOCK_ROWS=block_rows,
         BLOCK_OUT=shape.out, SPLIT=shape.splits, PATTERN=bool(ptx), LEVELS=ptx, TABLE=not weight.affine,
         num_warps=shape.warps, num_stages=shape.stages)
     if shape.splits > 1:
@@ -223,8 +226,8 @@ def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> to
     outs, ins = weight.shape
     out = torch.empty((outs, ins), dtype=dtype, device=weight.packed.device)
     four_bit_values_kernel[(triton.cdiv(outs, block_out), weight.scale.shape[1])](
-        weight.packed, weight.scale, weight.zero, level_table(weight.levels, out.device), out, outs,
-        weight.packed.stride(0), weight.scale.shape[1], ins, GROUP=weight.group, BLOCK_OUT=block_out,
+        weight.packed, weight.scale, weight.zero, level_table(weight.levels, out.device, weight.scale.dtype), out,
+        outs, weight.packed.stride(0), weight.scale.shape[1], ins, GROUP=weight.group, BLOCK_OUT=block_out,
         TABLE=not weight.affine)
     return out
 

@@ -67,11 +67,15 @@ def int4_layers(model: nn.Module, levels: tuple[float, ...] | None = None) -> nn
     return model
 
 
-def test_a_table_of_levels_stands_for_its_values():
+def test_a_table_of_levels_stands_for_its_values_in_the_scales_dtype():
     torch.manual_seed(1)
     weight = quantize_int4(torch.randn(8, 128), group=64)._replace(levels=NF4)
     q = levels(weight.packed, 64).reshape(8, 2, 64)
     want = torch.tensor(NF4)[q.long()] * weight.scale.float()[..., None] + weight.zero.float()[..., None]
+    halved = weight._replace(scale=weight.scale.to(torch.bfloat16), zero=weight.zero.to(torch.bfloat16))
+    rounded = (torch.tensor(NF4).to(torch.bfloat16).float()[q.long()] * halved.scale.float()[..., None]
+               + halved.zero.float()[..., None])
+    assert torch.equal(dequantize(halved, torch.bfloat16), rounded.reshape(8, 128).to(torch.bfloat16))
     assert not weight.affine and quantize_int4(torch.randn(8, 128)).affine
     torch.testing.assert_close(dequantize(weight, torch.float32), want.reshape(8, 128), rtol=0, atol=0)
     x = torch.randn(3, 128)
