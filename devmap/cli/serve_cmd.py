@@ -58,8 +58,8 @@ from .options import load_options
 @click.option("--compile/--no-compile", "compile_steps", default=None,
               help="torch.compile each model's decode and prefill steps (fused kernels, one compile for all shapes, at "
                    "load: see docs/serving.md). Default: on where every block is on a GPU and the weights are "
-                   "floating point, int8 or int4 (LLaMA layers read by devmap's kernels); --compile compiles nf4 "
-                   "models' steps too.")
+                   "floating point, int8, int4 or nf4 (LLaMA layers read by devmap's kernels); --compile compiles "
+                   "other quantized models' steps too.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,

@@ -1,9 +1,9 @@
-"""Matrix products with int4 weights (`--quantize int4`: torchao's numbers, tinygemm's formula, w = (q - 8) · scale +
-zero per group of 128 along the inner dimension, q in 0..15) in a plain layout that devmap's kernels read: two weights
-a byte (in each group, weight j in the low half of byte j, weight group/2 + j in its high half), output row by output
-row (`FourBitWeight`), so that q, k and v (gate and up) lie end to end and a decode step reads each layer in few
-products. torchao's tinygemm is built for a row or a few: at 32 rows of a 13B layer it took 4.4× bf16's time, at
-2,048 rows 24×, and serving a 13B model at 32 clients ran at 0.15× bf16's tokens/s.
+"""Matrix products with 4-bit weights (`--quantize int4`: torchao's numbers, tinygemm's formula, w = (q - 8) · scale +
+zero per group of 128 along the inner dimension, q in 0..15; `--quantize nf4`: below) in a plain layout that devmap's
+kernels read: two weights a byte (in each group, weight j in the low half of byte j, weight group/2 + j in its high
+half), output row by output row (`FourBitWeight`), so that q, k and v (gate and up) lie end to end and a decode step
+reads each layer in few products. torchao's tinygemm is built for a row or a few: at 32 rows of a 13B layer it took 4.4×
+bf16's time, at 2,048 rows 24×, and serving a 13B model at 32 clients ran at 0.15× bf16's tokens/s.
 
 On CUDA, in half precision, `four_bit_product` runs `four_bit_products_kernel`'s: up to TILED_ROWS rows (decode
 steps, steps carrying a few prompt tokens) the rows kernel reads the 4 bits once per block of rows and makes each
@@ -24,9 +24,11 @@ Tokens quantized to int8 and int8 tensor cores (as int8 weights' products do pas
 group's scale and zero applied to its partial sums they were no faster than the rows kernel at 96-160 rows and took
 1.15-1.5× values + cuBLAS's time at 288-2,048.
 
-bitsandbytes' nf4 is not taken into this layout: its levels are a table of 16 values, and a lookup per weight made
-the rows kernel ~5× slower; through the values kernel and cuBLAS, a served 13B nf4 model gained 11% at 32 clients but
-lost 31% at one client against bitsandbytes' own products (H200).
+bitsandbytes' nf4 (and fp4) is taken into this layout too (`four_bit_linear`): its blocks of 64 are the groups,
+each block's absmax the scale and zero 0, its table of 16 values the `levels`, rounded to the scales' dtype on every
+path. The rows kernel looks a table's levels up by PRMT (`four_bit_products_kernel.table_ptx`, ~3.4 instructions a
+weight): over a 13B layer (H200) 1.0× bf16's time at one row, 1.2× at 32, 1.9× at 96, 2.9× at 160 (bitsandbytes'
+own products: 0.97×, 2.9×, 2.9×, 2.9×).
 """
 
 from __future__ import annotations
