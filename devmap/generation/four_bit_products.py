@@ -123,7 +123,7 @@ def kernel_applies(x: torch.Tensor, weight: FourBitWeight) -> bool:
             and all(t.is_contiguous() for t in weight.tensors) and group >= 32 and group & (group - 1) == 0)
 
 
-_TABLES: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
+_TABLES: dict[tuple[tuple[float, ...], torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def level_table(levels: Sequence[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -135,6 +135,12 @@ def level_table(levels: Sequence[float], device: torch.device, dtype: torch.dtyp
     if key not in _TABLES:
         _TABLES[key] = torch.tensor(key[0], dtype=torch.float32).to(dtype).to(device=device, dtype=torch.float32)
     return _TABLES[key]
+
+
+def kernel_table(weight: FourBitWeight, device: torch.device) -> torch.Tensor:
+    """What the kernels' `Levels` argument gets: a table's `level_table`; for int4's levels, which they make without
+    one, any tensor (the scales: nothing is made, nor read)."""
+    return weight.scale if weight.affine else level_table(weight.levels, device, weight.scale.dtype)
 
 
 def four_bit_product(x: torch.Tensor, weight: FourBitWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,7 +214,7 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
                                                        device=x.device)
     block_rows = shape.rows or max(16, triton.next_power_of_2(rows))
     ptx = levels_ptx(x.dtype, weight)
-    table = level_table(weight.levels, x.device, weight.scale.dtype)
+    table = kernel_table(weight, x.device)
     four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
         x, weight.packed, weight.scale, weight.zero, table, shares, rows, outs, ins, x.stride(0),
         weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, BLOCK_ROWS=block_rows,
@@ -227,10 +233,10 @@ def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> to
 
     outs, ins = weight.shape
     out = torch.empty((outs, ins), dtype=dtype, device=weight.packed.device)
+    table = kernel_table(weight, out.device)
     four_bit_values_kernel[(triton.cdiv(outs, block_out), weight.scale.shape[1])](
-        weight.packed, weight.scale, weight.zero, level_table(weight.levels, out.device, weight.scale.dtype), out,
-        outs, weight.packed.stride(0), weight.scale.shape[1], ins, GROUP=weight.group, BLOCK_OUT=block_out,
-        TABLE=not weight.affine)
+        weight.packed, weight.scale, weight.zero, table, out, outs, weight.packed.stride(0), weight.scale.shape[1], ins,
+        GROUP=weight.group, BLOCK_OUT=block_out, TABLE=not weight.affine)
     return out
 
 
