@@ -48,7 +48,7 @@ def grid(rows: int, outs: int, groups: int) -> list[BlockShape]:
     if rows <= 32:
         return [BlockShape(out, max(1, min(groups, share * block_shape(rows, outs * 256 // out, groups).splits)),
                            warps, stages)
-                for out, share, warps, stages in itertools.product((128, 256), (1, 2), (4, 8), (2, 3, 4))]
+                for out, share, warps, stages in itertools.product((64, 128, 256), (1, 2), (4, 8), (2, 3, 4))]
     return [BlockShape(out, max(1, min(groups, PROGRAMS // -(-outs // out))) if height == 0 else 1, warps, 3, height)
             for height, out, warps in itertools.product((0, 64, 128), (64, 128, 256), (4, 8))]
 
