@@ -18,7 +18,10 @@ in the same run).
 Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each devmap server once
 more after its runs, for a restart's time with the compile caches on disk that its first start filled.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its
-release does not know are dropped one at a time, and the flags used are printed.
+release does not know are dropped one at a time, and the flags used are printed. `transformers+int8` (+int4, +nf4)
+serves a pre-quantized copy of the checkpoint (`devmap save --quantize`: torchao's or bitsandbytes' layout, which
+transformers loads itself), its floor reading the quantized weights; a devmap row of a scheme is compared with the
+transformers row of the same scheme where there is one.
 """
 
 from __future__ import annotations
@@ -288,6 +291,24 @@ def devmap_variant(system: str) -> tuple[list[str], str | None]:
     return flags, scheme
 
 
+def transformers_scheme(system: str) -> str | None:
+    """`transformers+nf4` → "nf4" (the scheme of a pre-quantized checkpoint: +int8, +int4, +nf4), `transformers` →
+    None."""
+    parts = system.split("+")[1:]
+    if len(parts) > 1 or any(p not in ("int8", "int4", "nf4") for p in parts):
+        raise SystemExit(f"unknown variant in {system!r}: use transformers, transformers+int8, +int4 or +nf4")
+    return parts[0] if parts else None
+
+
+def quantized_copy(path: Path, scheme: str) -> Path:
+    """The checkpoint at `path` saved pre-quantized with `scheme` beside it (written once)."""
+    copy = path.with_name(f"{path.name}-{scheme}")
+    if not (copy / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "devmap", "save", str(path), str(copy), "--dtype", "bfloat16",
+                        "--quantize", scheme], check=True, stdout=subprocess.DEVNULL)
+    return copy
+
+
 def floor_seconds(row: dict[str, Any], weights: int, kv_per_token: int, bandwidth: float, new: int) -> float | None:
     """The least time a decode step of this load can take: the weights and every running request's KV cache
     (mean prompt + half the new tokens) read once from HBM."""
@@ -320,7 +341,8 @@ def main() -> None:
     parser.add_argument("--systems", default="devmap,transformers",
                         help="devmap, transformers, or devmap@DIR: devmap's sources in DIR (another release of it, "
                              "as a baseline in the same run); devmap+int8 (+int4, +nf4): served with --quantize, "
-                             "its floor reading the quantized weights; +compile / +no-compile; +ride / +no-ride")
+                             "its floor reading the quantized weights; +compile / +no-compile; +ride / +no-ride; "
+                             "transformers+int8 (+int4, +nf4): a pre-quantized copy of the checkpoint")
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
     parser.add_argument("--devmap-args", default="--device-map balanced",
                         help="extra flags of devmap serve (e.g. add --no-compile: captured eager steps)")
@@ -347,8 +369,10 @@ def main() -> None:
               f"KV {kv_per_token / 1024:.0f} KiB per token", flush=True)
         systems = args.systems.split(",")
         variants = {system: devmap_variant(system) for system in systems if system.startswith("devmap")}
+        schemes = {system: scheme for system, (_, scheme) in variants.items()}
+        schemes.update({system: transformers_scheme(system) for system in systems if system.startswith("transformers")})
         read = {system: model_bytes(path, scheme)[0] if scheme else weights  # each system's weight bytes per step
-                for system, (_, scheme) in variants.items()}
+                for system, scheme in schemes.items()}
         for system in systems:
             port = free_port()
             env = tree = None
@@ -362,7 +386,8 @@ def main() -> None:
                            *args.devmap_args.split(), *variants[system][0]]
                 model = path.name
             else:
-                command, model = transformers_command(path, port), str(path)
+                served = quantized_copy(path, schemes[system]) if schemes[system] else path
+                command, model = transformers_command(served, port), str(served)
             with server(command, port, system, env=env, cwd=tree) as (url, cold):
                 for clients in counts:
                     before: dict[str, float] = {}
@@ -396,16 +421,19 @@ def main() -> None:
                 command[command.index("--port") + 1] = str(port)
                 with server(command, port, f"{system}-restart", env=env, cwd=tree) as (_, again):
                     rows[system][0]["restart_s"] = again
-    report(args.model, rows, counts, args.out)
+    report(args.model, rows, counts, args.out, schemes)
 
 
-def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int], out: str | None) -> None:
+def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int], out: str | None,
+           schemes: dict[str, str | None] | None = None) -> None:
     print(f"\nserving {model}, streaming chat completions, greedy")
     print("| system | clients | requests | first call s | output tok/s | TTFT p50 / p99 s "
           "| time per token p50 / p99 ms | floor ms | floor ÷ step | vs transformers |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    peer = {r["clients"]: r["tokens_per_s"] for r in rows.get("transformers", [])}
     for system, results in rows.items():
+        scheme = (schemes or {}).get(system)
+        peer_rows = rows.get(f"transformers+{scheme}") if scheme and not system.startswith("transformers") else None
+        peer = {r["clients"]: r["tokens_per_s"] for r in peer_rows or rows.get("transformers", [])}
         for r in results:
             ratio = f"{r['tokens_per_s'] / peer[r['clients']]:.2f}x" if peer.get(r["clients"]) else "-"
             ttft = f"{_fmt(r['ttft_p50'])} / {_fmt(r['ttft_p99'])}"
