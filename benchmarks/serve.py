@@ -17,11 +17,11 @@ floor reading the quantized weights; `devmap@DIR` serves devmap's sources in DIR
 in the same run).
 Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each devmap server once
 more after its runs, for a restart's time with the compile caches on disk that its first start filled.
-transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its
-release does not know are dropped one at a time, and the flags used are printed. `transformers+int8` (+int4, +nf4)
-serves a pre-quantized copy of the checkpoint (`devmap save --quantize`: torchao's or bitsandbytes' layout, which
-transformers loads itself), its floor reading the quantized weights; a devmap row of a scheme is compared with the
-transformers row of the same scheme where there is one.
+transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its release does
+not know are dropped one at a time, and the flags used are printed. `transformers+int8` (+int4, +nf4) serves a
+pre-quantized copy of the preset's checkpoint (`devmap save MODEL --quantize`, the same seed: torchao's or bitsandbytes'
+layout, which transformers loads itself), its floor reading the quantized weights; a devmap row of a scheme is compared
+with the transformers row of the same scheme where there is one.
 """
 
 from __future__ import annotations
@@ -300,11 +300,12 @@ def transformers_scheme(system: str) -> str | None:
     return parts[0] if parts else None
 
 
-def quantized_copy(path: Path, scheme: str) -> Path:
-    """The checkpoint at `path` saved pre-quantized with `scheme` beside it (written once)."""
+def quantized_copy(model: str, path: Path, scheme: str) -> Path:
+    """The preset `model` saved pre-quantized with `scheme` beside its checkpoint at `path` (written once, from the
+    same seed: the same weights as the checkpoint that `main` writes)."""
     copy = path.with_name(f"{path.name}-{scheme}")
     if not (copy / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "devmap", "save", str(path), str(copy), "--dtype", "bfloat16",
+        subprocess.run([sys.executable, "-m", "devmap", "save", model, str(copy), "--dtype", "bfloat16",
                         "--quantize", scheme], check=True, stdout=subprocess.DEVNULL)
     return copy
 
@@ -386,7 +387,7 @@ def main() -> None:
                            *args.devmap_args.split(), *variants[system][0]]
                 model = path.name
             else:
-                served = quantized_copy(path, schemes[system]) if schemes[system] else path
+                served = quantized_copy(args.model, path, schemes[system]) if schemes[system] else path
                 command, model = transformers_command(served, port), str(served)
             with server(command, port, system, env=env, cwd=tree) as (url, cold):
                 for clients in counts:
