@@ -37,13 +37,14 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
+from .int8_products import PROGRAMS  # programs a product aims at (re-exported for the probes)
+
 NARROW_ROWS = 16  # rows up to which a block of 64 output columns takes every row and the rows kernel cuts the inner
 # dimension in twice the shares
 DECODE_ROWS = 32  # rows up to which (from NARROW_ROWS on) a block of 128 output columns (8 warps) takes every row
 WIDE_ROWS = 128  # rows up to which (from DECODE_ROWS on) a block of 64 output columns takes every row
 TILED_ROWS = 256  # rows up to which int4 runs the rows kernel, every row in one block of 128 output columns beyond
 # WIDE_ROWS (then values + cuBLAS: equal at 288 rows, H200)
-PROGRAMS = 264  # programs a product aims at: two per SM of an H100 or H200
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 

@@ -72,7 +72,7 @@ fma.rn.{fma} u1, u1, one, minus;
 
 
 # per dtype, two a register: the magic (bfloat16 0x4300 = 128: 128 + q; float16 0x6400 = 1024: 1024 + q), one,
-# minus (magic + 8) and the fused multiply-add's type
+# minus (magic + 8) and the fused multiply-add's type (a table's PTX uses it too)
 LEVEL_PATTERNS = {torch.bfloat16: (0x43004300, 0x3F803F80, 0xC308C308, "bf16x2"),
                   torch.float16: (0x64006400, 0x3C003C00, 0xE408E408, "f16x2")}
 LEVELS_PTX = {dtype: _levels_ptx(*pattern) for dtype, pattern in LEVEL_PATTERNS.items()}
@@ -98,14 +98,11 @@ def _table_ptx(low: list[int], high: list[int], fma: str) -> str:
     return "{\n" + "\n".join(lines) + "\n" + _WEIGHTS_PTX.format(fma=fma)
 
 
-TABLE_KINDS = {torch.bfloat16: "bf16x2", torch.float16: "f16x2"}
-
-
 @functools.lru_cache(maxsize=None)
 def table_ptx(dtype: torch.dtype, levels: tuple[float, ...]) -> str:
     """`_table_ptx` for 16 levels, each rounded to `dtype` (half precision)."""
     bits = [b & 0xFFFF for b in torch.tensor(levels, dtype=torch.float32).to(dtype).view(torch.int16).tolist()]
-    return _table_ptx([b & 0xFF for b in bits], [b >> 8 for b in bits], TABLE_KINDS[dtype])
+    return _table_ptx([b & 0xFF for b in bits], [b >> 8 for b in bits], LEVEL_PATTERNS[dtype][3])
 
 
 def levels_ptx(dtype: torch.dtype, weight) -> str:
@@ -116,7 +113,7 @@ def levels_ptx(dtype: torch.dtype, weight) -> str:
         return ""
     if weight.affine:
         return LEVELS_PTX.get(dtype, "")
-    return table_ptx(dtype, tuple(weight.levels)) if dtype in TABLE_KINDS else ""
+    return table_ptx(dtype, tuple(weight.levels)) if dtype in LEVEL_PATTERNS else ""
 
 
 @triton.jit

@@ -108,7 +108,7 @@ class BlockShape(NamedTuple):
 
 
 NARROW_ROWS = 16  # rows up to which the decode kernel's blocks read 256 inputs a step
-PROGRAMS = 264  # programs a wide product aims at up to NARROW_ROWS: two per SM of an H100 or H200
+PROGRAMS = 264  # programs a product aims at: two per SM of an H100 or H200 (the 4-bit products' too)
 
 
 def block_shape(rows: int, outs: int) -> BlockShape:

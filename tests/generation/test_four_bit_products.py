@@ -230,10 +230,10 @@ def test_a_tables_ptx_gives_each_weight_its_level(dtype):
     the four bytes of a register come out as the levels (rounded to dtype) of weights j..j+3 (low halves) and GROUP
     / 2 + j.. (high halves), in order, two a register, before the scale and zero."""
     pytest.importorskip("triton")
-    from devmap.generation.four_bit_products_kernel import TABLE_KINDS, table_ptx
+    from devmap.generation.four_bit_products_kernel import LEVEL_PATTERNS, table_ptx
 
     ptx = table_ptx(dtype, NF4)
-    assert f"fma.rn.{TABLE_KINDS[dtype]} $0, t0, $5, $7;" in ptx
+    assert f"fma.rn.{LEVEL_PATTERNS[dtype][3]} $0, t0, $5, $7;" in ptx
     table = torch.tensor(NF4).to(dtype)
 
     def halves(register: int) -> list[float]:  # a 32-bit register as two values of dtype, low half first
