@@ -282,3 +282,17 @@ def test_with_decode_attention_swaps_sdpa_for_the_step_only():
     mask[:, :, :, 0] = True
     torch.testing.assert_close(sdpa_attention(module, query, key, value, mask, scaling=0.25)[0],
                                sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)[0])
+
+
+@pytest.mark.parametrize("levels", ["int4", "table"])
+def test_gluon_names_build_hoppers_four_bit_kernel_for_sm90(levels):
+    """Gluon's names (`compat.gluon`: TMA loads, barriers, warpgroup MMA) compile the 4-bit kernel for sm_90 here,
+    without a GPU, into asynchronous warpgroup products."""
+    pytest.importorskip("triton.experimental.gluon")
+    from devmap.generation.four_bit_products_kernel import LEVELS_PTX, table_ptx
+    from devmap.generation.four_bit_products_wgmma import WgmmaShape, compile_sm90
+
+    ptx = LEVELS_PTX[torch.bfloat16] if levels == "int4" else table_ptx(torch.bfloat16, tuple(range(-8, 8)))
+    for shape, group in ((WgmmaShape(64, 64, 4, 1), 128), (WgmmaShape(256, 128, 3, 2), 64)):
+        kernel = compile_sm90(shape, group, torch.bfloat16, ptx)
+        assert "wgmma.mma_async" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"]

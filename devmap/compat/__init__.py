@@ -20,6 +20,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `torchao_int8_rows`, `torchao_int8_parts`, `torchao_int8_weight`, `torchao_flat_state_dict`: `Int8Tensor` fields, `flatten_tensor_state_dict` | torchao | int8 per weight shape (2.5x less host time than `quantize_` per Linear); int8 weights joined and read by devmap's decode products (`generation.int8_products`); pre-quantized saves | 0.18 |
 | `torchao_int4_levels`: `Int4TilePackedTo4dTensor.scale_and_zero`, `block_size`, `aten._weight_int4pack_mm` | torchao | int4 weights taken into devmap's plain layout, read by its kernels (`generation.four_bit_products`) | 0.18 |
 | `bitsandbytes_four_bit_levels`: `Params4bit.quant_state` (`absmax`, `code`, `blocksize`, `shape`, `dtype`, `nested`), the packing of two levels a byte, `functional.dequantize_blockwise` | bitsandbytes | nf4 weights taken into devmap's plain layout, read by its kernels (`generation.four_bit_products`) | 0.50 |
+| `gluon`: `triton.experimental.gluon` (layouts, TMA, mbarriers, warpgroup MMA; `tma_load`, `cta_barrier` by release), `GluonASTSource` + `triton.compile` for an sm_90 build without a GPU | triton | Hopper's 4-bit kernel (`generation.four_bit_products_wgmma`): asynchronous tensor-core products that `tl.dot` does not give | 3.6, 3.8 |
 | `stored_tensors`: `tensor_data_names`, `quant_state.absmax`, `SCB` | torchao, bitsandbytes | what a quantized weight stores, for plans and saves | torchao 0.18, bitsandbytes 0.50 |
 """
 

@@ -5,34 +5,38 @@ half), output row by output row (`FourBitWeight`), so that q, k and v (gate and 
 reads each layer in few products. torchao's tinygemm is built for a row or a few: at 32 rows of a 13B layer it took 4.4×
 bf16's time, at 2,048 rows 24×, and serving a 13B model at 32 clients ran at 0.15× bf16's tokens/s.
 
-On CUDA, in half precision, `four_bit_product` runs `four_bit_products_kernel`'s: up to TILED_ROWS rows (decode
-steps, steps carrying a few prompt tokens) the rows kernel reads the 4 bits once per block of rows and makes each
-weight from bit patterns, (q - 8) · scale + zero in one half-precision fused multiply-add, rounded once; more rows
-(prefills) write the weight's values in half precision (computed in float32 and rounded, as tinygemm does), then
-cuBLAS's product reads them. Only the sums' order and, rarely, a weight's last bit differ from tinygemm's. Anywhere
-else the same numbers through a full-precision copy (`dequantize`).
+On CUDA, in half precision, up to DECODE_ROWS rows (decode steps) `four_bit_product` runs
+`four_bit_products_kernel`'s rows kernel: the 4 bits read once per block of rows, each weight made from bit patterns,
+(q - 8) · scale + zero in one half-precision fused multiply-add, rounded once. Up to TILED_ROWS (steps carrying
+prompts) it runs Hopper's kernel on an sm_90 GPU (`four_bit_products_wgmma`: the same weights, made while the tensor
+cores multiply the group before), the rows kernel elsewhere; more rows (prefills) write the weight's values in half
+precision (computed in float32 and rounded, as tinygemm does), then cuBLAS's product reads them. Only the sums' order
+and, rarely, a weight's last bit differ from tinygemm's. Anywhere else the same numbers through a full-precision copy
+(`dequantize`).
 
 Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.70× bf16's time at one row,
-0.68× at 16, 0.81× at 32, 1.09× at 64, 1.37× at 96, 2.2× at 160, 1.9× at 256, 2.0× at 288 and 1.5× at 544 (tinygemm:
-0.6× at one row, 4.5× at 32, 18× at 160, 24× at 544). bf16 reads its weights at the memory's pace up to ~200 rows; the
-rows kernel runs at ~2.8× its own weight-read floor at 1-16 rows (it had been ~3.7× while each weight took an
-integer-to-float conversion: issue-bound, ncu), and past ~64 rows the weights' making and the tensor cores' products
-take turns (a wait between them in every step of its loop, in the sm_90 assembly). So a decode step that carries prompts
-(`mixed_joins`) costs int4 more than bf16 (13B, H200: +6.8 / +14.5 / +20.2 / +24.3 ms over a 7.7 ms step for 63 / 127 /
-255 / 383 prompt tokens, bf16 +2.6 / +3.7 / +7.8 / +12.1 over 9.0 ms), which is where int4 loses to bf16 at 32 clients.
-Tokens quantized to int8 and int8 tensor cores (as int8 weights' products do past 32 rows) did not help: with each
-group's scale and zero applied to its partial sums they were no faster than the rows kernel at 96-160 rows and took
-1.15-1.5× values + cuBLAS's time at 288-2,048.
+0.68× at 16, 0.81× at 32, 0.85× at 64, 1.17× at 96, 1.15× at 128, 1.67× at 160, 1.31× at 256 (the rows kernel: 1.09×,
+1.37×, 1.31×, 2.2×, 1.8×), 2.0× at 288 and 1.5× at 544 (tinygemm: 0.6× at one row, 4.5× at 32, 18× at 160, 24× at 544).
+bf16 reads its weights at the memory's pace up to ~200 rows; the rows kernel runs at ~2.8× its own weight-read floor at
+1-16 rows (it had been ~3.7× while each weight took an integer-to-float conversion: issue-bound, ncu), and past ~64
+rows its weights' making and the tensor cores' products take turns (`tl.dot` waits for each product), which Hopper's
+kernel overlaps. A decode step that carries prompts (`mixed_joins`) costs int4 more than bf16 (13B, H200, over a 7.7 ms
+step: +5.2 / +10.3 / +10.8 ms for 63 / 127 / 191 prompt tokens, +7.1 / +14.8 for 63 / 127 with the rows kernel; +20 /
++24 ms for 223 / 383 through values + cuBLAS; bf16 +2.6 / +3.7 / +7.8 / +12.1 for 63 / 127 / 255 / 383 over 9.0 ms),
+which is where int4 loses to bf16 at 32 clients. Tokens quantized to int8 and int8 tensor cores (as int8 weights'
+products do past 32 rows) did not help: with each group's scale and zero applied to its partial sums they were no
+faster than the rows kernel at 96-160 rows and took 1.15-1.5× values + cuBLAS's time at 288-2,048.
 
 bitsandbytes' nf4 (and fp4) is taken into this layout too (`four_bit_linear`): its blocks of 64 are the groups,
 each block's absmax the scale and zero 0, its table of 16 values the `levels`, rounded to the scales' dtype on every
 path. The rows kernel looks a table's levels up by PRMT (`four_bit_products_kernel.table_ptx`, ~3.4 instructions a
-weight): over a 13B layer (H200) 1.0× bf16's time at one row, 1.2× at 32, 1.9× at 96, 2.9× at 160 (bitsandbytes'
-own products: 0.97×, 2.9×, 2.9×, 2.9×).
+weight): over a 13B layer (H200) 1.0× bf16's time at one row, 1.2× at 32, 1.6× at 96, 2.0× at 160, 1.6× at 256 (the
+rows kernel: 1.9×, 3.0×, 2.8× there; bitsandbytes' own products: 0.97×, 2.9×, 2.9×, 2.9×).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable, NamedTuple, Sequence
 
 import torch
@@ -124,6 +128,27 @@ def kernel_applies(x: torch.Tensor, weight: FourBitWeight) -> bool:
             and all(t.is_contiguous() for t in weight.tensors) and group >= 32 and group & (group - 1) == 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    """Whether `device` is an sm_90 GPU (wgmma) and Triton has Gluon (`devmap.compat.gluon`)."""
+    try:
+        import devmap.compat.gluon  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def wgmma_applies(x: torch.Tensor, weight: FourBitWeight) -> bool:
+    """Whether `four_bit_product` can run Hopper's kernel (`four_bit_products_wgmma`) for `x` (where
+    `kernel_applies`): an sm_90 GPU, the values made from bit patterns (x, scales and zeros in one dtype), groups of
+    at most 128 and what TMA reads aligned to 16 bytes."""
+    from .four_bit_products_kernel import levels_ptx
+
+    return (_hopper(x.device) and weight.group <= 128 and bool(levels_ptx(x.dtype, weight))
+            and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+            and weight.packed.stride(0) % 16 == 0 and weight.packed.data_ptr() % 16 == 0)
+
+
 _TABLES: dict[tuple[tuple[float, ...], torch.device, torch.dtype], torch.Tensor] = {}
 
 
@@ -160,8 +185,13 @@ def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     weight = FourBitWeight(packed, scale, zero, tuple(levels))
     if not kernel_applies(x, weight):
         return torch.mm(x, dequantize(weight, x.dtype).t())
-    if x.shape[0] <= TILED_ROWS:
+    if x.shape[0] <= DECODE_ROWS or (x.shape[0] <= TILED_ROWS and not wgmma_applies(x, weight)):
         return kernel_product(x, weight)
+    if x.shape[0] <= TILED_ROWS:
+        from .four_bit_products_kernel import levels_ptx
+        from .four_bit_products_wgmma import wgmma_product
+
+        return wgmma_product(x, *weight.tensors, levels_ptx(x.dtype, weight))
     return torch.mm(x, values(weight, x.dtype).t())
 
 
