@@ -2,8 +2,9 @@
 once: the libraries' kernels (torchao's int4 in tinygemm's layout, bitsandbytes' nf4: what `--quantize int4|nf4` ran
 before devmap read the weights itself) and devmap's 4-bit products (`devmap.generation.four_bit_products`, int4's
 levels or nf4's table): its rows kernel at the rule's block shape (up to TILED_ROWS rows), the values kernel + cuBLAS,
-what `four_bit_product` picks, and, with `--grid`, the rows kernel's best over a grid of shapes (output columns,
-shares, warps, stages). Also checks that devmap's layout, taken from the library's weights, gives its products
+what `four_bit_product` picks (on an sm_90 GPU, Hopper's kernel at 33-256 rows), and, with `--grid`, the best over a
+grid of shapes (the rows kernel's output columns, shares, warps, stages; Hopper's tiles, output columns, stages,
+shares). Also checks that devmap's layout, taken from the library's weights, gives its products
 (relative error printed).
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/four_bit_matmul.py [--rows 1,32,64,256,2048] [--grid]
@@ -24,7 +25,9 @@ from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
 from devmap.generation.four_bit_linear import four_bit_weight  # noqa: E402
 from devmap.generation.four_bit_products import (  # noqa: E402
-    PROGRAMS, TILED_ROWS, BlockShape, block_shape, four_bit_rows_product, kernel_product, values)
+    DECODE_ROWS, PROGRAMS, TILED_ROWS, BlockShape, block_shape, four_bit_rows_product, kernel_product, values,
+    wgmma_applies)
+from devmap.generation.four_bit_products_kernel import levels_ptx  # noqa: E402
 
 SHAPES = {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)}
 
@@ -51,6 +54,21 @@ def grid(rows: int, outs: int, groups: int) -> list[BlockShape]:
                 for out, share, warps, stages in itertools.product((64, 128, 256), (1, 2), (4, 8), (2, 3, 4))]
     return [BlockShape(out, max(1, min(groups, PROGRAMS // -(-outs // out))) if height == 0 else 1, warps, 3, height)
             for height, out, warps in itertools.product((0, 64, 128), (64, 128, 256), (4, 8))]
+
+
+def wgmma_grid(rows: int, outs: int, groups: int, group: int) -> list:
+    """Hopper's kernel's shapes to time: tiles of the rule's rows or half, 64 or 128 output columns, 2-4 stages that
+    fit, one share or the rule's count."""
+    from devmap.generation.four_bit_products_wgmma import SHARED, WgmmaShape, wgmma_shape
+
+    rule = wgmma_shape(rows, outs, groups, group)
+    shapes = {rule}
+    for tile, out, stages in itertools.product((rule.rows // 2, rule.rows), (64, 128), (2, 3, 4)):
+        if tile >= 64 and stages * (2 * tile * group + out * group // 2) <= SHARED:
+            programs = -(-outs // out) * -(-rows // tile)
+            for splits in {1, max(1, min(groups, PROGRAMS // programs))}:
+                shapes.add(WgmmaShape(tile, out, stages, splits))
+    return sorted(shapes)
 
 
 def main() -> None:
@@ -99,7 +117,17 @@ def main() -> None:
                             continue
                         if us < best:
                             best, best_shape = us, str(tuple(shape))
-                for key, value in (("bf16", bf16), ("library", library), ("devmap", rule), ("best", best)):
+                    if DECODE_ROWS < rows <= TILED_ROWS and wgmma_applies(x, ours):
+                        from devmap.generation.four_bit_products_wgmma import wgmma_product
+
+                        ptx = levels_ptx(x.dtype, ours)
+                        for shape in wgmma_grid(rows, outs, ours.scale.shape[1], ours.group):
+                            us = graph_timed_us(lambda shape=shape: wgmma_product(x, *ours.tensors, ptx, shape),
+                                                repeat=50)
+                            if us < best:
+                                best, best_shape = us, f"Hopper {tuple(shape)}"
+                for key, value in (("bf16", bf16), ("library", library), ("devmap", rule), ("rows kernel", kernel),
+                                   ("best", best)):
                     totals[f"{scheme} {key} {rows}"] = totals.get(f"{scheme} {key} {rows}", 0.0) + value
                 print(f"| {scheme} | {name} | {rows} | {bf16:.1f} | {library:.1f} | {rule:.1f} | {kernel:.1f} | "
                       f"{dense:.1f} | {best:.1f} | {best_shape} | {floor:.1f} | {error:.4f} |", flush=True)

@@ -15,8 +15,8 @@ and, rarely, a weight's last bit differ from tinygemm's. Anywhere else the same 
 (`dequantize`).
 
 Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.70× bf16's time at one row,
-0.68× at 16, 0.81× at 32, 0.85× at 64, 1.17× at 96, 1.15× at 128, 1.67× at 160, 1.31× at 256 (the rows kernel: 1.09×,
-1.37×, 1.31×, 2.2×, 1.8×), 2.0× at 288 and 1.5× at 544 (tinygemm: 0.6× at one row, 4.5× at 32, 18× at 160, 24× at 544).
+0.68× at 16, 0.77× at 32, 0.84× at 64, 1.15× at 96, 1.15× at 128, 1.67× at 160, 1.37× at 256 (the rows kernel: 1.04×,
+1.33×, 1.28×, 2.1×, 1.7×), 2.0× at 288 and 1.5× at 544 (tinygemm: 0.6× at one row, 4.5× at 32, 18× at 160, 24× at 544).
 bf16 reads its weights at the memory's pace up to ~200 rows; the rows kernel runs at ~2.8× its own weight-read floor at
 1-16 rows (it had been ~3.7× while each weight took an integer-to-float conversion: issue-bound, ncu), and past ~64
 rows its weights' making and the tensor cores' products take turns (`tl.dot` waits for each product), which Hopper's
@@ -30,8 +30,8 @@ faster than the rows kernel at 96-160 rows and took 1.15-1.5× values + cuBLAS's
 bitsandbytes' nf4 (and fp4) is taken into this layout too (`four_bit_linear`): its blocks of 64 are the groups,
 each block's absmax the scale and zero 0, its table of 16 values the `levels`, rounded to the scales' dtype on every
 path. The rows kernel looks a table's levels up by PRMT (`four_bit_products_kernel.table_ptx`, ~3.4 instructions a
-weight): over a 13B layer (H200) 1.0× bf16's time at one row, 1.2× at 32, 1.6× at 96, 2.0× at 160, 1.6× at 256 (the
-rows kernel: 1.9×, 3.0×, 2.8× there; bitsandbytes' own products: 0.97×, 2.9×, 2.9×, 2.9×).
+weight): over a 13B layer (H200) 1.0× bf16's time at one row, 1.15× at 32, 1.6× at 96, 2.0× at 160, 1.6× at 256 (the
+rows kernel: 1.85×, 2.9×, 2.6× there; bitsandbytes' own products: 0.97×, 2.9×, 2.9×, 2.9×).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ mbarrier; a group's weights are read from its stage into the first operand's reg
 the rows kernel's (`four_bit_products_kernel.levels_ptx`: int4's bit patterns or nf4's table), the products issued
 asynchronously, and the stage of the group before refilled once every warpgroup is past its products. Against the
 rows kernel (whose `tl.dot` waits for each product before the next weights are made) over a 13B layer's four products,
-H200, at the rule's shapes: 0.72-0.88× its time at 64-256 rows (int4), 0.57-0.82× at 96-256 (nf4); a step of 32 rows
+H200, at the rule's shapes: 0.79-0.90× its time at 64-256 rows (int4), 0.63-0.91× (nf4); a step of 32 rows
 carrying 63 / 127 prompt tokens (13B, int4) 12.96 / 18.22 ms against 15.03 / 22.66. At 32 rows and fewer the rows
 kernel stays faster (nf4, 32 rows: 1.2× the rows kernel's time), and past 256 rows values + cuBLAS (a 256-row tile and
 a tile of the rest made every weight twice: no faster at 288 rows, 1.2× at 544)."""
