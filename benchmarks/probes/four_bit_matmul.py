@@ -26,8 +26,7 @@ from common import copy_bandwidth, graph_timed_us  # noqa: E402
 from devmap.generation.four_bit_linear import four_bit_weight  # noqa: E402
 from devmap.generation.four_bit_products import (  # noqa: E402
     DECODE_ROWS, PROGRAMS, TILED_ROWS, BlockShape, block_shape, four_bit_rows_product, kernel_product, values,
-    wgmma_applies)
-from devmap.generation.four_bit_products_kernel import levels_ptx  # noqa: E402
+    wgmma_levels)
 
 SHAPES = {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)}
 
@@ -59,12 +58,12 @@ def grid(rows: int, outs: int, groups: int) -> list[BlockShape]:
 def wgmma_grid(rows: int, outs: int, groups: int, group: int) -> list:
     """Hopper's kernel's shapes to time: tiles of the rule's rows or half, 64 or 128 output columns, 2-4 stages that
     fit, one share or the rule's count."""
-    from devmap.generation.four_bit_products_wgmma import SHARED, WgmmaShape, wgmma_shape
+    from devmap.generation.four_bit_products_wgmma import SHARED, WgmmaShape, stage_bytes, wgmma_shape
 
     rule = wgmma_shape(rows, outs, groups, group)
     shapes = {rule}
     for tile, out, stages in itertools.product((rule.rows // 2, rule.rows), (64, 128), (2, 3, 4)):
-        if tile >= 64 and stages * (2 * tile * group + out * group // 2) <= SHARED:
+        if tile >= 64 and stages * stage_bytes(tile, out, group) <= SHARED:
             programs = -(-outs // out) * -(-rows // tile)
             for splits in {1, max(1, min(groups, PROGRAMS // programs))}:
                 shapes.add(WgmmaShape(tile, out, stages, splits))
@@ -117,10 +116,10 @@ def main() -> None:
                             continue
                         if us < best:
                             best, best_shape = us, str(tuple(shape))
-                    if DECODE_ROWS < rows <= TILED_ROWS and wgmma_applies(x, ours):
+                    ptx = wgmma_levels(x, ours) if DECODE_ROWS < rows <= TILED_ROWS else ""
+                    if ptx:
                         from devmap.generation.four_bit_products_wgmma import wgmma_product
 
-                        ptx = levels_ptx(x.dtype, ours)
                         for shape in wgmma_grid(rows, outs, ours.scale.shape[1], ours.group):
                             us = graph_timed_us(lambda shape=shape: wgmma_product(x, *ours.tensors, ptx, shape),
                                                 repeat=50)

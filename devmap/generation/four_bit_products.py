@@ -138,15 +138,16 @@ def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def wgmma_applies(x: torch.Tensor, weight: FourBitWeight) -> bool:
-    """Whether `four_bit_product` can run Hopper's kernel (`four_bit_products_wgmma`) for `x` (where
-    `kernel_applies`): an sm_90 GPU, the values made from bit patterns (x, scales and zeros in one dtype), groups of
-    at most 128 and what TMA reads aligned to 16 bytes."""
+def wgmma_levels(x: torch.Tensor, weight: FourBitWeight) -> str:
+    """The PTX Hopper's kernel (`four_bit_products_wgmma`) makes the weights with, where `four_bit_product` can run
+    it for `x` (and `kernel_applies`): an sm_90 GPU, the values made from bit patterns (`levels_ptx`: x, scales and
+    zeros in one dtype), groups of at most 128 and what TMA reads aligned to 16 bytes; else ""."""
     from .four_bit_products_kernel import levels_ptx
 
-    return (_hopper(x.device) and weight.group <= 128 and bool(levels_ptx(x.dtype, weight))
-            and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
-            and weight.packed.stride(0) % 16 == 0 and weight.packed.data_ptr() % 16 == 0)
+    if not (_hopper(x.device) and weight.group <= 128 and (x.stride(0) * x.element_size()) % 16 == 0
+            and x.data_ptr() % 16 == 0 and weight.packed.stride(0) % 16 == 0 and weight.packed.data_ptr() % 16 == 0):
+        return ""
+    return levels_ptx(x.dtype, weight)
 
 
 _TABLES: dict[tuple[tuple[float, ...], torch.device, torch.dtype], torch.Tensor] = {}
@@ -185,14 +186,14 @@ def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     weight = FourBitWeight(packed, scale, zero, tuple(levels))
     if not kernel_applies(x, weight):
         return torch.mm(x, dequantize(weight, x.dtype).t())
-    if x.shape[0] <= DECODE_ROWS or (x.shape[0] <= TILED_ROWS and not wgmma_applies(x, weight)):
-        return kernel_product(x, weight)
-    if x.shape[0] <= TILED_ROWS:
-        from .four_bit_products_kernel import levels_ptx
+    if x.shape[0] > TILED_ROWS:
+        return torch.mm(x, values(weight, x.dtype).t())
+    ptx = wgmma_levels(x, weight) if x.shape[0] > DECODE_ROWS else ""
+    if ptx:
         from .four_bit_products_wgmma import wgmma_product
 
-        return wgmma_product(x, *weight.tensors, levels_ptx(x.dtype, weight))
-    return torch.mm(x, values(weight, x.dtype).t())
+        return wgmma_product(x, *weight.tensors, ptx)
+    return kernel_product(x, weight)
 
 
 @four_bit_rows_product.register_fake

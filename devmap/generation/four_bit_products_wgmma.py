@@ -127,6 +127,12 @@ SHARED = 220 * 1024  # shared memory the ring may take (an H100's or H200's SM h
 SPREAD = 96  # programs from which a product is not cut along its inner dimension (~3/4 of an H200's 132 SMs)
 
 
+def stage_bytes(tile: int, out: int, group: int) -> int:
+    """Shared memory one stage of the ring takes: a group's inputs for `tile` rows (two halves, 2 bytes each) and
+    its 4-bit bytes for `out` output columns."""
+    return 2 * tile * group + out * group // 2
+
+
 def wgmma_shape(rows: int, outs: int, groups: int, group: int) -> WgmmaShape:
     """The rule, from the fastest of 8-14 shapes per product of a 13B layer at 64-256 rows (H200, int4 and nf4):
     every row in one tile of 64, 128 or 256; 64 output columns (one warpgroup) for tiles of 64, else 128 (two
@@ -135,7 +141,7 @@ def wgmma_shape(rows: int, outs: int, groups: int, group: int) -> WgmmaShape:
     PROGRAMS programs; q/k/v and gate/up were 15-25% slower in two shares)."""
     tile = min(256, max(64, triton.next_power_of_2(rows)))
     out = 64 if tile == 64 else 128
-    stages = min(4, SHARED // (2 * tile * group + out * group // 2)) if tile == 256 else 3
+    stages = min(4, SHARED // stage_bytes(tile, out, group)) if tile == 256 else 3
     programs = triton.cdiv(outs, out) * triton.cdiv(rows, tile)
     splits = 1 if programs >= SPREAD else max(1, min(groups, PROGRAMS // programs))
     return WgmmaShape(tile, out, stages, splits)
@@ -150,7 +156,7 @@ def _layouts(dtype: torch.dtype, shape: WgmmaShape, half: int) -> tuple[Any, Any
 def wgmma_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: str,
                   shape: WgmmaShape | None = None) -> torch.Tensor:
     """x (rows × in) · weightᵀ through the kernel, the weight a `four_bit_products.FourBitWeight`'s tensors made by
-    `levels` (its `levels_ptx`) where `four_bit_products.wgmma_applies` holds, cut as `shape` says (default:
+    `levels` (its `levels_ptx`) where `four_bit_products.wgmma_levels` gives them, cut as `shape` says (default:
     `wgmma_shape`'s rule)."""
     rows, ins = x.shape
     outs, groups = packed.shape[0], scale.shape[1]

@@ -121,7 +121,7 @@ def test_hoppers_kernel_gives_the_dequantized_product(dtype):
     """On an sm_90 GPU, steps of 33-256 rows run `four_bit_products_wgmma`: int4 and a table, groups of 64 and 128,
     output columns that end mid-block, tiles of 64, 128 and 256 rows, one share and several, against the product of
     the weights made in float32, and what `four_bit_product` picks equals it."""
-    from devmap.generation.four_bit_products import quantize_int4, wgmma_applies
+    from devmap.generation.four_bit_products import quantize_int4, wgmma_levels
     from devmap.generation.four_bit_products_kernel import levels_ptx
     from devmap.generation.four_bit_products_wgmma import WgmmaShape, wgmma_product, wgmma_shape
 
@@ -134,13 +134,13 @@ def test_hoppers_kernel_gives_the_dequantized_product(dtype):
         for rows in (33, 64, 100, 130, 256):
             x = torch.randn(rows, ins, device="cuda", dtype=dtype)
             for four_bit in (weight, nf4):
-                assert wgmma_applies(x, four_bit)
+                ptx = levels_ptx(dtype, four_bit)
+                assert ptx and wgmma_levels(x, four_bit) == ptx
                 want = x.float() @ dequantize(four_bit, dtype).float().t()
                 rule = wgmma_shape(rows, outs, four_bit.scale.shape[1], group)
-                ptx = levels_ptx(dtype, four_bit)
                 for shape in (rule, rule._replace(splits=1), WgmmaShape(rule.rows, 64, 2, 3)):
                     got = wgmma_product(x, *four_bit.tensors, ptx, shape).float()
                     error = ((got - want).norm() / want.norm()).item()
                     assert error < 2e-3, (dtype, outs, group, rows, four_bit.affine, shape)
                 assert torch.equal(four_bit_product(x, four_bit), wgmma_product(x, *four_bit.tensors, ptx))
-    assert not wgmma_applies(x[:, 1:], weight._replace(packed=weight.packed[:, :-8]))  # TMA: rows not 16-byte aligned
+    assert not wgmma_levels(x[:, 1:], weight._replace(packed=weight.packed[:, :-8]))  # TMA: rows not 16-byte aligned
