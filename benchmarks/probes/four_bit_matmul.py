@@ -55,18 +55,19 @@ def grid(rows: int, outs: int, groups: int) -> list[BlockShape]:
             for height, out, warps in itertools.product((0, 64, 128), (64, 128, 256), (4, 8))]
 
 
-def wgmma_grid(rows: int, outs: int, groups: int, group: int) -> list:
-    """Hopper's kernel's shapes to time: tiles of the rule's rows or half, 64 or 128 output columns, 2-4 stages that
-    fit, one share or the rule's count."""
+def wgmma_grid(rows: int, outs: int, groups: int, group: int, table: bool) -> list:
+    """Hopper's kernel's shapes to time: the rule's tile (in its parts) and the power of two that holds the rows,
+    64 or 128 output columns, 2-4 stages that fit, one share or the count that makes PROGRAMS programs."""
     from devmap.generation.four_bit_products_wgmma import SHARED, WgmmaShape, stage_bytes, wgmma_shape
 
-    rule = wgmma_shape(rows, outs, groups, group)
+    rule = wgmma_shape(rows, outs, groups, group, table)
     shapes = {rule}
-    for tile, out, stages in itertools.product((rule.rows // 2, rule.rows), (64, 128), (2, 3, 4)):
-        if tile >= 64 and stages * stage_bytes(tile, out, group) <= SHARED:
+    tiles = {(rule.rows, rule.tail), (min(256, max(64, 1 << (rows - 1).bit_length())), 0)}
+    for (tile, tail), out, stages in itertools.product(tiles, (64, 128), (2, 3, 4)):
+        if stages * stage_bytes(tile, out, group) <= SHARED:
             programs = -(-outs // out) * -(-rows // tile)
             for splits in {1, max(1, min(groups, PROGRAMS // programs))}:
-                shapes.add(WgmmaShape(tile, out, stages, splits))
+                shapes.add(WgmmaShape(tile, out, stages, splits, tail))
     return sorted(shapes)
 
 
@@ -120,7 +121,7 @@ def main() -> None:
                     if ptx:
                         from devmap.generation.four_bit_products_wgmma import wgmma_product
 
-                        for shape in wgmma_grid(rows, outs, ours.scale.shape[1], ours.group):
+                        for shape in wgmma_grid(rows, outs, ours.scale.shape[1], ours.group, not ours.affine):
                             us = graph_timed_us(lambda shape=shape: wgmma_product(x, *ours.tensors, ptx, shape),
                                                 repeat=50)
                             if us < best:

@@ -192,7 +192,7 @@ def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     if ptx:
         from .four_bit_products_wgmma import wgmma_product
 
-        return wgmma_product(x, *weight.tensors, ptx)
+        return wgmma_product(x, *weight.tensors, ptx, table=not weight.affine)
     return kernel_product(x, weight)
 
 

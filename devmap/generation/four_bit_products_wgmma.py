@@ -37,36 +37,66 @@ def _weights(packed, scale, zero, LEVELS: gl.constexpr):
                                      dtype=(scale.dtype, scale.dtype), is_pure=True, pack=4)
 
 
+@gluon.jit
+def _load_x(x_desc, tail_desc, x_low, x_high, tail_low, tail_high, ready, stage, row0, k, pred,
+            HEAD: gl.constexpr, TAIL: gl.constexpr):
+    """A group's two halves of X's tile (head rows, then tail rows if any) into `stage` of the ring."""
+    HALF: gl.constexpr = x_desc.block_type.shape[1]
+    tma_load(x_desc, [row0, k], ready, x_low.index(stage), pred=pred)
+    tma_load(x_desc, [row0, k + HALF], ready, x_high.index(stage), pred=pred)
+    if TAIL > 0:
+        tma_load(tail_desc, [row0 + HEAD, k], ready, tail_low.index(stage), pred=pred)
+        tma_load(tail_desc, [row0 + HEAD, k + HALF], ready, tail_high.index(stage), pred=pred)
+
+
+@gluon.jit
+def _store(acc, Out, rows, outs, row0, out0, out_row, layout: gl.constexpr):
+    """One part of the tile's rows (its accumulator in `layout`) into Out (this program's share)."""
+    row = row0 + gl.arange(0, acc.shape[1], gl.SliceLayout(0, layout))
+    col = out0 + gl.arange(0, acc.shape[0], gl.SliceLayout(1, layout))
+    gl.store(Out + row[None, :] * out_row + col[:, None], acc.to(Out.dtype.element_ty),
+             mask=(row[None, :] < rows) & (col[:, None] < outs))
+
+
 @gluon.jit(do_not_specialize=["rows", "out_split", "splits"])  # one compile per tile, whatever the rows
-def wgmma_rows_kernel(x_desc, w_desc, Scale, Zero, Out, rows, outs, ins, scale_row, out_row, out_split, splits,
-                      GROUP: gl.constexpr, STAGES: gl.constexpr, LEVELS: gl.constexpr, num_warps: gl.constexpr):
+def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, ins, scale_row, out_row, out_split,
+                      splits, GROUP: gl.constexpr, STAGES: gl.constexpr, LEVELS: gl.constexpr, TAIL: gl.constexpr,
+                      num_warps: gl.constexpr):
     """Out[s, rows, outs] = X · Wᵀ over every `splits`-th group from group s on (program (o, s, r)), as
-    `four_bit_products_kernel.four_bit_rows_kernel`, X and W's bytes read through `x_desc` ([tile rows, GROUP / 2]
-    of X) and `w_desc` ([BLOCK_OUT, GROUP / 2] bytes)."""
-    BLOCK_ROWS: gl.constexpr = x_desc.block_type.shape[0]
+    `four_bit_products_kernel.four_bit_rows_kernel`, X and W's bytes read through `x_desc` ([head rows, GROUP / 2]
+    of X), with TAIL > 0 `tail_desc` ([TAIL rows, GROUP / 2]: the tile's rows past the head, a power of two below
+    it), and `w_desc` ([BLOCK_OUT, GROUP / 2] bytes). The tensor cores multiply head and tail by the same weights in
+    the registers, in instructions of the tail's width (the first operand's layout is the products')."""
+    HEAD: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_ROWS: gl.constexpr = HEAD + TAIL
     HALF: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_OUT: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_ROWS, 16])
+                                                  instr_shape=[16, TAIL if TAIL > 0 else HEAD, 16])
     first: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     split = gl.program_id(1)
     row0 = gl.program_id(2) * BLOCK_ROWS
     out0 = gl.program_id(0) * BLOCK_OUT
     steps = (ins // GROUP - split + splits - 1) // splits
 
-    x_low = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_ROWS, HALF], x_desc.layout)
-    x_high = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_ROWS, HALF], x_desc.layout)
+    x_low = gl.allocate_shared_memory(dtype, [STAGES, HEAD, HALF], x_desc.layout)
+    x_high = gl.allocate_shared_memory(dtype, [STAGES, HEAD, HALF], x_desc.layout)
+    tail_low = x_low  # no tail: never read
+    tail_high = x_high
+    if TAIL > 0:
+        tail_low = gl.allocate_shared_memory(dtype, [STAGES, TAIL, HALF], tail_desc.layout)
+        tail_high = gl.allocate_shared_memory(dtype, [STAGES, TAIL, HALF], tail_desc.layout)
     w_bytes = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_OUT, HALF], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-    NBYTES: gl.constexpr = 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    NBYTES: gl.constexpr = 2 * BLOCK_ROWS * HALF * x_desc.dtype.primitive_bitwidth // 8 + w_desc.block_type.nbytes
     for s in gl.static_range(STAGES - 1):
         group = split + s * splits
         mbarrier.expect(ready.index(s), NBYTES, pred=s < steps)
-        tma_load(x_desc, [row0, group * GROUP], ready.index(s), x_low.index(s), pred=s < steps)
-        tma_load(x_desc, [row0, group * GROUP + HALF], ready.index(s), x_high.index(s), pred=s < steps)
+        _load_x(x_desc, tail_desc, x_low, x_high, tail_low, tail_high, ready.index(s), s, row0, group * GROUP,
+                s < steps, HEAD, TAIL)
         tma_load(w_desc, [out0, group * HALF], ready.index(s), w_bytes.index(s), pred=s < steps)
 
     out = out0 + gl.arange(0, BLOCK_OUT, gl.SliceLayout(1, first))
@@ -80,7 +110,8 @@ def wgmma_rows_kernel(x_desc, w_desc, Scale, Zero, Out, rows, outs, ins, scale_r
     # the weights of the products in flight, kept alive until they are waited for
     busy_low = gl.zeros([BLOCK_OUT, HALF], dtype, first)
     busy_high = gl.zeros([BLOCK_OUT, HALF], dtype, first)
-    acc = gl.zeros([BLOCK_OUT, BLOCK_ROWS], gl.float32, mma)
+    acc = gl.zeros([BLOCK_OUT, HEAD], gl.float32, mma)
+    tail = gl.zeros([BLOCK_OUT, TAIL if TAIL > 0 else 8], gl.float32, mma)
     for step in range(steps):
         following = step + 1
         more = following < steps
@@ -89,7 +120,13 @@ def wgmma_rows_kernel(x_desc, w_desc, Scale, Zero, Out, rows, outs, ins, scale_r
         here = step % STAGES
         acc = warpgroup_mma(low, x_low.index(here).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma(high, x_high.index(here).permute((1, 0)), acc, is_async=True)
-        acc, busy_low, busy_high = warpgroup_mma_wait(num_outstanding=2, deps=(acc, busy_low, busy_high))
+        if TAIL > 0:
+            tail = warpgroup_mma(low, tail_low.index(here).permute((1, 0)), tail, is_async=True)
+            tail = warpgroup_mma(high, tail_high.index(here).permute((1, 0)), tail, is_async=True)
+            acc, tail, busy_low, busy_high = warpgroup_mma_wait(num_outstanding=4,
+                                                                deps=(acc, tail, busy_low, busy_high))
+        else:
+            acc, busy_low, busy_high = warpgroup_mma_wait(num_outstanding=2, deps=(acc, busy_low, busy_high))
         busy_low = low
         busy_high = high
         cta_barrier()  # every warpgroup is past the previous step's products: its stage takes a later group
@@ -98,29 +135,29 @@ def wgmma_rows_kernel(x_desc, w_desc, Scale, Zero, Out, rows, outs, ins, scale_r
         stage = later % STAGES
         group = split + later * splits
         mbarrier.expect(ready.index(stage), NBYTES, pred=later < steps)
-        tma_load(x_desc, [row0, group * GROUP], ready.index(stage), x_low.index(stage), pred=later < steps)
-        tma_load(x_desc, [row0, group * GROUP + HALF], ready.index(stage), x_high.index(stage), pred=later < steps)
+        _load_x(x_desc, tail_desc, x_low, x_high, tail_low, tail_high, ready.index(stage), stage, row0,
+                group * GROUP, later < steps, HEAD, TAIL)
         tma_load(w_desc, [out0, group * HALF], ready.index(stage), w_bytes.index(stage), pred=later < steps)
         mbarrier.wait(ready.index(following % STAGES), (following // STAGES) & 1, pred=more)
         low, high = _weights(w_bytes.index(following % STAGES).load(first), scale, zero, LEVELS)
-    acc, busy_low, busy_high = warpgroup_mma_wait(num_outstanding=0, deps=(acc, busy_low, busy_high))
+    acc, tail, busy_low, busy_high = warpgroup_mma_wait(num_outstanding=0, deps=(acc, tail, busy_low, busy_high))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
-
-    row = row0 + gl.arange(0, BLOCK_ROWS, gl.SliceLayout(0, mma))
-    col = out0 + gl.arange(0, BLOCK_OUT, gl.SliceLayout(1, mma))
-    gl.store(Out + split * out_split + row[None, :] * out_row + col[:, None], acc.to(Out.dtype.element_ty),
-             mask=(row[None, :] < rows) & (col[:, None] < outs))
+    _store(acc, Out + split * out_split, rows, outs, row0, out0, out_row, mma)
+    if TAIL > 0:
+        _store(tail, Out + split * out_split, rows, outs, row0 + HEAD, out0, out_row, mma)
 
 
 class WgmmaShape(NamedTuple):
-    """How the kernel cuts a product: rows per tile (64, 128 or 256), output columns per program (64 per
-    warpgroup), stages of the ring, shares of the inner dimension."""
+    """How the kernel cuts a product: rows per tile (64 to 256), output columns per program (64 per warpgroup),
+    stages of the ring, shares of the inner dimension, and the tile's rows past its head (a power of two) that make
+    a second part of it (0: none; a tile of 160 rows is 128 + 32)."""
 
     rows: int
     out: int
     stages: int
     splits: int
+    tail: int = 0
 
 
 SHARED = 220 * 1024  # shared memory the ring may take (an H100's or H200's SM has 227 KiB)
@@ -133,45 +170,65 @@ def stage_bytes(tile: int, out: int, group: int) -> int:
     return 2 * tile * group + out * group // 2
 
 
-def wgmma_shape(rows: int, outs: int, groups: int, group: int) -> WgmmaShape:
-    """The rule, from the fastest of 8-14 shapes per product of a 13B layer at 64-256 rows (H200, int4 and nf4):
-    every row in one tile of 64, 128 or 256; 64 output columns (one warpgroup) for tiles of 64, else 128 (two
-    warpgroups reading one tile of rows); 3 stages, 4 for tiles of 256 rows where they fit (nf4's groups of 64);
-    the inner dimension in shares only where the blocks are fewer than SPREAD (o and down: the shares that make
-    PROGRAMS programs; q/k/v and gate/up were 15-25% slower in two shares)."""
-    tile = min(256, max(64, triton.next_power_of_2(rows)))
-    out = 64 if tile == 64 else 128
+def tile_rows(rows: int) -> tuple[int, int]:
+    """(tile, tail) for `rows` rows: rows up to 64 in one of 64, else rounded up to a multiple of 32 and cut in a
+    power of two and a smaller one (96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64), or the next power of two where
+    the rest is none or not one (224 -> 256: a third part measured slower than the 256-row tile)."""
+    if rows <= 64:
+        return 64, 0
+    whole = min(256, triton.cdiv(rows, 32) * 32)
+    head = 1 << (whole.bit_length() - 1)
+    tail = whole - head
+    if tail & (tail - 1):
+        return min(256, 2 * head), 0
+    return whole, tail
+
+
+def wgmma_shape(rows: int, outs: int, groups: int, group: int, table: bool = False) -> WgmmaShape:
+    """The rule, from the fastest of 8-16 shapes per product of a 13B layer at 64-256 rows (H200, int4 and nf4):
+    every row in one tile (`tile_rows`: fewer than 32 rows past the last, or 64 or 256 rows); 64 output columns (one
+    warpgroup) for tiles of 64 and 96 rows and for int4's (not a `table`'s) of 128 (two programs per SM overlap each
+    other's weights and products: 0.84x the time of 128 columns over a layer at 128 rows; nf4's table, more work per
+    weight, was 1.06x slower), else 128 (two warpgroups reading one tile of rows); 3 stages, 4 for tiles of 256 rows
+    where they fit (nf4's groups of 64); the inner dimension in shares only where the blocks are fewer than SPREAD
+    (o and down: the shares that make PROGRAMS programs; q/k/v and gate/up were 15-25% slower in two shares)."""
+    tile, tail = tile_rows(rows)
+    out = 64 if tile <= 96 or (tile == 128 and not table) else 128
     stages = min(4, SHARED // stage_bytes(tile, out, group)) if tile == 256 else 3
     programs = triton.cdiv(outs, out) * triton.cdiv(rows, tile)
     splits = 1 if programs >= SPREAD else max(1, min(groups, PROGRAMS // programs))
-    return WgmmaShape(tile, out, stages, splits)
+    return WgmmaShape(tile, out, stages, splits, tail)
 
 
-def _layouts(dtype: torch.dtype, shape: WgmmaShape, half: int) -> tuple[Any, Any]:
+def _layouts(dtype: torch.dtype, shape: WgmmaShape, half: int) -> tuple[Any, Any, Any]:
+    """The shared layouts of the head's inputs, the tail's (the head's where there is none) and the 4-bit bytes."""
     element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([shape.rows, half], element),
+    return (gl.NVMMASharedLayout.get_default_for([shape.rows - shape.tail, half], element),
+            gl.NVMMASharedLayout.get_default_for([shape.tail or shape.rows, half], element),
             gl.NVMMASharedLayout.get_default_for([shape.out, half], gl.uint8))
 
 
 def wgmma_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: str,
-                  shape: WgmmaShape | None = None) -> torch.Tensor:
+                  shape: WgmmaShape | None = None, table: bool = False) -> torch.Tensor:
     """x (rows × in) · weightᵀ through the kernel, the weight a `four_bit_products.FourBitWeight`'s tensors made by
-    `levels` (its `levels_ptx`) where `four_bit_products.wgmma_levels` gives them, cut as `shape` says (default:
-    `wgmma_shape`'s rule)."""
+    `levels` (its `levels_ptx`: a `table`'s or int4's) where `four_bit_products.wgmma_levels` gives them, cut as
+    `shape` says (default: `wgmma_shape`'s rule)."""
     rows, ins = x.shape
     outs, groups = packed.shape[0], scale.shape[1]
     group = ins // groups
     half = group // 2
-    shape = shape or wgmma_shape(rows, outs, groups, group)
+    shape = shape or wgmma_shape(rows, outs, groups, group, table)
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)
-    x_layout, w_layout = _layouts(x.dtype, shape, half)
-    x_desc = TensorDescriptor(x, [rows, ins], [x.stride(0), 1], [shape.rows, half], x_layout)
+    head_layout, tail_layout, w_layout = _layouts(x.dtype, shape, half)
+    x_desc = TensorDescriptor(x, [rows, ins], [x.stride(0), 1], [shape.rows - shape.tail, half], head_layout)
+    tail_desc = TensorDescriptor(x, [rows, ins], [x.stride(0), 1], [shape.tail, half], tail_layout) \
+        if shape.tail else x_desc
     w_desc = TensorDescriptor(packed, [outs, ins // 2], [packed.stride(0), 1], [shape.out, half], w_layout)
     wgmma_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, shape.rows))](
-        x_desc, w_desc, scale, zero, shares, rows, outs, ins, groups, outs, rows * outs, shape.splits, GROUP=group,
-        STAGES=shape.stages, LEVELS=levels, num_warps=shape.out // 16)
+        x_desc, tail_desc, w_desc, scale, zero, shares, rows, outs, ins, groups, outs, rows * outs, shape.splits,
+        GROUP=group, STAGES=shape.stages, LEVELS=levels, TAIL=shape.tail, num_warps=shape.out // 16)
     if shape.splits > 1:
         add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
     return out
@@ -180,13 +237,15 @@ def wgmma_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, ze
 def compile_sm90(shape: WgmmaShape, group: int, dtype: torch.dtype, levels: str) -> Any:
     """The kernel for `shape`, groups of `group` and `levels`' PTX compiled for sm_90 (no GPU needed)."""
     half = group // 2
-    x_layout, w_layout = _layouts(dtype, shape, half)
+    head_layout, tail_layout, w_layout = _layouts(dtype, shape, half)
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    signature = {"x_desc": descriptor_type(name, [shape.rows, half], x_layout),
+    signature = {"x_desc": descriptor_type(name, [shape.rows - shape.tail, half], head_layout),
+                 "tail_desc": descriptor_type(name, [shape.tail or shape.rows, half], tail_layout),
                  "w_desc": descriptor_type("u8", [shape.out, half], w_layout), "Scale": f"*{name}",
                  "Zero": f"*{name}", "Out": "*fp32", "rows": "i32", "outs": "i32", "ins": "i32", "scale_row": "i32",
                  "out_row": "i32", "out_split": "i32", "splits": "i32", "GROUP": "constexpr", "STAGES": "constexpr",
-                 "LEVELS": "constexpr", "num_warps": "constexpr"}
-    constants = {"GROUP": group, "STAGES": shape.stages, "LEVELS": levels, "num_warps": shape.out // 16}
+                 "LEVELS": "constexpr", "TAIL": "constexpr", "num_warps": "constexpr"}
+    constants = {"GROUP": group, "STAGES": shape.stages, "LEVELS": levels, "TAIL": shape.tail,
+                 "num_warps": shape.out // 16}
     return sm90_compile(wgmma_rows_kernel, signature, constants, ("Scale", "Zero", "Out", "ins", "outs", "out_row"),
                         shape.out // 16)

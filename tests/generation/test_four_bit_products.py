@@ -245,3 +245,23 @@ def test_a_tables_ptx_gives_each_weight_its_level(dtype):
         packed = torch.tensor([(word >> 8 * i) & 0xFF for i in range(4)], dtype=torch.uint8)
         assert halves(regs["t0"]) + halves(regs["t1"]) == table[(packed & 15).long()].tolist()
         assert halves(regs["u0"]) + halves(regs["u1"]) == table[(packed >> 4).long()].tolist()
+
+
+def test_hoppers_kernel_cuts_every_step_it_runs_into_tiles_that_fit():
+    """The Hopper kernel's rule (`wgmma_shape`) for every row count it runs (33-256) and a 13B layer's products: one
+    tile holds every row with fewer than 32 past the last (64 at least), cut in a power of two and a smaller one or
+    none, output columns of whole warpgroups, a ring that fits the SM's shared memory, shares only where the
+    blocks are few, and no share without a group of its own."""
+    pytest.importorskip("triton.experimental.gluon")
+    from devmap.generation.four_bit_products_wgmma import SHARED, SPREAD, stage_bytes, wgmma_shape
+
+    for outs, ins, group in ((15360, 5120, 128), (5120, 5120, 128), (27648, 5120, 64), (5120, 13824, 64)):
+        for rows in range(33, 257):
+            shape = wgmma_shape(rows, outs, ins // group, group, table=group == 64)
+            head = shape.rows - shape.tail
+            assert shape.rows >= rows and (shape.rows - rows < 32 or shape.rows in (64, 256)), (rows, shape)
+            assert head & (head - 1) == 0 and shape.tail & (shape.tail - 1) == 0 and shape.tail < head
+            assert shape.out in (64, 128) and shape.stages * stage_bytes(shape.rows, shape.out, group) <= SHARED
+            blocks = -(-outs // shape.out)
+            assert shape.splits == 1 or blocks < SPREAD, (rows, outs, shape)
+            assert 1 <= shape.splits <= ins // group

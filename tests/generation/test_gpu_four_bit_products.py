@@ -119,8 +119,9 @@ def test_the_rows_kernels_bit_patterns_give_the_dequantized_product(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_hoppers_kernel_gives_the_dequantized_product(dtype):
     """On an sm_90 GPU, steps of 33-256 rows run `four_bit_products_wgmma`: int4 and a table, groups of 64 and 128,
-    output columns that end mid-block, tiles of 64, 128 and 256 rows, one share and several, against the product of
-    the weights made in float32, and what `four_bit_product` picks equals it."""
+    output columns that end mid-block, tiles of 64, 128 and 256 rows and tiles in two parts (96, 160, 192 rows), one
+    share and several, against the product of the weights made in float32, and what `four_bit_product` picks equals
+    it."""
     from devmap.generation.four_bit_products import quantize_int4, wgmma_levels
     from devmap.generation.four_bit_products_kernel import levels_ptx
     from devmap.generation.four_bit_products_wgmma import WgmmaShape, wgmma_product, wgmma_shape
@@ -131,16 +132,18 @@ def test_hoppers_kernel_gives_the_dequantized_product(dtype):
     for outs, ins, group in ((320, 1024, 64), (200, 1536, 128)):
         weight = quantize_int4(torch.randn(outs, ins, device="cuda", dtype=dtype), group=group)
         nf4 = weight._replace(levels=NF4, zero=torch.zeros_like(weight.zero))
-        for rows in (33, 64, 100, 130, 256):
+        for rows in (33, 64, 70, 100, 130, 180, 200, 256):
             x = torch.randn(rows, ins, device="cuda", dtype=dtype)
             for four_bit in (weight, nf4):
                 ptx = levels_ptx(dtype, four_bit)
                 assert ptx and wgmma_levels(x, four_bit) == ptx
                 want = x.float() @ dequantize(four_bit, dtype).float().t()
-                rule = wgmma_shape(rows, outs, four_bit.scale.shape[1], group)
-                for shape in (rule, rule._replace(splits=1), WgmmaShape(rule.rows, 64, 2, 3)):
+                rule = wgmma_shape(rows, outs, four_bit.scale.shape[1], group, not four_bit.affine)
+                for shape in (rule, rule._replace(splits=1), WgmmaShape(rule.rows, 64, 2, 3, rule.tail),
+                              WgmmaShape(rule.rows, 128, 2, 1, rule.tail)):
                     got = wgmma_product(x, *four_bit.tensors, ptx, shape).float()
                     error = ((got - want).norm() / want.norm()).item()
                     assert error < 2e-3, (dtype, outs, group, rows, four_bit.affine, shape)
-                assert torch.equal(four_bit_product(x, four_bit), wgmma_product(x, *four_bit.tensors, ptx))
+                assert torch.equal(four_bit_product(x, four_bit),
+                                   wgmma_product(x, *four_bit.tensors, ptx, table=not four_bit.affine))
     assert not wgmma_levels(x[:, 1:], weight._replace(packed=weight.packed[:, :-8]))  # TMA: rows not 16-byte aligned
