@@ -15,14 +15,14 @@ and, rarely, a weight's last bit differ from tinygemm's. Anywhere else the same 
 (`dequantize`).
 
 Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.70× bf16's time at one row,
-0.68× at 16, 0.77× at 32, 0.84× at 64, 1.15× at 96, 1.15× at 128, 1.67× at 160, 1.37× at 256 (the rows kernel: 1.04×,
-1.33×, 1.28×, 2.1×, 1.7×), 2.0× at 288 and 1.5× at 544 (tinygemm: 0.6× at one row, 4.5× at 32, 18× at 160, 24× at 544).
+0.68× at 16, 0.77× at 32, 0.84× at 64, 1.00× at 96 and 128, 1.68× at 160, 1.39× at 256 (the rows kernel: 1.04×,
+1.37×, 1.33×, 2.2×, 1.8×), 2.0× at 288 and 1.5× at 544 (tinygemm: 0.6× at one row, 4.5× at 32, 18× at 160, 24× at 544).
 bf16 reads its weights at the memory's pace up to ~200 rows; the rows kernel runs at ~2.8× its own weight-read floor at
 1-16 rows (it had been ~3.7× while each weight took an integer-to-float conversion: issue-bound, ncu), and past ~64
 rows its weights' making and the tensor cores' products take turns (`tl.dot` waits for each product), which Hopper's
 kernel overlaps. A decode step that carries prompts (`mixed_joins`) costs int4 more than bf16 (13B, H200, over a 7.7 ms
-step: +5.2 / +10.3 / +10.8 ms for 63 / 127 / 191 prompt tokens, +7.1 / +14.8 for 63 / 127 with the rows kernel; +20 /
-+24 ms for 223 / 383 through values + cuBLAS; bf16 +2.6 / +3.7 / +7.8 / +12.1 for 63 / 127 / 255 / 383 over 9.0 ms),
+step: +4.0 / +9.8 / +10.8 ms for 63 / 127 / 191 prompt tokens, +7.1 / +14.8 for 63 / 127 with the rows kernel; +20 /
++24 ms for 223 / 383 through values + cuBLAS; bf16 +2.7 / +5.7 for 63 / 191 over 9.2 ms),
 which is where int4 loses to bf16 at 32 clients. Tokens quantized to int8 and int8 tensor cores (as int8 weights'
 products do past 32 rows) did not help: with each group's scale and zero applied to its partial sums they were no
 faster than the rows kernel at 96-160 rows and took 1.15-1.5× values + cuBLAS's time at 288-2,048.
@@ -30,8 +30,8 @@ faster than the rows kernel at 96-160 rows and took 1.15-1.5× values + cuBLAS's
 bitsandbytes' nf4 (and fp4) is taken into this layout too (`four_bit_linear`): its blocks of 64 are the groups,
 each block's absmax the scale and zero 0, its table of 16 values the `levels`, rounded to the scales' dtype on every
 path. The rows kernel looks a table's levels up by PRMT (`four_bit_products_kernel.table_ptx`, ~3.4 instructions a
-weight): over a 13B layer (H200) 1.0× bf16's time at one row, 1.15× at 32, 1.6× at 96, 2.0× at 160, 1.6× at 256 (the
-rows kernel: 1.85×, 2.9×, 2.6× there; bitsandbytes' own products: 0.97×, 2.9×, 2.9×, 2.9×).
+weight): over a 13B layer (H200) 1.0× bf16's time at one row, 1.15× at 32, 1.55× at 96, 2.1× at 160, 1.8× at 256
+(the rows kernel: 1.9×, 3.0×, 2.7× there; bitsandbytes' own products: 0.97×, 2.9×, 2.9×, 2.9×).
 """
 
 from __future__ import annotations
@@ -272,10 +272,10 @@ def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> to
     return out
 
 
-# each block shape (16 to 256 rows) with Triton's specializations of `rows` (1, multiples of 16, others), and the values
-# kernel
+# each block shape (16 to 256 rows) with Triton's specializations of `rows` (1, multiples of 16, others), each of
+# Hopper's tiles (64, 96, 128, 160, 192, 256 rows: `four_bit_products_wgmma.tile_rows`), and the values kernel
 PREPARED_ROWS = (1, 2, NARROW_ROWS, NARROW_ROWS + 1, DECODE_ROWS, DECODE_ROWS + 1, 64, 65, WIDE_ROWS, WIDE_ROWS + 1,
-                 TILED_ROWS, TILED_ROWS + 1)
+                 192, TILED_ROWS, TILED_ROWS + 1)
 
 
 def prepare_kernels(weights: Iterable[FourBitWeight], dtype: torch.dtype) -> int:

@@ -265,3 +265,21 @@ def test_hoppers_kernel_cuts_every_step_it_runs_into_tiles_that_fit():
             blocks = -(-outs // shape.out)
             assert shape.splits == 1 or blocks < SPREAD, (rows, outs, shape)
             assert 1 <= shape.splits <= ins // group
+
+
+def test_a_service_prepares_every_variant_of_hoppers_kernel_a_step_can_run():
+    """`prepare_kernels` runs the product at PREPARED_ROWS: among them, rows that give every variant of Hopper's kernel
+    (its tile, parts, output columns and stages: what Triton compiles apart) that a step of 33-256 rows can take, so
+    that none compiles in the middle of a service's requests (or of a CUDA graph's capture)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from devmap.generation.four_bit_products import DECODE_ROWS, PREPARED_ROWS, TILED_ROWS
+    from devmap.generation.four_bit_products_wgmma import wgmma_shape
+
+    for outs, ins, group in ((15360, 5120, 128), (5120, 13824, 64), (2048, 2048, 64)):
+        for table in (False, True):
+            def variant(rows: int) -> tuple[int, ...]:
+                shape = wgmma_shape(rows, outs, ins // group, group, table)
+                return shape.rows, shape.tail, shape.out, shape.stages
+
+            reachable = {variant(rows) for rows in range(DECODE_ROWS + 1, TILED_ROWS + 1)}
+            assert reachable == {variant(rows) for rows in PREPARED_ROWS if DECODE_ROWS < rows <= TILED_ROWS}
