@@ -1,10 +1,12 @@
 """Decode steps that carry joiners' prompts: what their compile and captures cost, what a step costs by the prompt
 tokens it carries, and a closed loop's pace at several step budgets, beside the weight-read floor.
 
-Run on a GPU machine:  PYTHONPATH=. python3 benchmarks/probes/riding_probe.py --model llama-2-13b [--quantize int8|int4]
-Loads the model (random bf16 weights, or int8 or int4 ones), joins its projections as `devmap serve` does, times the
-service's warm-up (the compiles) and the opening of a batch of `--clients` rows (its captures), then the GPU time of
-one step of every row alone and carrying a pack of several widths, then closed loops of `--clients` clients
+Run on a GPU machine:  PYTHONPATH=. python3 benchmarks/probes/riding_probe.py --model llama-2-13b
+[--quantize int8|int4|nf4]
+Loads the model (random bf16 weights, or int8, int4 or nf4 ones: nf4 needs bitsandbytes), joins its projections as
+`devmap serve` does, times the service's warm-up (the compiles) and the opening of a batch of `--clients` rows (its
+captures), then the GPU time of one step of every row alone and carrying a pack of several widths, then closed loops
+of `--clients` clients
 (`join_probe`'s) with compiled steps at each of `--budgets` prompt tokens per step, each after a loop of 3 s that
 compiles and captures its shapes.
 """
@@ -91,7 +93,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="512,256,1024",
                         help="prompt tokens a step carries at most, a closed loop each (empty: no loops)")
     parser.add_argument("--widths", default="64,128,256,384")
-    parser.add_argument("--quantize", default=None, choices=["int8", "int4"],
+    parser.add_argument("--quantize", default=None, choices=["int8", "int4", "nf4"],
                         help="quantized weights (`devmap serve --quantize`)")
     parser.add_argument("--profile", action="store_true",
                         help="only: the kernels of eager steps, alone and carrying a pack of the second width")
