@@ -192,7 +192,7 @@ def wgmma_shape(rows: int, outs: int, groups: int, group: int, table: bool = Fal
     every row in one tile (`tile_rows`: fewer than 32 rows past the last, or 64 or 256 rows); 64 output columns (one
     warpgroup) for tiles of 64 and 96 rows and for int4's (not a `table`'s) of 128 (two programs per SM overlap each
     other's weights and products: 0.84x the time of 128 columns over a layer at 128 rows; nf4's table, more work per
-    weight, was 1.06x slower), else 128 (two warpgroups reading one tile of rows); 3 stages, 4 for tiles of 256 rows
+    weight, took 1.04x the time), else 128 (two warpgroups reading one tile of rows); 3 stages, 4 for tiles of 256 rows
     where they fit (nf4's groups of 64); the inner dimension in shares only where the blocks are fewer than SPREAD
     (o and down: the shares that make PROGRAMS programs; q/k/v and gate/up were 15-25% slower in two shares)."""
     tile, tail = tile_rows(rows)
