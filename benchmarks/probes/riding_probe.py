@@ -6,9 +6,8 @@ Run on a GPU machine:  PYTHONPATH=. python3 benchmarks/probes/riding_probe.py --
 Loads the model (random bf16 weights, or int8, int4 or nf4 ones: nf4 needs bitsandbytes), joins its projections as
 `devmap serve` does, times the service's warm-up (the compiles) and the opening of a batch of `--clients` rows (its
 captures), then the GPU time of one step of every row alone and carrying a pack of several widths, then closed loops
-of `--clients` clients
-(`join_probe`'s) with compiled steps at each of `--budgets` prompt tokens per step, each after a loop of 3 s that
-compiles and captures its shapes.
+of `--clients` clients (`join_probe`'s) with compiled steps at each of `--budgets` prompt tokens per step, each after
+a loop of 3 s that compiles and captures its shapes.
 """
 
 from __future__ import annotations
