@@ -38,9 +38,10 @@ from .options import load_options
 @click.option("--ride/--no-ride", "riding", default=None,
               help="Joiners' prompts ride the running batch's decode steps (vLLM's mixed batches: the weights are "
                    "read once for both) instead of prefilling between two steps; only LLaMA-family models in bf16, "
-                   "fp16 or int8 with sdpa attention can. Default: where that pays, models of 10B parameters or "
-                   "more, whose steps are bound by reading the weights (a small model's steps are bound by the "
-                   "host, which a riding step keeps busier).")
+                   "fp16, int8, int4 or nf4 with sdpa attention can. Default: where that pays, models of 10B "
+                   "parameters or more, whose steps are bound by reading the weights (a small model's steps are "
+                   "bound by the host, which a riding step keeps busier), unless 4-bit (their products of a step's "
+                   "rows and prompts run slower than bf16's).")
 @click.option("--preempt-after-ms", default=250.0, show_default=True, type=click.FloatRange(min=0),
               help="A request that cannot join the running batch (another model or sampling, a longer "
                    "prompt than it takes) stops it after waiting this long; its unfinished requests continue in a "

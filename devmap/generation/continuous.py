@@ -60,7 +60,7 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     dropped before a new one would take more (a serving memory plan makes room for one largest batch).
 
     `riding`: whether joiners' prompts ride the decode steps (`mixed_joins`, where every decoder layer is joined)
-    rather than prefilling between two steps; None: where the model is large enough for it to pay
+    rather than prefilling between two steps; None: where the model is large enough for it to pay and not 4-bit
     (`mixed_joins.rides_by_default`)."""
     sampling = sampling or Sampling()
     sampling.check()
@@ -84,7 +84,7 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     kv_bytes = model.config.num_hidden_layers * layer_kv_bytes(model.config, stages.dtype, rows, cache_len)
     entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),
                         weight_pointers(model), kv_bytes, kv_room)
-    mixing = stages.mixes() and (rides_by_default(model.config) if riding is None else riding)
+    mixing = stages.mixes() and (rides_by_default(model) if riding is None else riding)
     batch = ContinuousBatch(run, first_slot, cache_len, sampling, cache, entries, mixing)
 
     def vacant() -> None:

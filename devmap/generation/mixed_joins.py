@@ -10,8 +10,8 @@ least), each lane's in a pack of its own. A prompt's keys and values go into its
 next step's slot, and its first token comes out of the step beside the rows' next ones.
 
 Used when every decoder layer is joined (`joined_projections`: devmap runs those layers itself) and the model is large
-enough for it to pay (`rides_by_default`), or when asked; other batches join through prefills of their own
-(`join_prefill`).
+enough for it to pay and not 4-bit (`rides_by_default`), or when asked; other batches join through prefills of their
+own (`join_prefill`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from ..pipelining.streams import hand_off, to_host
+from .four_bit_linear import FourBitLinear
 from .join_prefill import onto
 from .joins import on_device, pack_width, pack_widths, prompt_columns, to_device
 from .lane_decode import computed_rows
@@ -38,6 +40,10 @@ RIDING_MIN_PARAMETERS = 10_000_000_000  # by default steps carry prompts for mod
 # 13B LLaMA at 32 clients rode to 2,383-2,442 output tok/s from 2,147 joining apart; a 1.1B one fell to 10,760 and
 # 9,406 tok/s at 64 and 32 clients from 17,316 and 12,883 joining apart in the same run (its ~0.5 ms steps are bound
 # by the host, which a riding step keeps ~2 ms longer). Sizes between are not measured: they join apart.
+# Models with 4-bit projections (`FourBitLinear`) join apart at every size: past 128 rows, where a step's rows and a
+# pack meet, a 13B layer's 4-bit products take 1.4-1.7x bf16's time on one H200
+# (`benchmarks/probes/four_bit_matmul.py`), and at 13B and 32 clients there int4 served 2,514 tok/s joining apart
+# against 2,255 riding (nf4 1,965 against 1,949; bf16 2,456 riding), in the same run.
 
 Rider = tuple[SlotRequest, int]  # a joiner carried by a step: its request and its row of the lane
 
@@ -52,9 +58,12 @@ def decoder_parameters(config: Any) -> int:
     return config.num_hidden_layers * layer + config.vocab_size * hidden
 
 
-def rides_by_default(config: Any) -> bool:
-    """Whether a continuous batch's steps carry joiners' prompts when nobody says (see RIDING_MIN_PARAMETERS)."""
-    return decoder_parameters(config) >= RIDING_MIN_PARAMETERS
+def rides_by_default(model: nn.Module) -> bool:
+    """Whether a continuous batch's steps carry joiners' prompts when nobody says: a model of at least
+    RIDING_MIN_PARAMETERS whose projections are not 4-bit (see RIDING_MIN_PARAMETERS)."""
+    if any(isinstance(module, FourBitLinear) for module in model.modules()):
+        return False
+    return decoder_parameters(model.config) >= RIDING_MIN_PARAMETERS
 
 
 class MixedJoins:

@@ -375,18 +375,31 @@ def test_a_decode_step_reads_the_parameters_counted_from_the_config(tiny_llama):
 
 
 def test_steps_carry_prompts_by_default_where_the_weights_bound_them(monkeypatch, tiny_llama):
-    """A 13B LLaMA rides by default, a 1.1B one joins apart (its steps are bound by the host); `riding` decides
-    where every layer is joined, and a model whose layers are not cannot ride."""
-    from transformers import LlamaConfig
+    """A 13B LLaMA rides by default, a 1.1B one and a 4-bit one join apart (steps bound by the host; 4-bit products
+    of rows and a pack slower than bf16's); `riding` decides where every layer is joined, and a model whose layers are
+    not cannot ride."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from devmap.generation.four_bit_linear import FourBitLinear
+    from devmap.generation.four_bit_products import FourBitWeight
+    from test_four_bit_products import int4_layers
 
     monkeypatch.setattr(mixed_joins, "RIDING_MIN_PARAMETERS", 10_000_000_000)  # the default (the tests set it to 0)
-    llama_13b = LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40)
-    tinyllama = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                            num_key_value_heads=4)
+    with torch.device("meta"):
+        llama_13b = LlamaForCausalLM(LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                                                 num_attention_heads=40))
+        tinyllama = LlamaForCausalLM(LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                                 num_attention_heads=32, num_key_value_heads=4))
     assert mixed_joins.rides_by_default(llama_13b) and not mixed_joins.rides_by_default(tinyllama)
-    joined, plain = tiny_llama(), tiny_llama()
-    assert join_projections(joined) == 2 * joined.config.num_hidden_layers
-    for model, riding, rides in [(joined, None, False), (joined, True, True), (joined, False, False),
-                                 (plain, True, False)]:
+    packed = torch.empty(5120, 2560, dtype=torch.uint8, device="meta")
+    scale = torch.empty(5120, 40, dtype=torch.bfloat16, device="meta")
+    llama_13b.model.layers[0].self_attn.q_proj = FourBitLinear(FourBitWeight(packed, scale, scale), None)
+    assert not mixed_joins.rides_by_default(llama_13b)
+    monkeypatch.setattr(mixed_joins, "RIDING_MIN_PARAMETERS", 0)
+    joined, plain, four_bit = tiny_llama(), tiny_llama(), int4_layers(tiny_llama())
+    for model in (joined, four_bit):
+        assert join_projections(model) == 2 * model.config.num_hidden_layers
+    for model, riding, rides in [(joined, None, True), (joined, True, True), (joined, False, False),
+                                 (plain, True, False), (four_bit, None, False), (four_bit, True, True)]:
         with continuous_batch(model, rows=2, first_slot=8, cache_len=16, riding=riding) as batch:
             assert batch.mixing is rides
