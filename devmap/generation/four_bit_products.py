@@ -22,8 +22,8 @@ bf16 reads its weights at the memory's pace up to ~200 rows; the rows kernel run
 rows its weights' making and the tensor cores' products take turns (`tl.dot` waits for each product), which Hopper's
 kernel overlaps. A decode step that carries prompts (`mixed_joins`) costs int4 more than bf16 (13B, H200, over a 7.7 ms
 step: +4.0 / +9.8 / +10.8 ms for 63 / 127 / 191 prompt tokens, +7.1 / +14.8 for 63 / 127 with the rows kernel; +20 /
-+24 ms for 223 / 383 through values + cuBLAS; bf16 +2.7 / +5.7 for 63 / 191 over 9.2 ms),
-so 4-bit models join apart by default (`mixed_joins.rides_by_default`). Tokens quantized to int8 and int8 tensor cores (as int8 weights'
++24 ms for 223 / 383 through values + cuBLAS; bf16 +2.7 / +5.7 for 63 / 191 over 9.2 ms), so 4-bit models join
+apart by default (`mixed_joins.rides_by_default`). Tokens quantized to int8 and int8 tensor cores (as int8 weights'
 products do past 32 rows) did not help: with each group's scale and zero applied to its partial sums they were no
 faster than the rows kernel at 96-160 rows and took 1.15-1.5× values + cuBLAS's time at 288-2,048.
 
