@@ -51,6 +51,37 @@ def test_int8_tokens_products_do_not_depend_on_the_other_rows():
             assert torch.equal(int8_product(x[begin:end], qdata, scale), every[begin:end])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tokens_round_as_torch_for_every_value_of_the_dtype(dtype):
+    """A token's int8 (x · 1/scale corrected by its residual, rounded half to even) equals torch's
+    `(x / scale).round()` for every finite value of the dtype as the row's max and every value up to it: exhaustive
+    (~10⁹ pairs), then the kernel against torch itself on rows with exact halves."""
+    from devmap.generation.int8_products_kernel import quantize_rows_kernel
+
+    from int8_rounding_check import rounding_mismatches_kernel  # beside this file (pytest puts its folder on the path)
+
+    bits = torch.arange(1, 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = bits[torch.isfinite(bits)].float().cuda()  # ascending: the positive patterns in order
+    mismatches = torch.zeros(values.numel(), dtype=torch.int32, device="cuda")
+    rounding_mismatches_kernel[(values.numel(), -(-values.numel() // 1024))](values, mismatches, values.numel(),
+                                                                              BLOCK=1024)
+    wrong = mismatches.nonzero().flatten()
+    assert wrong.numel() == 0, f"{int(mismatches.sum())} mismatches, row maxima {values[wrong[:8]].tolist()}"
+    torch.manual_seed(0)
+    x = torch.randn(64, 5120, device="cuda", dtype=dtype) * 3
+    x[::2, :64] = torch.arange(-32, 32, device="cuda", dtype=dtype) + 0.5  # scale 1 in these rows: exact halves
+    x[::2, 64] = 127
+    x[1, :] = 0  # an all-zero row: scale 1
+    quantized = torch.empty(x.shape, dtype=torch.int8, device="cuda")
+    scales = torch.empty(64, device="cuda")
+    quantize_rows_kernel[(64,)](x, quantized, scales, 5120, x.stride(0), BLOCK=8192, ONE_PASS=True, EXACT_FMA=True,
+                                num_warps=8)
+    want_scales = x.float().abs().amax(1) / 127
+    want_scales[1] = 1
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(quantized, (x.float() / want_scales[:, None]).round().to(torch.int8))
+
+
 def int8_tokens_past_decode_rows(linear: nn.Module) -> None:
     """Make a torchao int8 Linear quantize each token of a product of more than DECODE_ROWS rows, as devmap does,
     in plain float32 arithmetic (the reference)."""

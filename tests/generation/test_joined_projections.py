@@ -189,7 +189,8 @@ INT8_KERNEL_CHECK = textwrap.dedent("""
         weight = torch.randn(outs, ins)
         scale = weight.abs().amax(1, keepdim=True) / 127
         qdata = (weight / scale).round().clamp(-128, 127).to(torch.int8)
-        token_scale = x.float().abs().amax(1, keepdim=True) / 127
+        # max / 127 as torch computes it on a GPU (times 1/127 rounded to float32; on a CPU it divides)
+        token_scale = x.float().abs().amax(1, keepdim=True) * torch.tensor(1 / 127, dtype=torch.float32)
         want = ((x.float() / token_scale).round() @ qdata.float().t()) * token_scale * scale.t()
         for shape in (BlockShape(32, 32, 1, 4, 2, rows=32), BlockShape(16, 64, 1, 4, 2, rows=16), None):
             got = tokens_product(x, qdata, scale, shape)
