@@ -72,14 +72,17 @@ def test_tokens_round_as_torch_for_every_value_of_the_dtype(dtype):
     x[::2, :64] = torch.arange(-32, 32, device="cuda", dtype=dtype) + 0.5  # scale 1 in these rows: exact halves
     x[::2, 64] = 127
     x[1, :] = 0  # an all-zero row: scale 1
-    quantized = torch.empty(x.shape, dtype=torch.int8, device="cuda")
-    scales = torch.empty(64, device="cuda")
-    quantize_rows_kernel[(64,)](x, quantized, scales, 5120, x.stride(0), BLOCK=8192, ONE_PASS=True, EXACT_FMA=True,
-                                num_warps=8)
-    want_scales = x.float().abs().amax(1) / 127
-    want_scales[1] = 1
-    assert torch.equal(scales, want_scales)
-    assert torch.equal(quantized, (x.float() / want_scales[:, None]).round().to(torch.int8))
+    wide = torch.cat([x, torch.randn(64, 15000, device="cuda", dtype=dtype)], 1)  # rows read twice (70B's down)
+    wide[1, :] = 0
+    for rows, block, one_pass in ((x, 8192, True), (wide, 1024, False)):
+        quantized = torch.empty(rows.shape, dtype=torch.int8, device="cuda")
+        scales = torch.empty(64, device="cuda")
+        quantize_rows_kernel[(64,)](rows, quantized, scales, rows.shape[1], rows.stride(0), BLOCK=block,
+                                    ONE_PASS=one_pass, EXACT_FMA=True, num_warps=8)
+        want_scales = rows.float().abs().amax(1) / 127
+        want_scales[1] = 1
+        assert torch.equal(scales, want_scales)
+        assert torch.equal(quantized, (rows.float() / want_scales[:, None]).round().to(torch.int8))
 
 
 def int8_tokens_past_decode_rows(linear: nn.Module) -> None:
