@@ -6,20 +6,21 @@ kernels read the int8 weights (`int8_products_kernel`):
 - up to DECODE_ROWS rows (a decode step; bound by reading the weights): the decode kernel, the weights converted in
   registers, the rows as they are (weight-only int8, torchao's `Int8WeightOnlyConfig`);
 - more rows (prefills, steps carrying prompts, large batches; bound by arithmetic): `tokens_product`, each row
-  quantized to int8 with a scale of its own (max |x| / 127, as torchao's `Int8DynamicActivationInt8WeightConfig`
-  and vLLM's dynamic int8 do; the bits of torch's `(x / scale).round()` on a GPU), then int8 tensor cores, summed exactly in int32: a row's product is the same
-  whatever rows it is computed with. Over a 13B layer's four products (`benchmarks/probes/int8_matmul.py`, H200)
-  1.0-1.4× the pace of cuBLAS's bf16 at 96-2,080 rows, 1.5-2.0× a tiled kernel converting the weights; at 64 rows
-  (H100) 150 µs where the decode kernel takes 195; at 1-16 rows the decode kernel is ahead (H200: 97-99 µs a layer
-  against 115-117), at 32 rows the tokens 4% faster (122 against 128) at 4× the error, so up to 32 rows the products
-  stay weight-only. Either way the weights are read at 1.3-1.7× their floor, and converting them is not what bounds
-  the decode kernel (made from bit patterns in bfloat16 instead, 9-12% slower). The tokens' error against the exact
-  int8-weight product is ~0.9% (relative norm), weight-only's ~0.2%.
+  quantized to int8 with a scale of its own (max |x| / 127, as torchao's `Int8DynamicActivationInt8WeightConfig` and
+  vLLM's dynamic int8 do; the bits of torch's `(x / scale).round()` on a GPU), then int8 tensor cores, summed exactly
+  in int32: a row's product is the same whatever rows it is computed with. Over a 13B layer's four products
+  (`benchmarks/probes/int8_matmul.py`, H200) 1.0-1.4× the pace of cuBLAS's bf16 at 96-2,080 rows, 1.5-2.0× a tiled
+  kernel converting the weights; at 64 rows (H100) 150 µs where the decode kernel takes 195; at 1-16 rows the decode
+  kernel is ahead (H200: 97-99 µs a layer against 115-117), at 32 rows the tokens 4% faster (122 against 128) at 4×
+  the error, so up to 32 rows the products stay weight-only. Either way the weights are read at 1.3-1.7× their floor,
+  and converting them is not what bounds the decode kernel (made from bit patterns in bfloat16 instead, 9-12%
+  slower). The tokens' error against the exact int8-weight product is ~0.9% (relative norm), weight-only's ~0.2%.
 Anything else (CPU, float32) runs torchao's weight-only formula, with its numbers.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, NamedTuple
 
 import torch
@@ -169,7 +170,7 @@ def tokens_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     `tokens_block_shape`'s rule)."""
     import triton
 
-    from .int8_products_kernel import int8_tokens_tiles_kernel, quantize_rows_kernel
+    from .int8_products_kernel import SMALLEST_NORMAL, int8_tokens_tiles_kernel, quantize_rows_kernel
 
     rows, ins = x.shape
     outs = qdata.shape[0]
@@ -178,7 +179,8 @@ def tokens_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     token_scales = torch.empty(rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(ins) if ins <= ONE_PASS_ROW else 1024
     quantize_rows_kernel[(rows,)](x, quantized, token_scales, ins, x.stride(0), BLOCK=block,
-                                  ONE_PASS=ins <= ONE_PASS_ROW, EXACT_FMA=x.is_cuda,
+                                  ONE_PASS=ins <= ONE_PASS_ROW,
+                                  RECIPROCAL_FROM=SMALLEST_NORMAL if x.is_cuda else math.inf,
                                   num_warps=min(16, max(4, block // 1024)))
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     int8_tokens_tiles_kernel[(triton.cdiv(rows, shape.rows), triton.cdiv(outs, shape.out))](

@@ -47,7 +47,7 @@ def add_shares(Shares, Out, count, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
 # 1.5 · 2**23: v + ROUNDING - ROUNDING is float32 v rounded half to even (|v| < 2**22)
 ROUNDING = tl.constexpr(12582912.0)
 ONE_127TH = tl.constexpr(0.007874015718698502)  # 1 / 127 rounded to float32
-SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)  # float32's: 2**-126
+SMALLEST_NORMAL = 2.0 ** -126  # float32's: a GPU's `RECIPROCAL_FROM` (`_rounded_int8`)
 
 
 @triton.jit
@@ -59,19 +59,17 @@ def _token_scale(most):
 
 
 @triton.jit
-def _rounded_int8(x, scale, inverse, EXACT_FMA: tl.constexpr):
+def _rounded_int8(x, scale, inverse, RECIPROCAL_FROM: tl.constexpr):
     """round(x / scale) as int8 (`inverse` = 1 / scale correctly rounded), with the quotient correctly rounded and
-    then rounded half to even, as torch's `(x / scale).round()`. EXACT_FMA (a GPU's fused multiply-add, rounded
-    once) and a normal scale: x · inverse corrected once by its exact residual, where a correctly rounded division
-    costs ~2.5× the quantizing kernel's time; equal to the division's for every float16 and bfloat16 value of x and
-    of the row's max (checked exhaustively on a GPU). Else (a subnormal scale: a row's max under ~1.5e-36; Triton's
-    interpreter, whose fma rounds the product first) the division."""
-    if EXACT_FMA:
-        if scale >= SMALLEST_NORMAL:
-            quotient = x * inverse
-            quotient = tl.math.fma(tl.math.fma(-quotient, scale, x), inverse, quotient)
-        else:
-            quotient = tl.math.div_rn(x, scale)
+    then rounded half to even, as torch's `(x / scale).round()`. A scale of at least RECIPROCAL_FROM: x · inverse
+    corrected once by its exact residual (fused multiply-adds, rounded once), where a correctly rounded division
+    costs ~2.5× the quantizing kernel's time; on a GPU (RECIPROCAL_FROM = SMALLEST_NORMAL) equal to the division's
+    for every float16 and bfloat16 value of x and of the row's max (checked exhaustively). A smaller scale (a
+    subnormal one: a row's max under ~1.5e-36; any in Triton's interpreter, whose fma rounds the product first, where
+    RECIPROCAL_FROM is inf): the division."""
+    if scale >= RECIPROCAL_FROM:
+        quotient = x * inverse
+        quotient = tl.math.fma(tl.math.fma(-quotient, scale, x), inverse, quotient)
     else:
         quotient = tl.math.div_rn(x, scale)
     return ((quotient + ROUNDING) - ROUNDING).to(tl.int8)
@@ -79,16 +77,16 @@ def _rounded_int8(x, scale, inverse, EXACT_FMA: tl.constexpr):
 
 @triton.jit
 def quantize_rows_kernel(X, Q, Scales, ins, x_row, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                         EXACT_FMA: tl.constexpr):
+                         RECIPROCAL_FROM: tl.constexpr):
     """Q[r] = round(X[r] / Scales[r]) in int8 (Q contiguous), Scales[r] = max |X[r]| / 127 (program r: one row,
     float32 arithmetic); an all-zero row gets scale 1. ONE_PASS: the row fits one BLOCK (read once), else twice.
-    EXACT_FMA: the GPU's fused multiply-add (`_rounded_int8`)."""
+    RECIPROCAL_FROM: the smallest scale quantized by its reciprocal (`_rounded_int8`)."""
     row = tl.program_id(0)
     if ONE_PASS:
         inner = tl.arange(0, BLOCK)
         x = tl.load(X + row * x_row + inner, mask=inner < ins, other=0.0).to(tl.float32)
         scale, inverse = _token_scale(tl.max(tl.abs(x), axis=0))
-        tl.store(Q + row * ins + inner, _rounded_int8(x, scale, inverse, EXACT_FMA), mask=inner < ins)
+        tl.store(Q + row * ins + inner, _rounded_int8(x, scale, inverse, RECIPROCAL_FROM), mask=inner < ins)
     else:
         biggest = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, ins, BLOCK):
@@ -99,7 +97,7 @@ def quantize_rows_kernel(X, Q, Scales, ins, x_row, BLOCK: tl.constexpr, ONE_PASS
         for start in range(0, ins, BLOCK):
             inner = start + tl.arange(0, BLOCK)
             x = tl.load(X + row * x_row + inner, mask=inner < ins, other=0.0).to(tl.float32)
-            tl.store(Q + row * ins + inner, _rounded_int8(x, scale, inverse, EXACT_FMA), mask=inner < ins)
+            tl.store(Q + row * ins + inner, _rounded_int8(x, scale, inverse, RECIPROCAL_FROM), mask=inner < ins)
     tl.store(Scales + row, scale)
 
 

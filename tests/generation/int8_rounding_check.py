@@ -8,10 +8,10 @@ from devmap.generation.int8_products_kernel import ROUNDING, _rounded_int8, _tok
 
 
 @triton.jit
-def rounding_mismatches_kernel(Values, Mismatches, count, BLOCK: tl.constexpr):
+def rounding_mismatches_kernel(Values, Mismatches, count, BLOCK: tl.constexpr, RECIPROCAL_FROM: tl.constexpr):
     """Mismatches[i] += the values v ≤ Values[i] (Values: positive, ascending) whose int8 by the kernels' arithmetic
     differs from round-half-to-even of the correctly rounded v / scale, the scale of a row whose max is Values[i]
-    (both signs of v: the kernels' arithmetic is odd in v)."""
+    (both signs of v: the kernels' arithmetic is odd in v), scales from RECIPROCAL_FROM on by their reciprocal."""
     most = tl.load(Values + tl.program_id(0))
     place = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     value = tl.load(Values + place, mask=place < count, other=0.0)
@@ -21,5 +21,5 @@ def rounding_mismatches_kernel(Values, Mismatches, count, BLOCK: tl.constexpr):
     for sign in tl.static_range(2):
         x = value * (1.0 - 2.0 * sign)
         exact = ((tl.math.div_rn(x, scale) + ROUNDING) - ROUNDING).to(tl.int8)
-        wrong += (keep & (_rounded_int8(x, scale, inverse, True) != exact)).to(tl.int32)
+        wrong += (keep & (_rounded_int8(x, scale, inverse, RECIPROCAL_FROM) != exact)).to(tl.int32)
     tl.atomic_add(Mismatches + tl.program_id(0), tl.sum(wrong, axis=0))

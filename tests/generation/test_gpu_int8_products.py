@@ -56,15 +56,15 @@ def test_tokens_round_as_torch_for_every_value_of_the_dtype(dtype):
     """A token's int8 (x · 1/scale corrected by its residual, rounded half to even) equals torch's
     `(x / scale).round()` for every finite value of the dtype as the row's max and every value up to it: exhaustive
     (~10⁹ pairs), then the kernel against torch itself on rows with exact halves."""
-    from devmap.generation.int8_products_kernel import quantize_rows_kernel
+    from devmap.generation.int8_products_kernel import SMALLEST_NORMAL, quantize_rows_kernel
 
     from int8_rounding_check import rounding_mismatches_kernel  # beside this file (pytest puts its folder on the path)
 
     bits = torch.arange(1, 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
     values = bits[torch.isfinite(bits)].float().cuda()  # ascending: the positive patterns in order
     mismatches = torch.zeros(values.numel(), dtype=torch.int32, device="cuda")
-    rounding_mismatches_kernel[(values.numel(), -(-values.numel() // 1024))](values, mismatches, values.numel(),
-                                                                              BLOCK=1024)
+    rounding_mismatches_kernel[(values.numel(), -(-values.numel() // 1024))](
+        values, mismatches, values.numel(), BLOCK=1024, RECIPROCAL_FROM=SMALLEST_NORMAL)
     wrong = mismatches.nonzero().flatten()
     assert wrong.numel() == 0, f"{int(mismatches.sum())} mismatches, row maxima {values[wrong[:8]].tolist()}"
     torch.manual_seed(0)
@@ -78,7 +78,7 @@ def test_tokens_round_as_torch_for_every_value_of_the_dtype(dtype):
         quantized = torch.empty(rows.shape, dtype=torch.int8, device="cuda")
         scales = torch.empty(64, device="cuda")
         quantize_rows_kernel[(64,)](rows, quantized, scales, rows.shape[1], rows.stride(0), BLOCK=block,
-                                    ONE_PASS=one_pass, EXACT_FMA=True, num_warps=8)
+                                    ONE_PASS=one_pass, RECIPROCAL_FROM=SMALLEST_NORMAL, num_warps=8)
         want_scales = rows.float().abs().amax(1) / 127
         want_scales[1] = 1
         assert torch.equal(scales, want_scales)
