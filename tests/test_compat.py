@@ -293,7 +293,7 @@ def test_gluon_names_build_hoppers_four_bit_kernel_for_sm90(levels):
     from devmap.generation.four_bit_products_wgmma import WgmmaShape, compile_sm90
 
     ptx = LEVELS_PTX[torch.bfloat16] if levels == "int4" else table_ptx(torch.bfloat16, tuple(range(-8, 8)))
-    for shape, group in ((WgmmaShape(64, 64, 4, 1), 128), (WgmmaShape(256, 128, 3, 2), 64),
-                         (WgmmaShape(160, 128, 3, 1, 32), 128)):
-        kernel = compile_sm90(shape, group, torch.bfloat16, ptx)
+    for shape, span, paired in ((WgmmaShape(64, 64, 4, 1), 128, False), (WgmmaShape(256, 128, 2, 2), 128, True),
+                                (WgmmaShape(160, 128, 3, 1, 32), 128, False), (WgmmaShape(64, 64, 3, 1), 64, True)):
+        kernel = compile_sm90(shape, span, torch.bfloat16, ptx, paired)
         assert "wgmma.mma_async" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"]

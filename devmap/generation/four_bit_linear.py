@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..compat import bitsandbytes_four_bit_levels, device_hook_moved, torchao_int4_levels
-from .four_bit_products import INT4_LEVELS, FourBitWeight, four_bit_product, packed_halves
+from .four_bit_products import INT4_LEVELS, FourBitWeight, four_bit_product, packed_halves, span_of
 
 
 class FourBitLinear(nn.Module):
@@ -46,14 +46,14 @@ def four_bit_weight(linear: nn.Module) -> FourBitWeight | None:
     parts = torchao_int4_levels(weight)
     if parts is not None:
         q, scale, zero = parts
-        return FourBitWeight(packed_halves(q, q.shape[1] // scale.shape[1]), scale, zero)
+        return FourBitWeight(packed_halves(q, span_of(q.shape[1], q.shape[1] // scale.shape[1])), scale, zero)
     table = bitsandbytes_four_bit_levels(weight)
     if table is None:
         return None
     q, absmax, levels, dtype = table
     scale = absmax.to(dtype)
-    return FourBitWeight(packed_halves(q, q.shape[1] // scale.shape[1]), scale, torch.zeros_like(scale),
-                         tuple(levels))
+    span = span_of(q.shape[1], q.shape[1] // scale.shape[1])
+    return FourBitWeight(packed_halves(q, span), scale, torch.zeros_like(scale), tuple(levels))
 
 
 @torch.no_grad()

@@ -50,6 +50,8 @@ WIDE_ROWS = 128  # rows up to which (from DECODE_ROWS on) a block of 64 output c
 TILED_ROWS = 256  # rows up to which int4 runs the rows kernel, every row in one block of 128 output columns beyond
 # WIDE_ROWS (then values + cuBLAS: equal at 288 rows, H200)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+SPAN = 128  # weights of an output row the kernels take a step at the least where two groups make them (nf4's groups
+# of 64 in pairs: a 13B layer's products at 32 rows, H200, took 1.5x the time with one group a step)
 
 
 INT4_LEVELS = tuple(float(q - 8) for q in range(16))  # int4's levels (torchao, tinygemm's formula)
@@ -71,6 +73,17 @@ class FourBitWeight(NamedTuple):
         return 2 * self.packed.shape[1] // self.scale.shape[1]
 
     @property
+    def span(self) -> int:
+        """Weights of an output row whose bytes hold them (`span_of`)."""
+        return span_of(self.shape[1], self.group)
+
+    @property
+    def paired(self) -> bool:
+        """Whether a span is two groups: the first group's weights in its bytes' low halves, the second's in the high
+        halves."""
+        return self.span != self.group
+
+    @property
     def affine(self) -> bool:
         """Whether the levels are int4's (q - 8), which the kernels make without a table."""
         return tuple(self.levels) == INT4_LEVELS
@@ -84,15 +97,22 @@ class FourBitWeight(NamedTuple):
         return self.packed.shape[0], 2 * self.packed.shape[1]
 
 
-def packed_halves(q: torch.Tensor, group: int) -> torch.Tensor:
-    """Levels `q` (outs × ins, 0..15) two a byte: in each group, the first half in the low halves of its bytes."""
-    grouped = q.to(torch.uint8).reshape(q.shape[0], -1, 2, group // 2)
-    return (grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
+def span_of(ins: int, group: int) -> int:
+    """The weights of an output row whose bytes hold them (their first half in the low halves, the second in the high
+    halves) for an inner dimension of `ins` in groups of `group`: two groups where they make at most SPAN weights and
+    `ins` holds whole pairs, else one."""
+    return 2 * group if 2 * group <= SPAN and ins % (2 * group) == 0 else group
 
 
-def levels(packed: torch.Tensor, group: int) -> torch.Tensor:
-    """The levels (outs × ins, uint8 0..15) that `packed` holds."""
-    grouped = packed.reshape(packed.shape[0], -1, 1, group // 2)
+def packed_halves(q: torch.Tensor, span: int) -> torch.Tensor:
+    """Levels `q` (outs × ins, 0..15) two a byte: in each span, the first half in the low halves of its bytes."""
+    spans = q.to(torch.uint8).reshape(q.shape[0], -1, 2, span // 2)
+    return (spans[:, :, 0] | (spans[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
+
+
+def levels(packed: torch.Tensor, span: int) -> torch.Tensor:
+    """The levels (outs × ins, uint8 0..15) that `packed` holds (its spans of `span` weights)."""
+    grouped = packed.reshape(packed.shape[0], -1, 1, span // 2)
     return torch.cat([grouped & 15, grouped >> 4], dim=2).reshape(packed.shape[0], -1)
 
 
@@ -106,14 +126,14 @@ def quantize_int4(weight: torch.Tensor, group: int = 128) -> FourBitWeight:
     low, high = grouped.amin(-1), grouped.amax(-1)
     scale = ((high - low) / 15).clamp(min=1e-6)
     q = ((grouped - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(outs, ins)
-    return FourBitWeight(packed_halves(q, group), scale.to(weight.dtype).contiguous(),
+    return FourBitWeight(packed_halves(q, span_of(ins, group)), scale.to(weight.dtype).contiguous(),
                          (low + 8 * scale).to(weight.dtype).contiguous())
 
 
 def dequantize(weight: FourBitWeight, dtype: torch.dtype) -> torch.Tensor:
     """The full-precision weight (outs × ins) the 4 bits stand for, in `dtype` (computed in float32)."""
     outs, ins = weight.shape
-    q = levels(weight.packed, weight.group)
+    q = levels(weight.packed, weight.span)
     level = q.float() - 8 if weight.affine else level_table(weight.levels, q.device, weight.scale.dtype)[q.long()]
     grouped = level.reshape(outs, -1, weight.group) * weight.scale.float()[..., None]
     grouped = grouped + weight.zero.float()[..., None]
@@ -121,11 +141,12 @@ def dequantize(weight: FourBitWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def kernel_applies(x: torch.Tensor, weight: FourBitWeight) -> bool:
-    """Whether `four_bit_product` runs the kernel for `x` (rows × in): CUDA, half precision, contiguous parts, groups
-    of at least 32 that are a power of two."""
+    """Whether `four_bit_product` runs the kernel for `x` (rows × in): CUDA, half precision, contiguous parts (the
+    bytes from an even address: read two at a time), groups of at least 32 that are a power of two."""
     group = weight.group
     return (x.is_cuda and x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.stride(1) == 1
-            and all(t.is_contiguous() for t in weight.tensors) and group >= 32 and group & (group - 1) == 0)
+            and all(t.is_contiguous() for t in weight.tensors) and weight.packed.data_ptr() % 2 == 0
+            and group >= 32 and group & (group - 1) == 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,7 +165,7 @@ def wgmma_levels(x: torch.Tensor, weight: FourBitWeight) -> str:
     zeros in one dtype), groups of at most 128 and what TMA reads aligned to 16 bytes; else ""."""
     from .four_bit_products_kernel import levels_ptx
 
-    if not (_hopper(x.device) and weight.group <= 128 and (x.stride(0) * x.element_size()) % 16 == 0
+    if not (_hopper(x.device) and weight.span <= SPAN and (x.stride(0) * x.element_size()) % 16 == 0
             and x.data_ptr() % 16 == 0 and weight.packed.stride(0) % 16 == 0 and weight.packed.data_ptr() % 16 == 0):
         return ""
     return levels_ptx(x.dtype, weight)
@@ -212,6 +233,7 @@ class BlockShape(NamedTuple):
     warps: int = 4
     stages: int = 3
     rows: int = 0
+    words: int = 1
 
 
 def block_shape(rows: int, outs: int, groups: int) -> BlockShape:
@@ -235,22 +257,23 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     rule)."""
     import triton
 
-    from .four_bit_products_kernel import four_bit_rows_kernel, levels_ptx
+    from .four_bit_products_kernel import constraints, four_bit_rows_kernel, levels_ptx
     from .int8_products_kernel import add_shares
 
     rows, ins = x.shape
     outs, groups = weight.packed.shape[0], weight.scale.shape[1]
-    shape = shape or block_shape(rows, outs, groups)
+    shape = shape or block_shape(rows, outs, ins // weight.span)
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)
     block_rows = shape.rows or max(16, triton.next_power_of_2(rows))
-    ptx = levels_ptx(x.dtype, weight)
+    ptx = levels_ptx(x.dtype, weight, shape.words)
     table = kernel_table(weight, x.device)
     four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
         x, weight.packed, weight.scale, weight.zero, table, shares, rows, outs, ins, x.stride(0),
-        weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, BLOCK_ROWS=block_rows,
-        BLOCK_OUT=shape.out, SPLIT=shape.splits, PATTERN=bool(ptx), LEVELS=ptx, TABLE=not weight.affine,
+        weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, PAIRED=weight.paired,
+        BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out, SPLIT=shape.splits, PATTERN=bool(ptx), LEVELS=ptx,
+        OPERANDS=constraints(shape.words), WORDS=shape.words, TABLE=not weight.affine,
         num_warps=shape.warps, num_stages=shape.stages)
     if shape.splits > 1:
         add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
@@ -266,9 +289,9 @@ def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> to
     outs, ins = weight.shape
     out = torch.empty((outs, ins), dtype=dtype, device=weight.packed.device)
     table = kernel_table(weight, out.device)
-    four_bit_values_kernel[(triton.cdiv(outs, block_out), weight.scale.shape[1])](
+    four_bit_values_kernel[(triton.cdiv(outs, block_out), ins // weight.span)](
         weight.packed, weight.scale, weight.zero, table, out, outs, weight.packed.stride(0), weight.scale.shape[1], ins,
-        GROUP=weight.group, BLOCK_OUT=block_out, TABLE=not weight.affine)
+        GROUP=weight.group, PAIRED=weight.paired, BLOCK_OUT=block_out, TABLE=not weight.affine)
     return out
 
 

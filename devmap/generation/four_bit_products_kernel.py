@@ -23,137 +23,197 @@ import triton.language as tl
 
 
 @triton.jit
-def _values(packed, Scale, Zero, Levels, out, scale_row, group, keep_outs, TABLE: tl.constexpr):
-    """The weights (float32) that the low and high halves of `packed` (outputs `out` × half a group) stand for:
-    level(q) · scale + zero, the group's scale and zero of each output; level(q) = q - 8 (int4), or with TABLE
-    Levels[q] (16 float32 values: nf4's)."""
+def _half_values(q, Scale, Zero, Levels, out, scale_row, group, keep_outs, TABLE: tl.constexpr):
+    """The weights (float32) that levels `q` (outputs `out` × half a span) of `group` stand for: level(q) · scale +
+    zero, the group's scale and zero of each output; level(q) = q - 8 (int4), or with TABLE Levels[q] (16 float32
+    values: nf4's)."""
     scale = tl.load(Scale + out * scale_row + group, mask=keep_outs, other=0.0).to(tl.float32)[:, None]
     zero = tl.load(Zero + out * scale_row + group, mask=keep_outs, other=0.0).to(tl.float32)[:, None]
     if TABLE:
-        return (tl.load(Levels + (packed & 15).to(tl.int32)) * scale + zero,
-                tl.load(Levels + (packed >> 4).to(tl.int32)) * scale + zero)
-    offset = zero - 8.0 * scale
-    return (packed & 15).to(tl.float32) * scale + offset, (packed >> 4).to(tl.float32) * scale + offset
+        return tl.load(Levels + q.to(tl.int32)) * scale + zero
+    return q.to(tl.float32) * scale + (zero - 8.0 * scale)
 
 
-_WEIGHTS_PTX = """fma.rn.{fma} $0, t0, $5, $7;
-fma.rn.{fma} $1, t1, $6, $8;
-fma.rn.{fma} $2, u0, $5, $7;
-fma.rn.{fma} $3, u1, $6, $8;
-}}"""
+@triton.jit
+def _values(packed, Scale, Zero, Levels, out, scale_row, span, keep_outs, TABLE: tl.constexpr,
+            PAIRED: tl.constexpr):
+    """The weights (float32) that the low and high halves of `packed` (outputs `out` × half a span) stand for: both
+    of the span's group, or with PAIRED the low halves of its first group and the high halves of its second."""
+    low = span * 2 if PAIRED else span
+    high = low + 1 if PAIRED else low
+    return (_half_values(packed & 15, Scale, Zero, Levels, out, scale_row, low, keep_outs, TABLE),
+            _half_values(packed >> 4, Scale, Zero, Levels, out, scale_row, high, keep_outs, TABLE))
 
 
-def _levels_ptx(magic: int, one: int, minus: int, fma: str) -> str:
-    """PTX turning 4 bytes of levels (pack=4: weights j..j+3 in the low halves, GROUP / 2 + j.. in the high halves)
-    and each weight's scale and zero (half precision, two a register) into the weights, two a register: each level
-    set into the mantissa of `magic` (a power of two whose unit in the last place is 1: magic + q, one LOP3 per two
-    weights), `minus` (-(magic + 8)) added exactly (a fused multiply-add by `one`), then (q - 8) · scale + zero in
-    one fused multiply-add (rounded once)."""
-    return f"""{{
-.reg .b32 t0, t1, u0, u1, nothing, nibbles, magic, one, minus;
-mov.b32 nothing, 0;
-mov.b32 nibbles, 0x000F000F;
-mov.b32 magic, {magic:#x};
-mov.b32 one, {one:#x};
-mov.b32 minus, {minus:#x};
-prmt.b32 t0, $4, nothing, 0x4140;
-prmt.b32 t1, $4, nothing, 0x4342;
-shr.b32 u0, t0, 4;
-shr.b32 u1, t1, 4;
-lop3.b32 t0, t0, nibbles, magic, 0xEA;
-lop3.b32 t1, t1, nibbles, magic, 0xEA;
-lop3.b32 u0, u0, nibbles, magic, 0xEA;
-lop3.b32 u1, u1, nibbles, magic, 0xEA;
-fma.rn.{fma} t0, t0, one, minus;
-fma.rn.{fma} t1, t1, one, minus;
-fma.rn.{fma} u0, u0, one, minus;
-fma.rn.{fma} u1, u1, one, minus;
-""" + _WEIGHTS_PTX.format(fma=fma)
+def _weights_ptx(words: int, fma: str) -> str:
+    """The PTX that ends `_levels_ptx`'s and `_table_ptx`'s: each word's levels (t0/t1: its low halves, u0/u1: its
+    high halves, two a register) times their scale plus their zero in one fused multiply-add, into the outputs."""
+    pairs = 2 * words
+    scale, zero, high_scale, high_zero = (4 * words + words + k * pairs for k in range(4))
+    lines = []
+    for word in range(words):
+        for i in range(2):
+            e = 2 * word + i
+            lines += [f"fma.rn.{fma} ${e}, t{i}_{word}, ${scale + e}, ${zero + e};",
+                      f"fma.rn.{fma} ${pairs + e}, u{i}_{word}, ${high_scale + e}, ${high_zero + e};"]
+    return "\n".join(lines) + "\n}"
+
+
+def constraints(words: int) -> str:
+    """The operands of a PTX of `words` words: per pair of bytes (two a word) its low halves' two weights and its
+    high halves' (a register each: outputs), the words, then per pair of bytes the scale, the zero, the high halves'
+    scale and zero (a register each, the two weights' value twice)."""
+    return ",".join(["=r"] * 4 * words + ["r"] * 9 * words)
+
+
+def _levels_ptx(magic: int, one: int, minus: int, fma: str, words: int) -> str:
+    """PTX turning `words` words of levels (4 bytes each: weights j..j+3 in the low halves, SPAN / 2 + j.. in the
+    high halves) and their scales and zeros (`constraints`) into the weights, two a register: each level set into
+    the mantissa of `magic` (a power of two whose unit in the last place is 1: magic + q, one LOP3 per two weights),
+    `minus` (-(magic + 8)) added exactly (a fused multiply-add by `one`), then (q - 8) · scale + zero in one fused
+    multiply-add (rounded once)."""
+    names = ", ".join(f"t0_{w}, t1_{w}, u0_{w}, u1_{w}" for w in range(words))
+    lines = [f".reg .b32 {names}, nothing, nibbles, magic, one, minus;", "mov.b32 nothing, 0;",
+             "mov.b32 nibbles, 0x000F000F;", f"mov.b32 magic, {magic:#x};", f"mov.b32 one, {one:#x};",
+             f"mov.b32 minus, {minus:#x};"]
+    for w in range(words):
+        word = f"${4 * words + w}"
+        lines += [f"prmt.b32 t0_{w}, {word}, nothing, 0x4140;", f"prmt.b32 t1_{w}, {word}, nothing, 0x4342;",
+                  f"shr.b32 u0_{w}, t0_{w}, 4;", f"shr.b32 u1_{w}, t1_{w}, 4;"]
+        lines += [f"lop3.b32 {r}_{w}, {r}_{w}, nibbles, magic, 0xEA;" for r in ("t0", "t1", "u0", "u1")]
+        lines += [f"fma.rn.{fma} {r}_{w}, {r}_{w}, one, minus;" for r in ("t0", "t1", "u0", "u1")]
+    return "{\n" + "\n".join(lines) + "\n" + _weights_ptx(words, fma)
 
 
 # per dtype, two a register: the magic (bfloat16 0x4300 = 128: 128 + q; float16 0x6400 = 1024: 1024 + q), one,
 # minus (magic + 8) and the fused multiply-add's type (a table's PTX uses it too)
 LEVEL_PATTERNS = {torch.bfloat16: (0x43004300, 0x3F803F80, 0xC308C308, "bf16x2"),
                   torch.float16: (0x64006400, 0x3C003C00, 0xE408E408, "f16x2")}
-LEVELS_PTX = {dtype: _levels_ptx(*pattern) for dtype, pattern in LEVEL_PATTERNS.items()}
-
-
-def _table_ptx(low: list[int], high: list[int], fma: str) -> str:
-    """PTX turning 4 bytes of levels (as `_levels_ptx`'s) into the weights by a table of 16 half-precision values
-    (`low` and `high`: their bytes): each level's three low bits pick a byte of the table's first or second half
-    (PRMT, four levels at a time, the raw halves of two bytes as its selector), the level's top bit picks the half
-    (LOP3), the two bytes of each value are paired (PRMT), then level · scale + zero in one fused multiply-add."""
-    words = [f"mov.b32 {name}{i}, {sum(b << 8 * j for j, b in enumerate(bytes_[4 * i:4 * i + 4])):#x};"
-             for name, bytes_ in (("lo", low), ("hi", high)) for i in range(4)]
-    lines = [".reg .b32 lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, pick, idx, top, a, b, pl, ph, t0, t1, u0, u1;",
-             *words, "mov.b32 pick, 0x0000FF00;", "and.b32 idx, $4, 0x77777777;", "shr.b32 top, $4, 3;",
-             "and.b32 top, top, 0x11111111;"]
-    for half, (t, u) in enumerate((("t0", "u0"), ("t1", "u1"))):
-        if half:
-            lines += ["shr.b32 idx, idx, 16;", "shr.b32 top, top, 16;"]
-        lines += ["prmt.b32 a, pick, pick, top;",  # 0xFF for each of the four levels above 7
-                  "prmt.b32 pl, lo0, lo1, idx;", "prmt.b32 b, lo2, lo3, idx;", "lop3.b32 pl, pl, b, a, 0xD8;",
-                  "prmt.b32 ph, hi0, hi1, idx;", "prmt.b32 b, hi2, hi3, idx;", "lop3.b32 ph, ph, b, a, 0xD8;",
-                  f"prmt.b32 {t}, pl, ph, 0x6240;", f"prmt.b32 {u}, pl, ph, 0x7351;"]
-    return "{\n" + "\n".join(lines) + "\n" + _WEIGHTS_PTX.format(fma=fma)
 
 
 @functools.lru_cache(maxsize=None)
-def table_ptx(dtype: torch.dtype, levels: tuple[float, ...]) -> str:
-    """`_table_ptx` for 16 levels, each rounded to `dtype` (half precision)."""
+def int4_ptx(dtype: torch.dtype, words: int = 1) -> str:
+    """`_levels_ptx` for `dtype` (half precision) and `words` words."""
+    return _levels_ptx(*LEVEL_PATTERNS[dtype], words)
+
+
+LEVELS_PTX = {dtype: int4_ptx(dtype) for dtype in LEVEL_PATTERNS}  # a word at a time: Hopper's kernel's
+
+
+def _table_ptx(low: list[int], high: list[int], fma: str, words: int) -> str:
+    """PTX turning `words` words of levels (as `_levels_ptx`'s) into the weights by a table of 16 half-precision
+    values (`low` and `high`: their bytes, in registers once for every word): each level's three low bits pick a
+    byte of the table's first or second half (PRMT, four levels at a time, the raw halves of two bytes as its
+    selector), the level's top bit picks the half (LOP3), the two bytes of each value are paired (PRMT), then level ·
+    scale + zero in one fused multiply-add."""
+    table = [f"mov.b32 {name}{i}, {sum(b << 8 * j for j, b in enumerate(bytes_[4 * i:4 * i + 4])):#x};"
+             for name, bytes_ in (("lo", low), ("hi", high)) for i in range(4)]
+    names = ", ".join(f"t0_{w}, t1_{w}, u0_{w}, u1_{w}" for w in range(words))
+    lines = [f".reg .b32 lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, pick, idx, top, a, b, pl, ph, {names};", *table,
+             "mov.b32 pick, 0x0000FF00;"]
+    for w in range(words):
+        word = f"${4 * words + w}"
+        lines += [f"and.b32 idx, {word}, 0x77777777;", f"shr.b32 top, {word}, 3;", "and.b32 top, top, 0x11111111;"]
+        for half in range(2):
+            if half:
+                lines += ["shr.b32 idx, idx, 16;", "shr.b32 top, top, 16;"]
+            lines += ["prmt.b32 a, pick, pick, top;",  # 0xFF for each of the four levels above 7
+                      "prmt.b32 pl, lo0, lo1, idx;", "prmt.b32 b, lo2, lo3, idx;", "lop3.b32 pl, pl, b, a, 0xD8;",
+                      "prmt.b32 ph, hi0, hi1, idx;", "prmt.b32 b, hi2, hi3, idx;", "lop3.b32 ph, ph, b, a, 0xD8;",
+                      f"prmt.b32 t{half}_{w}, pl, ph, 0x6240;", f"prmt.b32 u{half}_{w}, pl, ph, 0x7351;"]
+    return "{\n" + "\n".join(lines) + "\n" + _weights_ptx(words, fma)
+
+
+@functools.lru_cache(maxsize=None)
+def table_ptx(dtype: torch.dtype, levels: tuple[float, ...], words: int = 1) -> str:
+    """`_table_ptx` for 16 levels, each rounded to `dtype` (half precision), and `words` words."""
     bits = [b & 0xFFFF for b in torch.tensor(levels, dtype=torch.float32).to(dtype).view(torch.int16).tolist()]
-    return _table_ptx([b & 0xFF for b in bits], [b >> 8 for b in bits], LEVEL_PATTERNS[dtype][3])
+    return _table_ptx([b & 0xFF for b in bits], [b >> 8 for b in bits], LEVEL_PATTERNS[dtype][3], words)
 
 
-def levels_ptx(dtype: torch.dtype, weight) -> str:
-    """The PTX that the kernels make a `FourBitWeight`'s values in `dtype` with: on CUDA, where `dtype`, the scales
-    and the zeros are one half-precision dtype, int4's bit patterns (`_levels_ptx`) or a table (`table_ptx`, nf4);
-    else "" (arithmetic in float32)."""
-    if not weight.packed.is_cuda or {dtype, weight.scale.dtype, weight.zero.dtype} != {dtype}:
+def levels_ptx(dtype: torch.dtype, weight, words: int = 1) -> str:
+    """The PTX that the kernels make a `FourBitWeight`'s values in `dtype` with, `words` words at a time: on CUDA,
+    where `dtype`, the scales and the zeros are one half-precision dtype, int4's bit patterns (`_levels_ptx`) or a
+    table (`table_ptx`, nf4); else "" (arithmetic in float32)."""
+    if not weight.packed.is_cuda or dtype not in LEVEL_PATTERNS or {weight.scale.dtype, weight.zero.dtype} != {dtype}:
         return ""
-    if weight.affine:
-        return LEVELS_PTX.get(dtype, "")
-    return table_ptx(dtype, tuple(weight.levels)) if dtype in LEVEL_PATTERNS else ""
+    return int4_ptx(dtype, words) if weight.affine else table_ptx(dtype, tuple(weight.levels), words)
 
 
 @triton.jit
-def _pattern_values(packed, Scale, Zero, out, scale_row, group, keep_outs, LEVELS: tl.constexpr):
-    """`_values` in half precision (Scale's and Zero's dtype) by `LEVELS`' PTX: no conversion per weight."""
-    scale = tl.load(Scale + out * scale_row + group, mask=keep_outs, other=0.0)[:, None]
-    zero = tl.load(Zero + out * scale_row + group, mask=keep_outs, other=0.0)[:, None]
-    scale, zero = tl.broadcast_to(scale, packed.shape), tl.broadcast_to(zero, packed.shape)
-    return tl.inline_asm_elementwise(LEVELS, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale, zero],
-                                     dtype=(scale.dtype, scale.dtype), is_pure=True, pack=4)
+def _doubled(Values, out, scale_row, group, keep_outs, shape):
+    """The scale or zero (`Values`: half precision) of `group` for each output, twice in a 32-bit word (as the PTX
+    takes a pair of weights' scale), broadcast to `shape`."""
+    bits = tl.load(Values + out * scale_row + group, mask=keep_outs, other=0.0).to(tl.uint16, bitcast=True)
+    bits = bits.to(tl.uint32)
+    return tl.broadcast_to((bits | (bits << 16))[:, None], shape)
+
+
+@triton.jit
+def _halves(words, dtype: tl.constexpr):
+    """Half-precision values two a 32-bit word (`words`: outputs × n) as outputs × 2n values of `dtype`, in order."""
+    first = (words & 0xFFFF).to(tl.uint16).to(dtype, bitcast=True)
+    second = (words >> 16).to(tl.uint16).to(dtype, bitcast=True)
+    return tl.reshape(tl.join(first, second), (words.shape[0], 2 * words.shape[1]))
+
+
+@triton.jit
+def _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS: tl.constexpr,
+                    OPERANDS: tl.constexpr, WORDS: tl.constexpr, PAIRED: tl.constexpr):
+    """`_values` in half precision (Scale's and Zero's dtype) by `LEVELS`' PTX from the bytes two at a time
+    (`pairs`: uint16, outputs × a quarter span), each pair's four weights made as two pairs of values: no conversion
+    per weight, and no byte taken apart and put together again on its way to the PTX (as a tensor of bytes was:
+    H200, 7% less time over a 13B layer's products at 1-32 rows)."""
+    low = span * 2 if PAIRED else span
+    high = low + 1 if PAIRED else low
+    scale = _doubled(Scale, out, scale_row, low, keep_outs, pairs.shape)
+    zero = _doubled(Zero, out, scale_row, low, keep_outs, pairs.shape)
+    high_scale, high_zero = scale, zero
+    if PAIRED:
+        high_scale = _doubled(Scale, out, scale_row, high, keep_outs, pairs.shape)
+        high_zero = _doubled(Zero, out, scale_row, high, keep_outs, pairs.shape)
+    low_words, high_words = tl.inline_asm_elementwise(LEVELS, OPERANDS, [pairs, scale, zero, high_scale, high_zero],
+                                                      dtype=(tl.uint32, tl.uint32), is_pure=True, pack=2 * WORDS)
+    dtype: tl.constexpr = Scale.dtype.element_ty
+    return _halves(low_words, dtype), _halves(high_words, dtype)
 
 
 @triton.jit
 def four_bit_rows_kernel(X, W, Scale, Zero, Levels, Out, rows, outs, ins, x_row, w_row, scale_row, out_row,
-                         out_split, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_OUT: tl.constexpr,
-                         SPLIT: tl.constexpr, PATTERN: tl.constexpr, LEVELS: tl.constexpr, TABLE: tl.constexpr):
-    """Out[s, rows, outs] = X[rows, ins] · Wᵀ over every SPLIT-th group of the inner dimension from group s on
+                         out_split, GROUP: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                         BLOCK_OUT: tl.constexpr, SPLIT: tl.constexpr, PATTERN: tl.constexpr, LEVELS: tl.constexpr,
+                         OPERANDS: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr):
+    """Out[s, rows, outs] = X[rows, ins] · Wᵀ over every SPLIT-th span of the inner dimension from span s on
     (program (o, s, r), r the block of rows), in float32, W[o, i] = level(q) · Scale[o, g] + Zero[o, g], g = i //
-    GROUP (`_values`: int4, or nf4's table with TABLE). The weights are the products' first operand (W · Xᵀ), made
-    in the registers the tensor cores read them from (as the second operand they went through shared memory: ~10%
-    slower over a 13B layer, H200): with PATTERN by `LEVELS`' PTX (`levels_ptx`: X's, Scale's and Zero's dtype),
-    else in float32 and converted (Triton's interpreter)."""
-    HALF: tl.constexpr = GROUP // 2
+    GROUP (`_values`: int4, or nf4's table with TABLE), a span a group or with PAIRED two. The weights are the
+    products' first operand (W · Xᵀ), made in the registers the tensor cores read them from (as the second operand
+    they went through shared memory: ~10% slower over a 13B layer, H200): with PATTERN by `LEVELS`' PTX
+    (`levels_ptx`: X's, Scale's and Zero's dtype), else in float32 and converted (Triton's interpreter)."""
+    SPAN: tl.constexpr = GROUP * 2 if PAIRED else GROUP
+    HALF: tl.constexpr = SPAN // 2
+    PAIRS: tl.constexpr = HALF // 2
     block = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     out = block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     half = tl.arange(0, HALF)
+    pair = tl.arange(0, PAIRS)
     keep_rows = row[None, :] < rows
     keep_outs = out < outs
+    byte_pairs = W.to(tl.pointer_type(tl.uint16))
     acc = tl.zeros((BLOCK_OUT, BLOCK_ROWS), dtype=tl.float32)
-    for group in range(split, ins // GROUP, SPLIT):
-        inputs = X + row[None, :] * x_row + group * GROUP + half[:, None]
+    for span in range(split, ins // SPAN, SPLIT):
+        inputs = X + row[None, :] * x_row + span * SPAN + half[:, None]
         x_low = tl.load(inputs, mask=keep_rows, other=0.0)
         x_high = tl.load(inputs + HALF, mask=keep_rows, other=0.0)
-        packed = tl.load(W + out[:, None] * w_row + group * HALF + half[None, :], mask=keep_outs[:, None], other=0)
+        pairs = tl.load(byte_pairs + out[:, None] * (w_row // 2) + span * PAIRS + pair[None, :],
+                        mask=keep_outs[:, None], other=0)
         if PATTERN:
-            low, high = _pattern_values(packed, Scale, Zero, out, scale_row, group, keep_outs, LEVELS)
+            low, high = _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS, OPERANDS, WORDS,
+                                        PAIRED)
         else:
-            low, high = _values(packed, Scale, Zero, Levels, out, scale_row, group, keep_outs, TABLE)
+            packed = tl.reshape(tl.join(pairs & 0xFF, pairs >> 8), (BLOCK_OUT, HALF)).to(tl.uint8)
+            low, high = _values(packed, Scale, Zero, Levels, out, scale_row, span, keep_outs, TABLE, PAIRED)
         acc += tl.dot(low.to(x_low.dtype), x_low)
         acc += tl.dot(high.to(x_low.dtype), x_high)
     tl.store(Out + split * out_split + row[None, :] * out_row + out[:, None], acc.to(Out.dtype.element_ty),
@@ -162,17 +222,18 @@ def four_bit_rows_kernel(X, W, Scale, Zero, Levels, Out, rows, outs, ins, x_row,
 
 @triton.jit
 def four_bit_values_kernel(W, Scale, Zero, Levels, Out, outs, w_row, scale_row, out_row, GROUP: tl.constexpr,
-                           BLOCK_OUT: tl.constexpr, TABLE: tl.constexpr):
+                           PAIRED: tl.constexpr, BLOCK_OUT: tl.constexpr, TABLE: tl.constexpr):
     """Out[o, i] = W[o, i] (as in `four_bit_rows_kernel`, computed in float32) in Out's dtype, for the block of
-    output columns program_id(0) and the group program_id(1). Bound by writing them: the rows kernel's bit patterns
+    output columns program_id(0) and the span program_id(1). Bound by writing them: the rows kernel's bit patterns
     made it no faster (13B layer, H200: 257 µs either way, 73% of the copy bandwidth)."""
-    HALF: tl.constexpr = GROUP // 2
+    SPAN: tl.constexpr = GROUP * 2 if PAIRED else GROUP
+    HALF: tl.constexpr = SPAN // 2
     out = tl.program_id(0) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    group = tl.program_id(1)
+    span = tl.program_id(1)
     half = tl.arange(0, HALF)
     keep = out[:, None] < outs
-    packed = tl.load(W + out[:, None] * w_row + group * HALF + half[None, :], mask=keep, other=0)
-    low, high = _values(packed, Scale, Zero, Levels, out, scale_row, group, out < outs, TABLE)
-    values = Out + out[:, None] * out_row + group * GROUP + half[None, :]
+    packed = tl.load(W + out[:, None] * w_row + span * HALF + half[None, :], mask=keep, other=0)
+    low, high = _values(packed, Scale, Zero, Levels, out, scale_row, span, out < outs, TABLE, PAIRED)
+    values = Out + out[:, None] * out_row + span * SPAN + half[None, :]
     tl.store(values, low.to(Out.dtype.element_ty), mask=keep)
     tl.store(values + HALF, high.to(Out.dtype.element_ty), mask=keep)

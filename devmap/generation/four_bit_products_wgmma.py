@@ -27,16 +27,34 @@ import triton
 
 from ..compat.gluon import (TensorDescriptor, cta_barrier, descriptor_type, fence_async_shared, gl, gluon, mbarrier,
                             sm90_compile, tma_load, warpgroup_mma, warpgroup_mma_wait)
+from .four_bit_products import span_of
 from .int8_products import PROGRAMS
 from .int8_products_kernel import add_shares
 
 
 @gluon.jit
-def _weights(packed, scale, zero, LEVELS: gl.constexpr):
+def _span_scales(scales, zeros, span, keep, PAIRED: gl.constexpr):
+    """The scale and zero (each output's) of the group of a span's low halves, then of its high halves' (the same
+    group unless PAIRED: the span's two groups)."""
+    low = span * 2 if PAIRED else span
+    scale = gl.load(scales + low, mask=keep, other=0.0)
+    zero = gl.load(zeros + low, mask=keep, other=0.0)
+    high_scale, high_zero = scale, zero
+    if PAIRED:
+        high_scale = gl.load(scales + low + 1, mask=keep, other=0.0)
+        high_zero = gl.load(zeros + low + 1, mask=keep, other=0.0)
+    return scale, zero, high_scale, high_zero
+
+
+@gluon.jit
+def _weights(packed, scale, zero, high_scale, high_zero, LEVELS: gl.constexpr):
     """The low- and high-half weights of `packed` (uint8, the first operand's layout) in the scales' dtype."""
     scales, levels = gl.broadcast(scale[:, None], packed)
     zeros, _ = gl.broadcast(zero[:, None], packed)
-    return gl.inline_asm_elementwise(LEVELS, "=r,=r,=r,=r,r,r,r,r,r", [levels, scales, zeros],
+    high_scales, _ = gl.broadcast(high_scale[:, None], packed)
+    high_zeros, _ = gl.broadcast(high_zero[:, None], packed)
+    return gl.inline_asm_elementwise(LEVELS, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                     [levels, scales, zeros, high_scales, high_zeros],
                                      dtype=(scale.dtype, scale.dtype), is_pure=True, pack=4)
 
 
@@ -63,16 +81,18 @@ def _store(acc, Out, rows, outs, row0, out0, out_row, layout: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["rows", "out_split", "splits"])  # one compile per tile, whatever the rows
 def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, ins, scale_row, out_row, out_split,
-                      splits, GROUP: gl.constexpr, STAGES: gl.constexpr, LEVELS: gl.constexpr, TAIL: gl.constexpr,
+                      splits, PAIRED: gl.constexpr, STAGES: gl.constexpr, LEVELS: gl.constexpr, TAIL: gl.constexpr,
                       num_warps: gl.constexpr):
-    """Out[s, rows, outs] = X · Wᵀ over every `splits`-th group from group s on (program (o, s, r)), as
-    `four_bit_products_kernel.four_bit_rows_kernel`, X and W's bytes read through `x_desc` ([head rows, GROUP / 2]
-    of X), with TAIL > 0 `tail_desc` ([TAIL rows, GROUP / 2]: the tile's rows past the head, a power of two below
-    it), and `w_desc` ([BLOCK_OUT, GROUP / 2] bytes). The tensor cores multiply head and tail by the same weights in
-    the registers, in instructions of the tail's width (the first operand's layout is the products')."""
+    """Out[s, rows, outs] = X · Wᵀ over every `splits`-th span from span s on (program (o, s, r)), as
+    `four_bit_products_kernel.four_bit_rows_kernel` (a span a group, or with PAIRED two), X and W's bytes read
+    through `x_desc` ([head rows, half a span] of X), with TAIL > 0 `tail_desc` ([TAIL rows, half a span]: the
+    tile's rows past the head, a power of two below it), and `w_desc` ([BLOCK_OUT, half a span] bytes). The tensor
+    cores multiply head and tail by the same weights in the registers, in instructions of the tail's width (the
+    first operand's layout is the products')."""
     HEAD: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_ROWS: gl.constexpr = HEAD + TAIL
     HALF: gl.constexpr = x_desc.block_type.shape[1]
+    SPAN: gl.constexpr = 2 * HALF
     BLOCK_OUT: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -81,7 +101,7 @@ def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, i
     split = gl.program_id(1)
     row0 = gl.program_id(2) * BLOCK_ROWS
     out0 = gl.program_id(0) * BLOCK_OUT
-    steps = (ins // GROUP - split + splits - 1) // splits
+    steps = (ins // SPAN - split + splits - 1) // splits
 
     x_low = gl.allocate_shared_memory(dtype, [STAGES, HEAD, HALF], x_desc.layout)
     x_high = gl.allocate_shared_memory(dtype, [STAGES, HEAD, HALF], x_desc.layout)
@@ -96,20 +116,19 @@ def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, i
         mbarrier.init(ready.index(s), count=1)
     NBYTES: gl.constexpr = 2 * BLOCK_ROWS * HALF * x_desc.dtype.primitive_bitwidth // 8 + w_desc.block_type.nbytes
     for s in gl.static_range(STAGES - 1):
-        group = split + s * splits
+        span = split + s * splits
         mbarrier.expect(ready.index(s), NBYTES, pred=s < steps)
-        _load_x(x_desc, tail_desc, x_low, x_high, tail_low, tail_high, ready.index(s), s, row0, group * GROUP,
+        _load_x(x_desc, tail_desc, x_low, x_high, tail_low, tail_high, ready.index(s), s, row0, span * SPAN,
                 s < steps, HEAD, TAIL)
-        tma_load(w_desc, [out0, group * HALF], ready.index(s), w_bytes.index(s), pred=s < steps)
+        tma_load(w_desc, [out0, span * HALF], ready.index(s), w_bytes.index(s), pred=s < steps)
 
     out = out0 + gl.arange(0, BLOCK_OUT, gl.SliceLayout(1, first))
     keep_outs = out < outs
     scales = Scale + out * scale_row
     zeros = Zero + out * scale_row
-    scale = gl.load(scales + split, mask=keep_outs, other=0.0)
-    zero = gl.load(zeros + split, mask=keep_outs, other=0.0)
+    scale, zero, high_scale, high_zero = _span_scales(scales, zeros, split, keep_outs, PAIRED)
     mbarrier.wait(ready.index(0), 0)
-    low, high = _weights(w_bytes.index(0).load(first), scale, zero, LEVELS)
+    low, high = _weights(w_bytes.index(0).load(first), scale, zero, high_scale, high_zero, LEVELS)
     # the weights of the products in flight, kept alive until they are waited for
     busy_low = gl.zeros([BLOCK_OUT, HALF], dtype, first)
     busy_high = gl.zeros([BLOCK_OUT, HALF], dtype, first)
@@ -118,8 +137,8 @@ def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, i
     for step in range(steps):
         following = step + 1
         more = following < steps
-        scale = gl.load(scales + split + following * splits, mask=keep_outs & more, other=0.0)
-        zero = gl.load(zeros + split + following * splits, mask=keep_outs & more, other=0.0)
+        scale, zero, high_scale, high_zero = _span_scales(scales, zeros, split + following * splits,
+                                                          keep_outs & more, PAIRED)
         here = step % STAGES
         acc = warpgroup_mma(low, x_low.index(here).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma(high, x_high.index(here).permute((1, 0)), acc, is_async=True)
@@ -136,13 +155,14 @@ def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, i
         fence_async_shared()
         later = step - 1 + STAGES
         stage = later % STAGES
-        group = split + later * splits
+        span = split + later * splits
         mbarrier.expect(ready.index(stage), NBYTES, pred=later < steps)
         _load_x(x_desc, tail_desc, x_low, x_high, tail_low, tail_high, ready.index(stage), stage, row0,
-                group * GROUP, later < steps, HEAD, TAIL)
-        tma_load(w_desc, [out0, group * HALF], ready.index(stage), w_bytes.index(stage), pred=later < steps)
+                span * SPAN, later < steps, HEAD, TAIL)
+        tma_load(w_desc, [out0, span * HALF], ready.index(stage), w_bytes.index(stage), pred=later < steps)
         mbarrier.wait(ready.index(following % STAGES), (following // STAGES) & 1, pred=more)
-        low, high = _weights(w_bytes.index(following % STAGES).load(first), scale, zero, LEVELS)
+        low, high = _weights(w_bytes.index(following % STAGES).load(first), scale, zero, high_scale, high_zero,
+                             LEVELS)
     acc, tail, busy_low, busy_high = warpgroup_mma_wait(num_outstanding=0, deps=(acc, tail, busy_low, busy_high))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -167,10 +187,10 @@ SHARED = 220 * 1024  # shared memory the ring may take (an H100's or H200's SM h
 SPREAD = 96  # programs from which a product is not cut along its inner dimension (~3/4 of an H200's 132 SMs)
 
 
-def stage_bytes(tile: int, out: int, group: int) -> int:
-    """Shared memory one stage of the ring takes: a group's inputs for `tile` rows (two halves, 2 bytes each) and
+def stage_bytes(tile: int, out: int, span: int) -> int:
+    """Shared memory one stage of the ring takes: a span's inputs for `tile` rows (two halves, 2 bytes each) and
     its 4-bit bytes for `out` output columns."""
-    return 2 * tile * group + out * group // 2
+    return 2 * tile * span + out * span // 2
 
 
 def tile_rows(rows: int) -> tuple[int, int]:
@@ -187,7 +207,7 @@ def tile_rows(rows: int) -> tuple[int, int]:
     return whole, tail
 
 
-def wgmma_shape(rows: int, outs: int, groups: int, group: int, table: bool = False) -> WgmmaShape:
+def wgmma_shape(rows: int, outs: int, spans: int, span: int, table: bool = False) -> WgmmaShape:
     """The rule, from the fastest of 8-16 shapes per product of a 13B layer at 64-256 rows (H200, int4 and nf4):
     every row in one tile (`tile_rows`: fewer than 32 rows past the last, or 64 or 256 rows); 64 output columns (one
     warpgroup) for tiles of 64 and 96 rows and for int4's (not a `table`'s) of 128 (two programs per SM overlap each
@@ -197,9 +217,9 @@ def wgmma_shape(rows: int, outs: int, groups: int, group: int, table: bool = Fal
     (o and down: the shares that make PROGRAMS programs; q/k/v and gate/up were 15-25% slower in two shares)."""
     tile, tail = tile_rows(rows)
     out = 64 if tile <= 96 or (tile == 128 and not table) else 128
-    stages = min(4, SHARED // stage_bytes(tile, out, group)) if tile == 256 else 3
+    stages = min(4, SHARED // stage_bytes(tile, out, span)) if tile == 256 else 3
     programs = triton.cdiv(outs, out) * triton.cdiv(rows, tile)
-    splits = 1 if programs >= SPREAD else max(1, min(groups, PROGRAMS // programs))
+    splits = 1 if programs >= SPREAD else max(1, min(spans, PROGRAMS // programs))
     return WgmmaShape(tile, out, stages, splits, tail)
 
 
@@ -218,9 +238,9 @@ def wgmma_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, ze
     `shape` says (default: `wgmma_shape`'s rule)."""
     rows, ins = x.shape
     outs, groups = packed.shape[0], scale.shape[1]
-    group = ins // groups
-    half = group // 2
-    shape = shape or wgmma_shape(rows, outs, groups, group, table)
+    span = span_of(ins, ins // groups)
+    half = span // 2
+    shape = shape or wgmma_shape(rows, outs, ins // span, span, table)
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)
@@ -231,24 +251,25 @@ def wgmma_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, ze
     w_desc = TensorDescriptor(packed, [outs, ins // 2], [packed.stride(0), 1], [shape.out, half], w_layout)
     wgmma_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, shape.rows))](
         x_desc, tail_desc, w_desc, scale, zero, shares, rows, outs, ins, groups, outs, rows * outs, shape.splits,
-        GROUP=group, STAGES=shape.stages, LEVELS=levels, TAIL=shape.tail, num_warps=shape.out // 16)
+        PAIRED=span * groups != ins, STAGES=shape.stages, LEVELS=levels, TAIL=shape.tail, num_warps=shape.out // 16)
     if shape.splits > 1:
         add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
     return out
 
 
-def compile_sm90(shape: WgmmaShape, group: int, dtype: torch.dtype, levels: str) -> Any:
-    """The kernel for `shape`, groups of `group` and `levels`' PTX compiled for sm_90 (no GPU needed)."""
-    half = group // 2
+def compile_sm90(shape: WgmmaShape, span: int, dtype: torch.dtype, levels: str, paired: bool = False) -> Any:
+    """The kernel for `shape`, spans of `span` weights (two groups each where `paired`) and `levels`' PTX compiled
+    for sm_90 (no GPU needed)."""
+    half = span // 2
     head_layout, tail_layout, w_layout = _layouts(dtype, shape, half)
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     signature = {"x_desc": descriptor_type(name, [shape.rows - shape.tail, half], head_layout),
                  "tail_desc": descriptor_type(name, [shape.tail or shape.rows, half], tail_layout),
                  "w_desc": descriptor_type("u8", [shape.out, half], w_layout), "Scale": f"*{name}",
                  "Zero": f"*{name}", "Out": "*fp32", "rows": "i32", "outs": "i32", "ins": "i32", "scale_row": "i32",
-                 "out_row": "i32", "out_split": "i32", "splits": "i32", "GROUP": "constexpr", "STAGES": "constexpr",
+                 "out_row": "i32", "out_split": "i32", "splits": "i32", "PAIRED": "constexpr", "STAGES": "constexpr",
                  "LEVELS": "constexpr", "TAIL": "constexpr", "num_warps": "constexpr"}
-    constants = {"GROUP": group, "STAGES": shape.stages, "LEVELS": levels, "TAIL": shape.tail,
+    constants = {"PAIRED": paired, "STAGES": shape.stages, "LEVELS": levels, "TAIL": shape.tail,
                  "num_warps": shape.out // 16}
     return sm90_compile(wgmma_rows_kernel, signature, constants, ("Scale", "Zero", "Out", "ins", "outs", "out_row"),
                         shape.out // 16)

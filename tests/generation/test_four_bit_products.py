@@ -12,7 +12,8 @@ from torch import nn
 from devmap import generate
 from devmap.generation.four_bit_linear import FourBitLinear, own_four_bit_linears
 from devmap.generation.four_bit_products import (
-    INT4_LEVELS, FourBitWeight, dequantize, four_bit_product, kernel_applies, levels, packed_halves, quantize_int4)
+    INT4_LEVELS, FourBitWeight, dequantize, four_bit_product, kernel_applies, levels, packed_halves, quantize_int4,
+    span_of)
 from devmap.generation.joined_projections import JoinedLayer, every_layer_joined, join_projections, joined_products
 
 
@@ -70,7 +71,7 @@ def int4_layers(model: nn.Module, levels: tuple[float, ...] | None = None) -> nn
 def test_a_table_of_levels_stands_for_its_values_in_the_scales_dtype():
     torch.manual_seed(1)
     weight = quantize_int4(torch.randn(8, 128), group=64)._replace(levels=NF4)
-    q = levels(weight.packed, 64).reshape(8, 2, 64)
+    q = levels(weight.packed, weight.span).reshape(8, 2, 64)
     want = torch.tensor(NF4)[q.long()] * weight.scale.float()[..., None] + weight.zero.float()[..., None]
     halved = weight._replace(scale=weight.scale.to(torch.bfloat16), zero=weight.zero.to(torch.bfloat16))
     rounded = (torch.tensor(NF4).to(torch.bfloat16).float()[q.long()] * halved.scale.float()[..., None]
@@ -121,8 +122,9 @@ KERNEL_CHECK = textwrap.dedent("""
     for rows, outs, ins, shape in ((1, 96, 256, None), (5, 64, 384, BlockShape(64, 2)),
                                    (17, 130, 256, BlockShape(32, 3)), (32, 64, 128, None),
                                    (150, 64, 256, BlockShape(32, 2, rows=64)), (70, 64, 256, None),
-                                   (140, 160, 256, None)):
-        weight = quantize_int4(torch.randn(outs, ins))
+                                   (140, 160, 256, None), (3, 64, 384, BlockShape(64, 2)), (40, 96, 256, None)):
+        # groups of 128 (a span each), and of 64 in pairs (nf4's) where 256 or 384 inputs come
+        weight = quantize_int4(torch.randn(outs, ins), group=128 if rows in (1, 32, 150, 140, 17) else 64)
         x = torch.randn(rows, ins, dtype=torch.float16)
         want = x.float() @ dequantize(weight, torch.float16).float().t()
         torch.testing.assert_close(kernel_product(x, weight, shape).float(), want, atol=2e-2, rtol=2e-2)
@@ -168,8 +170,8 @@ def test_the_kernels_bit_patterns_give_each_weight_exactly(dtype):
     from devmap.generation.four_bit_products_kernel import LEVEL_PATTERNS, _levels_ptx
 
     magic, one, minus, kind = LEVEL_PATTERNS[dtype]
-    ptx = _levels_ptx(magic, one, minus, kind)
-    assert f"mov.b32 magic, {magic:#x};" in ptx and f"fma.rn.{kind} $0, t0, $5, $7;" in ptx
+    ptx = _levels_ptx(magic, one, minus, kind, 1)
+    assert f"mov.b32 magic, {magic:#x};" in ptx and f"fma.rn.{kind} $0, t0_0, $5, $7;" in ptx
 
     def halves(register: int) -> list[float]:  # a 32-bit register as two values of dtype, low half first
         pair = torch.tensor([register & 0xFFFF, register >> 16], dtype=torch.int32).to(torch.int16)
@@ -191,10 +193,11 @@ def test_the_kernels_bit_patterns_give_each_weight_exactly(dtype):
         assert low == ((packed & 15).int() - 8).tolist() and high == ((packed >> 4).int() - 8).tolist()
 
 
-def run_ptx(ptx: str, word: int) -> dict[str, int]:
+def run_ptx(ptx: str, words: list[int]) -> dict[str, int]:
     """The registers after the integer part of a table's PTX (`mov`, `and`, `shr`, `prmt`, `lop3`: everything before
-    its fused multiply-adds) with `word` in $4, each instruction as PTX defines it."""
-    regs: dict[str, int] = {"$4": word}
+    its fused multiply-adds) with `words` in its word operands ($4 for one word, $8 and $9 for two), each
+    instruction as PTX defines it."""
+    regs: dict[str, int] = {f"${4 * len(words) + i}": word for i, word in enumerate(words)}
 
     def value(operand: str) -> int:
         return regs[operand] if operand in regs else int(operand, 0)
@@ -225,26 +228,36 @@ def run_ptx(ptx: str, word: int) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_tables_ptx_gives_each_weight_its_level(dtype):
-    """The rows kernel's PTX for a table of levels (`table_ptx`, nf4's), run instruction by instruction on the CPU:
-    the four bytes of a register come out as the levels (rounded to dtype) of weights j..j+3 (low halves) and GROUP
-    / 2 + j.. (high halves), in order, two a register, before the scale and zero."""
+@pytest.mark.parametrize("words", [1, 2])
+def test_a_tables_ptx_gives_each_weight_its_level(dtype, words):
+    """The kernels' PTX for a table of levels (`table_ptx`, nf4's), run instruction by instruction on the CPU: the
+    four bytes of each word come out as the levels (rounded to dtype) of weights j..j+3 (low halves) and SPAN / 2 +
+    j.. (high halves), in order, two a register, before each pair's scale and zero (operands as `constraints`
+    counts them)."""
     pytest.importorskip("triton")
-    from devmap.generation.four_bit_products_kernel import LEVEL_PATTERNS, table_ptx
+    from devmap.generation.four_bit_products_kernel import LEVEL_PATTERNS, constraints, table_ptx
 
-    ptx = table_ptx(dtype, NF4)
-    assert f"fma.rn.{LEVEL_PATTERNS[dtype][3]} $0, t0, $5, $7;" in ptx
+    ptx = table_ptx(dtype, NF4, words)
+    kind = LEVEL_PATTERNS[dtype][3]
+    if words == 1:
+        assert f"fma.rn.{kind} $0, t0_0, $5, $7;" in ptx and f"fma.rn.{kind} $3, u1_0, $10, $12;" in ptx
+    else:  # outputs $0-$7, words $8-$9, then scales, zeros, high halves' scales and zeros from $10, four apiece
+        assert f"fma.rn.{kind} $3, t1_1, $13, $17;" in ptx and f"fma.rn.{kind} $7, u1_1, $21, $25;" in ptx
+    assert constraints(words).count("=r") == 4 * words and constraints(words).count(",") == 13 * words - 1
     table = torch.tensor(NF4).to(dtype)
 
     def halves(register: int) -> list[float]:  # a 32-bit register as two values of dtype, low half first
         return torch.tensor([register & 0xFFFF, register >> 16], dtype=torch.int32).to(torch.int16).view(dtype).tolist()
 
     torch.manual_seed(0)
-    for word in torch.randint(0, 1 << 32, (200,)).tolist() + [0, 0xFFFFFFFF, 0x88888888, 0x77777777]:
-        regs = run_ptx(ptx, word)
-        packed = torch.tensor([(word >> 8 * i) & 0xFF for i in range(4)], dtype=torch.uint8)
-        assert halves(regs["t0"]) + halves(regs["t1"]) == table[(packed & 15).long()].tolist()
-        assert halves(regs["u0"]) + halves(regs["u1"]) == table[(packed >> 4).long()].tolist()
+    samples = torch.randint(0, 1 << 32, (200, words)).tolist() + [[w] * words for w in
+                                                                   (0, 0xFFFFFFFF, 0x88888888, 0x77777777)]
+    for sample in samples:
+        regs = run_ptx(ptx, sample)
+        for i, word in enumerate(sample):
+            packed = torch.tensor([(word >> 8 * k) & 0xFF for k in range(4)], dtype=torch.uint8)
+            assert halves(regs[f"t0_{i}"]) + halves(regs[f"t1_{i}"]) == table[(packed & 15).long()].tolist()
+            assert halves(regs[f"u0_{i}"]) + halves(regs[f"u1_{i}"]) == table[(packed >> 4).long()].tolist()
 
 
 def test_hoppers_kernel_cuts_every_step_it_runs_into_tiles_that_fit():
@@ -256,15 +269,16 @@ def test_hoppers_kernel_cuts_every_step_it_runs_into_tiles_that_fit():
     from devmap.generation.four_bit_products_wgmma import SHARED, SPREAD, stage_bytes, wgmma_shape
 
     for outs, ins, group in ((15360, 5120, 128), (5120, 5120, 128), (27648, 5120, 64), (5120, 13824, 64)):
+        span = span_of(ins, group)
         for rows in range(33, 257):
-            shape = wgmma_shape(rows, outs, ins // group, group, table=group == 64)
+            shape = wgmma_shape(rows, outs, ins // span, span, table=group == 64)
             head = shape.rows - shape.tail
             assert shape.rows >= rows and (shape.rows - rows < 32 or shape.rows in (64, 256)), (rows, shape)
             assert head & (head - 1) == 0 and shape.tail & (shape.tail - 1) == 0 and shape.tail < head
-            assert shape.out in (64, 128) and shape.stages * stage_bytes(shape.rows, shape.out, group) <= SHARED
+            assert shape.out in (64, 128) and shape.stages * stage_bytes(shape.rows, shape.out, span) <= SHARED
             blocks = -(-outs // shape.out)
             assert shape.splits == 1 or blocks < SPREAD, (rows, outs, shape)
-            assert 1 <= shape.splits <= ins // group
+            assert 1 <= shape.splits <= ins // span
 
 
 def test_a_service_prepares_every_variant_of_hoppers_kernel_a_step_can_run():
@@ -278,7 +292,7 @@ def test_a_service_prepares_every_variant_of_hoppers_kernel_a_step_can_run():
     for outs, ins, group in ((15360, 5120, 128), (5120, 13824, 64), (2048, 2048, 64)):
         for table in (False, True):
             def variant(rows: int) -> tuple[int, ...]:
-                shape = wgmma_shape(rows, outs, ins // group, group, table)
+                shape = wgmma_shape(rows, outs, ins // span_of(ins, group), span_of(ins, group), table)
                 return shape.rows, shape.tail, shape.out, shape.stages
 
             reachable = {variant(rows) for rows in range(DECODE_ROWS + 1, TILED_ROWS + 1)}

@@ -138,7 +138,7 @@ def test_hoppers_kernel_gives_the_dequantized_product(dtype):
                 ptx = levels_ptx(dtype, four_bit)
                 assert ptx and wgmma_levels(x, four_bit) == ptx
                 want = x.float() @ dequantize(four_bit, dtype).float().t()
-                rule = wgmma_shape(rows, outs, four_bit.scale.shape[1], group, not four_bit.affine)
+                rule = wgmma_shape(rows, outs, ins // four_bit.span, four_bit.span, not four_bit.affine)
                 for shape in (rule, rule._replace(splits=1), WgmmaShape(rule.rows, 64, 2, 3, rule.tail),
                               WgmmaShape(rule.rows, 128, 2, 1, rule.tail)):
                     got = wgmma_product(x, *four_bit.tensors, ptx, shape).float()
