@@ -1,4 +1,4 @@
-"""Linear layers with 4-bit weights in devmap's plain layout (`four_bit_products.FourBitWeight`), and taking a loaded
+"""Linear layers with 4-bit weights in devmap's plain layout (`four_bit_layout.FourBitWeight`), and taking a loaded
 model's torchao int4 Linear layers (tinygemm's layout) and bitsandbytes' nf4 ones into it: they become `FourBitLinear`
 modules with the same levels and scales, read by devmap's kernels. The serving engine does this at load
 (`join_projections`), before joining a layer's projections; anything that calls a layer (transformers' own forward too)
@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from ..compat import bitsandbytes_four_bit_levels, device_hook_moved, torchao_int4_levels
-from .four_bit_products import INT4_LEVELS, FourBitWeight, four_bit_product, packed_halves, span_of
+from .four_bit_layout import INT4_LEVELS, FourBitWeight, packed_halves, span_of
+from .four_bit_products import four_bit_product
 
 
 class FourBitLinear(nn.Module):

@@ -1,37 +1,41 @@
 """Matrix products with 4-bit weights (`--quantize int4`: torchao's numbers, tinygemm's formula, w = (q - 8) · scale +
 zero per group of 128 along the inner dimension, q in 0..15; `--quantize nf4`: below) in a plain layout that devmap's
-kernels read: two weights a byte (in each group, weight j in the low half of byte j, weight group/2 + j in its high
-half), output row by output row (`FourBitWeight`), so that q, k and v (gate and up) lie end to end and a decode step
-reads each layer in few products. torchao's tinygemm is built for a row or a few: at 32 rows of a 13B layer it took 4.4×
-bf16's time, at 2,048 rows 24×, and serving a 13B model at 32 clients ran at 0.15× bf16's tokens/s.
+kernels read: two weights a byte (in each span, weight j in the low half of byte j, weight span/2 + j in its high half;
+a span is a group of 128 or more weights, or two smaller groups: `span_of`), output row by output row (`FourBitWeight`),
+so that q, k and v (gate and up) lie end to end and a decode step reads each layer in few products. torchao's tinygemm
+is built for a row or a few: at 32 rows of a 13B layer it took 4.4× bf16's time, at 2,048 rows 24×, and serving a 13B
+model at 32 clients ran at 0.15× bf16's tokens/s.
 
-On CUDA, in half precision, up to DECODE_ROWS rows (decode steps) `four_bit_product` runs
-`four_bit_products_kernel`'s rows kernel: the 4 bits read once per block of rows, each weight made from bit patterns,
-(q - 8) · scale + zero in one half-precision fused multiply-add, rounded once. Up to TILED_ROWS (steps carrying
-prompts) it runs Hopper's kernel on an sm_90 GPU (`four_bit_products_wgmma`: the same weights, made while the tensor
-cores multiply the group before), the rows kernel elsewhere; more rows (prefills) write the weight's values in half
-precision (computed in float32 and rounded, as tinygemm does), then cuBLAS's product reads them. Only the sums' order
-and, rarely, a weight's last bit differ from tinygemm's. Anywhere else the same numbers through a full-precision copy
-(`dequantize`).
+On CUDA, in half precision, up to DECODE_ROWS rows (decode steps) `four_bit_product` runs `four_bit_products_kernel`'s
+rows kernel: the 4 bits read once per block of rows (two bytes at a time), each weight made from bit patterns, (q - 8) ·
+scale + zero in one half-precision fused multiply-add, rounded once. Up to TILED_ROWS (steps carrying prompts) it runs
+Hopper's kernel on an sm_90 GPU (`four_bit_products_wgmma`: the same weights, made while the tensor cores multiply the
+group before), the rows kernel elsewhere; more rows (prefills) write the weight's values in half precision (computed in
+float32 and rounded, as tinygemm does), then cuBLAS's product reads them. Only the sums' order and, rarely, a weight's
+last bit differ from tinygemm's. Anywhere else the same numbers through a full-precision copy (`dequantize`).
 
-Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.70× bf16's time at one row,
-0.68× at 16, 0.77× at 32, 0.84× at 64, 1.00× at 96 and 128, 1.68× at 160, 1.39× at 256 (the rows kernel: 1.04×,
-1.37×, 1.33×, 2.2×, 1.8×), 2.0× at 288 and 1.5× at 544 (tinygemm: 0.6× at one row, 4.5× at 32, 18× at 160, 24× at 544).
-bf16 reads its weights at the memory's pace up to ~200 rows; the rows kernel runs at ~2.8× its own weight-read floor at
-1-16 rows (it had been ~3.7× while each weight took an integer-to-float conversion: issue-bound, ncu), and past ~64
-rows its weights' making and the tensor cores' products take turns (`tl.dot` waits for each product), which Hopper's
-kernel overlaps. A decode step that carries prompts (`mixed_joins`) costs int4 more than bf16 (13B, H200, over a 7.7 ms
-step: +4.0 / +9.8 / +10.8 ms for 63 / 127 / 191 prompt tokens, +7.1 / +14.8 for 63 / 127 with the rows kernel; +20 /
-+24 ms for 223 / 383 through values + cuBLAS; bf16 +2.7 / +5.7 for 63 / 191 over 9.2 ms), so 4-bit models join
-apart by default (`mixed_joins.rides_by_default`). Tokens quantized to int8 and int8 tensor cores (as int8 weights'
-products do past 32 rows) did not help: with each group's scale and zero applied to its partial sums they were no
-faster than the rows kernel at 96-160 rows and took 1.15-1.5× values + cuBLAS's time at 288-2,048.
+Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.63× bf16's time at one row,
+0.65× at 16, 0.77× at 32 (101 / 107 / 128 µs), 0.84× at 64, 1.00× at 96 and 128, 1.68× at 160, 1.39× at 256 (the rows
+kernel: 1.04×, 1.37×, 1.33×, 2.2×, 1.8×), 2.0× at 288 and 1.5× at 544 (tinygemm: 0.6× at one row, 4.5× at 32, 18× at
+160, 24× at 544). bf16 reads its weights at the memory's pace up to ~200 rows; the rows kernel runs at ~2.8× its own
+weight-read floor at 1-16 rows (it had been ~3.7× while each weight took an integer-to-float conversion: issue-bound,
+ncu), and past ~64 rows its weights' making and the tensor cores' products take turns (`tl.dot` waits for each product),
+which Hopper's kernel overlaps. A decode step that carries prompts (`mixed_joins`) costs int4 more than bf16 (13B, H200,
+over a 7.7 ms step: +4.0 / +9.8 / +10.8 ms for 63 / 127 / 191 prompt tokens, +7.1 / +14.8 for 63 / 127 with the rows
+kernel; +20 / +24 ms for 223 / 383 through values + cuBLAS; bf16 +2.7 / +5.7 for 63 / 191 over 9.2 ms), so 4-bit models
+join apart by default (`mixed_joins.rides_by_default`). Tokens quantized to int8 and int8 tensor cores (as int8 weights'
+products do past 32 rows) did not help: with each group's scale and zero applied to its partial sums they were no faster
+than the rows kernel at 96-160 rows and took 1.15-1.5× values + cuBLAS's time at 288-2,048.
 
-bitsandbytes' nf4 (and fp4) is taken into this layout too (`four_bit_linear`): its blocks of 64 are the groups,
-each block's absmax the scale and zero 0, its table of 16 values the `levels`, rounded to the scales' dtype on every
-path. The rows kernel looks a table's levels up by PRMT (`four_bit_products_kernel.table_ptx`, ~3.4 instructions a
-weight): over a 13B layer (H200) 1.0× bf16's time at one row, 1.15× at 32, 1.55× at 96, 2.1× at 160, 1.8× at 256
-(the rows kernel: 1.9×, 3.0×, 2.7× there; bitsandbytes' own products: 0.97×, 2.9×, 2.9×, 2.9×).
+bitsandbytes' nf4 (and fp4) is taken into this layout too (`four_bit_linear`): its blocks of 64 are the groups, two a
+span, each block's absmax the scale and zero 0, its table of 16 values the `levels`, rounded to the scales' dtype on
+every path. The kernels look a table's levels up by PRMT (`four_bit_products_kernel.table_ptx`, ~3.4 instructions a
+weight): over a 13B layer (H200) 0.87× bf16's time at one and 16 rows, 0.98× at 32 (140 / 144 / 162 µs), 1.18× at 64,
+1.42× at 128, 1.9× at 160, 1.5× at 256 (bitsandbytes' own products: 0.97×, 2.9×, 2.9×, 2.9× at 1, 32, 96, 160). Bound by
+issuing instructions, not by memory (ncu at 32 rows: DRAM 14% busy, the integer pipe 55%): a loop step of one group (64
+weights) took 1.15× a span of two's time at 32 rows, and the bytes taken apart one at a time another 1.07×; int4's
+arithmetic on nf4's bytes in steps of 64 weights took 0.89× the table's. More programs, or groups unrolled in a loop
+step, did not help.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
+from .four_bit_layout import SPAN, FourBitWeight, dequantize, level_table
 from .int8_products import PROGRAMS  # programs a product aims at (re-exported for the probes)
 
 NARROW_ROWS = 16  # rows up to which a block of 64 output columns takes every row and the rows kernel cuts the inner
@@ -50,96 +55,6 @@ WIDE_ROWS = 128  # rows up to which (from DECODE_ROWS on) a block of 64 output c
 TILED_ROWS = 256  # rows up to which int4 runs the rows kernel, every row in one block of 128 output columns beyond
 # WIDE_ROWS (then values + cuBLAS: equal at 288 rows, H200)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-SPAN = 128  # weights of an output row the kernels take a step at the least where two groups make them (nf4's groups
-# of 64 in pairs: a 13B layer's products at 32 rows, H200, took 1.5x the time with one group a step)
-
-
-INT4_LEVELS = tuple(float(q - 8) for q in range(16))  # int4's levels (torchao, tinygemm's formula)
-
-
-class FourBitWeight(NamedTuple):
-    """A weight of `outs` × `ins` in 4 bits: `packed` (outs × ins/2 uint8, per group of g weights g/2 bytes: weight j
-    in the low half of byte j, g/2 + j in the high half), `scale` and `zero` (outs × ins/group, the weight's dtype)
-    and the 16 `levels` the 4 bits stand for: w = levels[q] · scale + zero. int4 (torchao): levels q - 8; nf4
-    (bitsandbytes): its table of 16 values, scale each block's absmax, zero 0."""
-
-    packed: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-    levels: tuple[float, ...] = INT4_LEVELS
-
-    @property
-    def group(self) -> int:
-        return 2 * self.packed.shape[1] // self.scale.shape[1]
-
-    @property
-    def span(self) -> int:
-        """Weights of an output row whose bytes hold them (`span_of`)."""
-        return span_of(self.shape[1], self.group)
-
-    @property
-    def paired(self) -> bool:
-        """Whether a span is two groups: the first group's weights in its bytes' low halves, the second's in the high
-        halves."""
-        return self.span != self.group
-
-    @property
-    def affine(self) -> bool:
-        """Whether the levels are int4's (q - 8), which the kernels make without a table."""
-        return tuple(self.levels) == INT4_LEVELS
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.packed, self.scale, self.zero
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.packed.shape[0], 2 * self.packed.shape[1]
-
-
-def span_of(ins: int, group: int) -> int:
-    """The weights of an output row whose bytes hold them (their first half in the low halves, the second in the high
-    halves) for an inner dimension of `ins` in groups of `group`: two groups where they make at most SPAN weights and
-    `ins` holds whole pairs, else one."""
-    return 2 * group if 2 * group <= SPAN and ins % (2 * group) == 0 else group
-
-
-def packed_halves(q: torch.Tensor, span: int) -> torch.Tensor:
-    """Levels `q` (outs × ins, 0..15) two a byte: in each span, the first half in the low halves of its bytes."""
-    spans = q.to(torch.uint8).reshape(q.shape[0], -1, 2, span // 2)
-    return (spans[:, :, 0] | (spans[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
-
-
-def levels(packed: torch.Tensor, span: int) -> torch.Tensor:
-    """The levels (outs × ins, uint8 0..15) that `packed` holds (its spans of `span` weights)."""
-    grouped = packed.reshape(packed.shape[0], -1, 1, span // 2)
-    return torch.cat([grouped & 15, grouped >> 4], dim=2).reshape(packed.shape[0], -1)
-
-
-def quantize_int4(weight: torch.Tensor, group: int = 128) -> FourBitWeight:
-    """`weight` (outs × ins) as int4 with tinygemm's formula: per group its range in 15 steps, zero its middle (q =
-    8), scale and zero in the weight's dtype. For tests and CPU use; served int4 weights come from torchao's."""
-    outs, ins = weight.shape
-    if ins % group or group % 2:
-        raise ValueError(f"int4 weights need an inner dimension that is a multiple of the group ({group}), got {ins}")
-    grouped = weight.float().reshape(outs, ins // group, group)
-    low, high = grouped.amin(-1), grouped.amax(-1)
-    scale = ((high - low) / 15).clamp(min=1e-6)
-    q = ((grouped - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(outs, ins)
-    return FourBitWeight(packed_halves(q, span_of(ins, group)), scale.to(weight.dtype).contiguous(),
-                         (low + 8 * scale).to(weight.dtype).contiguous())
-
-
-def dequantize(weight: FourBitWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The full-precision weight (outs × ins) the 4 bits stand for, in `dtype` (computed in float32)."""
-    outs, ins = weight.shape
-    q = levels(weight.packed, weight.span)
-    level = q.float() - 8 if weight.affine else level_table(weight.levels, q.device, weight.scale.dtype)[q.long()]
-    grouped = level.reshape(outs, -1, weight.group) * weight.scale.float()[..., None]
-    grouped = grouped + weight.zero.float()[..., None]
-    return grouped.reshape(outs, ins).to(dtype)
-
-
 def kernel_applies(x: torch.Tensor, weight: FourBitWeight) -> bool:
     """Whether `four_bit_product` runs the kernel for `x` (rows × in): CUDA, half precision, contiguous parts (the
     bytes from an even address: read two at a time), groups of at least 32 that are a power of two."""
@@ -169,20 +84,6 @@ def wgmma_levels(x: torch.Tensor, weight: FourBitWeight) -> str:
             and x.data_ptr() % 16 == 0 and weight.packed.stride(0) % 16 == 0 and weight.packed.data_ptr() % 16 == 0):
         return ""
     return levels_ptx(x.dtype, weight)
-
-
-_TABLES: dict[tuple[tuple[float, ...], torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def level_table(levels: Sequence[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The 16 levels as a float32 tensor on `device`, each rounded to `dtype` (the scales': a weight stands for
-    level · scale + zero with both factors in the weight's dtype, as the rows kernel makes it, whatever path computes
-    it; int4's levels are exact), made once per device and dtype (never inside a CUDA graph's capture after
-    `prepare_kernels`)."""
-    key = (tuple(levels), torch.device(device), dtype)
-    if key not in _TABLES:
-        _TABLES[key] = torch.tensor(key[0], dtype=torch.float32).to(dtype).to(device=device, dtype=torch.float32)
-    return _TABLES[key]
 
 
 def kernel_table(weight: FourBitWeight, device: torch.device) -> torch.Tensor:
@@ -233,7 +134,6 @@ class BlockShape(NamedTuple):
     warps: int = 4
     stages: int = 3
     rows: int = 0
-    words: int = 1
 
 
 def block_shape(rows: int, outs: int, groups: int) -> BlockShape:
@@ -257,7 +157,7 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     rule)."""
     import triton
 
-    from .four_bit_products_kernel import constraints, four_bit_rows_kernel, levels_ptx
+    from .four_bit_products_kernel import four_bit_rows_kernel, levels_ptx
     from .int8_products_kernel import add_shares
 
     rows, ins = x.shape
@@ -267,13 +167,13 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)
     block_rows = shape.rows or max(16, triton.next_power_of_2(rows))
-    ptx = levels_ptx(x.dtype, weight, shape.words)
+    ptx = levels_ptx(x.dtype, weight)
     table = kernel_table(weight, x.device)
     four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
         x, weight.packed, weight.scale, weight.zero, table, shares, rows, outs, ins, x.stride(0),
         weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, PAIRED=weight.paired,
         BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out, SPLIT=shape.splits, PATTERN=bool(ptx), LEVELS=ptx,
-        OPERANDS=constraints(shape.words), WORDS=shape.words, TABLE=not weight.affine,
+        TABLE=not weight.affine,
         num_warps=shape.warps, num_stages=shape.stages)
     if shape.splits > 1:
         add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)

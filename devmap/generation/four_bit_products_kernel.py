@@ -1,7 +1,7 @@
 """The Triton kernels behind `four_bit_products.four_bit_product` (imported only where they run: Triton comes with
-torch's CUDA wheels), over devmap's 4-bit layout: per group of GROUP weights of an output row, GROUP / 2 bytes, byte
-j holding weight j in its low half and weight GROUP / 2 + j in its high half, so that both halves meet contiguous
-inputs (no shuffle in registers).
+torch's CUDA wheels), over devmap's 4-bit layout: per span of an output row's weights (a group of GROUP weights, or
+with PAIRED two), a byte per two weights, byte j holding weight j in its low half and weight SPAN / 2 + j in its high
+half, so that both halves meet contiguous inputs (no shuffle in registers).
 
 - `four_bit_rows_kernel` (up to a few tiles of rows): one program per block of output columns, share of the
   inner dimension and block of rows (a decode step's rows are one block: each weight is read once), each weight's
@@ -45,99 +45,85 @@ def _values(packed, Scale, Zero, Levels, out, scale_row, span, keep_outs, TABLE:
             _half_values(packed >> 4, Scale, Zero, Levels, out, scale_row, high, keep_outs, TABLE))
 
 
-def _weights_ptx(words: int, fma: str) -> str:
-    """The PTX that ends `_levels_ptx`'s and `_table_ptx`'s: each word's levels (t0/t1: its low halves, u0/u1: its
-    high halves, two a register) times their scale plus their zero in one fused multiply-add, into the outputs."""
-    pairs = 2 * words
-    scale, zero, high_scale, high_zero = (4 * words + words + k * pairs for k in range(4))
-    lines = []
-    for word in range(words):
-        for i in range(2):
-            e = 2 * word + i
-            lines += [f"fma.rn.{fma} ${e}, t{i}_{word}, ${scale + e}, ${zero + e};",
-                      f"fma.rn.{fma} ${pairs + e}, u{i}_{word}, ${high_scale + e}, ${high_zero + e};"]
-    return "\n".join(lines) + "\n}"
+_WEIGHTS_PTX = """fma.rn.{fma} $0, t0, $5, $7;
+fma.rn.{fma} $2, u0, $9, $11;
+fma.rn.{fma} $1, t1, $6, $8;
+fma.rn.{fma} $3, u1, $10, $12;
+}}"""
+# the PTX's operands: the low halves' weights of bytes 0-1 and 2-3 and the high halves' (outputs, two a register),
+# the 4 bytes, then per pair of bytes the low halves' scale and zero and the high halves' (both halves of a register)
+OPERANDS = tl.constexpr("=r,=r,=r,=r,r,r,r,r,r,r,r,r,r")
 
 
-def constraints(words: int) -> str:
-    """The operands of a PTX of `words` words: per pair of bytes (two a word) its low halves' two weights and its
-    high halves' (a register each: outputs), the words, then per pair of bytes the scale, the zero, the high halves'
-    scale and zero (a register each, the two weights' value twice)."""
-    return ",".join(["=r"] * 4 * words + ["r"] * 9 * words)
-
-
-def _levels_ptx(magic: int, one: int, minus: int, fma: str, words: int) -> str:
-    """PTX turning `words` words of levels (4 bytes each: weights j..j+3 in the low halves, SPAN / 2 + j.. in the
-    high halves) and their scales and zeros (`constraints`) into the weights, two a register: each level set into
-    the mantissa of `magic` (a power of two whose unit in the last place is 1: magic + q, one LOP3 per two weights),
-    `minus` (-(magic + 8)) added exactly (a fused multiply-add by `one`), then (q - 8) · scale + zero in one fused
-    multiply-add (rounded once)."""
-    names = ", ".join(f"t0_{w}, t1_{w}, u0_{w}, u1_{w}" for w in range(words))
-    lines = [f".reg .b32 {names}, nothing, nibbles, magic, one, minus;", "mov.b32 nothing, 0;",
-             "mov.b32 nibbles, 0x000F000F;", f"mov.b32 magic, {magic:#x};", f"mov.b32 one, {one:#x};",
-             f"mov.b32 minus, {minus:#x};"]
-    for w in range(words):
-        word = f"${4 * words + w}"
-        lines += [f"prmt.b32 t0_{w}, {word}, nothing, 0x4140;", f"prmt.b32 t1_{w}, {word}, nothing, 0x4342;",
-                  f"shr.b32 u0_{w}, t0_{w}, 4;", f"shr.b32 u1_{w}, t1_{w}, 4;"]
-        lines += [f"lop3.b32 {r}_{w}, {r}_{w}, nibbles, magic, 0xEA;" for r in ("t0", "t1", "u0", "u1")]
-        lines += [f"fma.rn.{fma} {r}_{w}, {r}_{w}, one, minus;" for r in ("t0", "t1", "u0", "u1")]
-    return "{\n" + "\n".join(lines) + "\n" + _weights_ptx(words, fma)
+def _levels_ptx(magic: int, one: int, minus: int, fma: str) -> str:
+    """PTX turning 4 bytes of levels (weights j..j+3 in the low halves, SPAN / 2 + j.. in the high halves) and their
+    scales and zeros (`OPERANDS`) into the weights, two a register: each level set into the mantissa of `magic` (a
+    power of two whose unit in the last place is 1: magic + q, one LOP3 per two weights), `minus` (-(magic + 8))
+    added exactly (a fused multiply-add by `one`), then (q - 8) · scale + zero in one fused multiply-add (rounded
+    once)."""
+    return f"""{{
+.reg .b32 t0, t1, u0, u1, nothing, nibbles, magic, one, minus;
+mov.b32 nothing, 0;
+mov.b32 nibbles, 0x000F000F;
+mov.b32 magic, {magic:#x};
+mov.b32 one, {one:#x};
+mov.b32 minus, {minus:#x};
+prmt.b32 t0, $4, nothing, 0x4140;
+prmt.b32 t1, $4, nothing, 0x4342;
+shr.b32 u0, t0, 4;
+shr.b32 u1, t1, 4;
+lop3.b32 t0, t0, nibbles, magic, 0xEA;
+lop3.b32 t1, t1, nibbles, magic, 0xEA;
+lop3.b32 u0, u0, nibbles, magic, 0xEA;
+lop3.b32 u1, u1, nibbles, magic, 0xEA;
+fma.rn.{fma} t0, t0, one, minus;
+fma.rn.{fma} t1, t1, one, minus;
+fma.rn.{fma} u0, u0, one, minus;
+fma.rn.{fma} u1, u1, one, minus;
+""" + _WEIGHTS_PTX.format(fma=fma)
 
 
 # per dtype, two a register: the magic (bfloat16 0x4300 = 128: 128 + q; float16 0x6400 = 1024: 1024 + q), one,
 # minus (magic + 8) and the fused multiply-add's type (a table's PTX uses it too)
 LEVEL_PATTERNS = {torch.bfloat16: (0x43004300, 0x3F803F80, 0xC308C308, "bf16x2"),
                   torch.float16: (0x64006400, 0x3C003C00, 0xE408E408, "f16x2")}
+LEVELS_PTX = {dtype: _levels_ptx(*pattern) for dtype, pattern in LEVEL_PATTERNS.items()}
 
 
-@functools.lru_cache(maxsize=None)
-def int4_ptx(dtype: torch.dtype, words: int = 1) -> str:
-    """`_levels_ptx` for `dtype` (half precision) and `words` words."""
-    return _levels_ptx(*LEVEL_PATTERNS[dtype], words)
-
-
-LEVELS_PTX = {dtype: int4_ptx(dtype) for dtype in LEVEL_PATTERNS}  # a word at a time: Hopper's kernel's
-
-
-def _table_ptx(low: list[int], high: list[int], fma: str, words: int) -> str:
-    """PTX turning `words` words of levels (as `_levels_ptx`'s) into the weights by a table of 16 half-precision
-    values (`low` and `high`: their bytes, in registers once for every word): each level's three low bits pick a
-    byte of the table's first or second half (PRMT, four levels at a time, the raw halves of two bytes as its
-    selector), the level's top bit picks the half (LOP3), the two bytes of each value are paired (PRMT), then level ·
-    scale + zero in one fused multiply-add."""
-    table = [f"mov.b32 {name}{i}, {sum(b << 8 * j for j, b in enumerate(bytes_[4 * i:4 * i + 4])):#x};"
+def _table_ptx(low: list[int], high: list[int], fma: str) -> str:
+    """PTX turning 4 bytes of levels (as `_levels_ptx`'s) into the weights by a table of 16 half-precision values
+    (`low` and `high`: their bytes): each level's three low bits pick a byte of the table's first or second half
+    (PRMT, four levels at a time, the raw halves of two bytes as its selector), the level's top bit picks the half
+    (LOP3), the two bytes of each value are paired (PRMT), then level · scale + zero in one fused multiply-add."""
+    words = [f"mov.b32 {name}{i}, {sum(b << 8 * j for j, b in enumerate(bytes_[4 * i:4 * i + 4])):#x};"
              for name, bytes_ in (("lo", low), ("hi", high)) for i in range(4)]
-    names = ", ".join(f"t0_{w}, t1_{w}, u0_{w}, u1_{w}" for w in range(words))
-    lines = [f".reg .b32 lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, pick, idx, top, a, b, pl, ph, {names};", *table,
-             "mov.b32 pick, 0x0000FF00;"]
-    for w in range(words):
-        word = f"${4 * words + w}"
-        lines += [f"and.b32 idx, {word}, 0x77777777;", f"shr.b32 top, {word}, 3;", "and.b32 top, top, 0x11111111;"]
-        for half in range(2):
-            if half:
-                lines += ["shr.b32 idx, idx, 16;", "shr.b32 top, top, 16;"]
-            lines += ["prmt.b32 a, pick, pick, top;",  # 0xFF for each of the four levels above 7
-                      "prmt.b32 pl, lo0, lo1, idx;", "prmt.b32 b, lo2, lo3, idx;", "lop3.b32 pl, pl, b, a, 0xD8;",
-                      "prmt.b32 ph, hi0, hi1, idx;", "prmt.b32 b, hi2, hi3, idx;", "lop3.b32 ph, ph, b, a, 0xD8;",
-                      f"prmt.b32 t{half}_{w}, pl, ph, 0x6240;", f"prmt.b32 u{half}_{w}, pl, ph, 0x7351;"]
-    return "{\n" + "\n".join(lines) + "\n" + _weights_ptx(words, fma)
+    lines = [".reg .b32 lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, pick, idx, top, a, b, pl, ph, t0, t1, u0, u1;",
+             *words, "mov.b32 pick, 0x0000FF00;", "and.b32 idx, $4, 0x77777777;", "shr.b32 top, $4, 3;",
+             "and.b32 top, top, 0x11111111;"]
+    for half, (t, u) in enumerate((("t0", "u0"), ("t1", "u1"))):
+        if half:
+            lines += ["shr.b32 idx, idx, 16;", "shr.b32 top, top, 16;"]
+        lines += ["prmt.b32 a, pick, pick, top;",  # 0xFF for each of the four levels above 7
+                  "prmt.b32 pl, lo0, lo1, idx;", "prmt.b32 b, lo2, lo3, idx;", "lop3.b32 pl, pl, b, a, 0xD8;",
+                  "prmt.b32 ph, hi0, hi1, idx;", "prmt.b32 b, hi2, hi3, idx;", "lop3.b32 ph, ph, b, a, 0xD8;",
+                  f"prmt.b32 {t}, pl, ph, 0x6240;", f"prmt.b32 {u}, pl, ph, 0x7351;"]
+    return "{\n" + "\n".join(lines) + "\n" + _WEIGHTS_PTX.format(fma=fma)
 
 
 @functools.lru_cache(maxsize=None)
-def table_ptx(dtype: torch.dtype, levels: tuple[float, ...], words: int = 1) -> str:
-    """`_table_ptx` for 16 levels, each rounded to `dtype` (half precision), and `words` words."""
+def table_ptx(dtype: torch.dtype, levels: tuple[float, ...]) -> str:
+    """`_table_ptx` for 16 levels, each rounded to `dtype` (half precision)."""
     bits = [b & 0xFFFF for b in torch.tensor(levels, dtype=torch.float32).to(dtype).view(torch.int16).tolist()]
-    return _table_ptx([b & 0xFF for b in bits], [b >> 8 for b in bits], LEVEL_PATTERNS[dtype][3], words)
+    return _table_ptx([b & 0xFF for b in bits], [b >> 8 for b in bits], LEVEL_PATTERNS[dtype][3])
 
 
-def levels_ptx(dtype: torch.dtype, weight, words: int = 1) -> str:
-    """The PTX that the kernels make a `FourBitWeight`'s values in `dtype` with, `words` words at a time: on CUDA,
-    where `dtype`, the scales and the zeros are one half-precision dtype, int4's bit patterns (`_levels_ptx`) or a
-    table (`table_ptx`, nf4); else "" (arithmetic in float32)."""
+def levels_ptx(dtype: torch.dtype, weight) -> str:
+    """The PTX that the kernels make a `FourBitWeight`'s values in `dtype` with: on CUDA, where `dtype`, the scales
+    and the zeros are one half-precision dtype, int4's bit patterns (`_levels_ptx`) or a table (`table_ptx`, nf4);
+    else "" (arithmetic in float32)."""
     if not weight.packed.is_cuda or dtype not in LEVEL_PATTERNS or {weight.scale.dtype, weight.zero.dtype} != {dtype}:
         return ""
-    return int4_ptx(dtype, words) if weight.affine else table_ptx(dtype, tuple(weight.levels), words)
+    return LEVELS_PTX[dtype] if weight.affine else table_ptx(dtype, tuple(weight.levels))
 
 
 @triton.jit
@@ -159,7 +145,7 @@ def _halves(words, dtype: tl.constexpr):
 
 @triton.jit
 def _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS: tl.constexpr,
-                    OPERANDS: tl.constexpr, WORDS: tl.constexpr, PAIRED: tl.constexpr):
+                    PAIRED: tl.constexpr):
     """`_values` in half precision (Scale's and Zero's dtype) by `LEVELS`' PTX from the bytes two at a time
     (`pairs`: uint16, outputs × a quarter span), each pair's four weights made as two pairs of values: no conversion
     per weight, and no byte taken apart and put together again on its way to the PTX (as a tensor of bytes was:
@@ -173,7 +159,7 @@ def _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS:
         high_scale = _doubled(Scale, out, scale_row, high, keep_outs, pairs.shape)
         high_zero = _doubled(Zero, out, scale_row, high, keep_outs, pairs.shape)
     low_words, high_words = tl.inline_asm_elementwise(LEVELS, OPERANDS, [pairs, scale, zero, high_scale, high_zero],
-                                                      dtype=(tl.uint32, tl.uint32), is_pure=True, pack=2 * WORDS)
+                                                      dtype=(tl.uint32, tl.uint32), is_pure=True, pack=2)
     dtype: tl.constexpr = Scale.dtype.element_ty
     return _halves(low_words, dtype), _halves(high_words, dtype)
 
@@ -182,7 +168,7 @@ def _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS:
 def four_bit_rows_kernel(X, W, Scale, Zero, Levels, Out, rows, outs, ins, x_row, w_row, scale_row, out_row,
                          out_split, GROUP: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                          BLOCK_OUT: tl.constexpr, SPLIT: tl.constexpr, PATTERN: tl.constexpr, LEVELS: tl.constexpr,
-                         OPERANDS: tl.constexpr, WORDS: tl.constexpr, TABLE: tl.constexpr):
+                         TABLE: tl.constexpr):
     """Out[s, rows, outs] = X[rows, ins] · Wᵀ over every SPLIT-th span of the inner dimension from span s on
     (program (o, s, r), r the block of rows), in float32, W[o, i] = level(q) · Scale[o, g] + Zero[o, g], g = i //
     GROUP (`_values`: int4, or nf4's table with TABLE), a span a group or with PAIRED two. The weights are the
@@ -209,8 +195,7 @@ def four_bit_rows_kernel(X, W, Scale, Zero, Levels, Out, rows, outs, ins, x_row,
         pairs = tl.load(byte_pairs + out[:, None] * (w_row // 2) + span * PAIRS + pair[None, :],
                         mask=keep_outs[:, None], other=0)
         if PATTERN:
-            low, high = _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS, OPERANDS, WORDS,
-                                        PAIRED)
+            low, high = _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS, PAIRED)
         else:
             packed = tl.reshape(tl.join(pairs & 0xFF, pairs >> 8), (BLOCK_OUT, HALF)).to(tl.uint8)
             low, high = _values(packed, Scale, Zero, Levels, out, scale_row, span, keep_outs, TABLE, PAIRED)

@@ -1,18 +1,19 @@
 """Hopper's (sm_90) kernel for 4-bit products of a few tiles of rows (more than `four_bit_products.DECODE_ROWS`,
 up to its TILED_ROWS: steps that carry prompts), written in Gluon (`devmap.compat.gluon`) because it needs what
 Triton's `tl.dot` does not give: the tensor cores' asynchronous products (wgmma) with the weights as the first
-operand in registers, so that the next group's weights are made while the tensor cores multiply this group's.
+operand in registers, so that the next span's weights are made while the tensor cores multiply this span's.
 
 Per program: a block of BLOCK_OUT output columns (a warpgroup per 64), a tile of up to 256 rows and a share of the
 inner dimension (shares added by `int8_products_kernel.add_shares`). A tile is a power of two of rows or two parts
 (`tile_rows`: 96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64), so that a step of 32 rows carrying a pack of 64 or 128
 prompt tokens computes no padding row; the tensor cores multiply both parts by the same weights in the registers. A
-ring of STAGES stages in shared memory takes each group's inputs (two halves, the group's two halves of a byte) and
-4-bit bytes by TMA, each stage with its mbarrier; a group's weights are read from its stage into the first operand's
+ring of STAGES stages in shared memory takes each span's inputs (two halves, the span's two halves of a byte) and
+4-bit bytes by TMA, each stage with its mbarrier; a span's weights are read from its stage into the first operand's
 registers and made by the same PTX as the rows kernel's (`four_bit_products_kernel.levels_ptx`: int4's bit patterns or
-nf4's table), the products issued asynchronously, and the stage of the group before refilled once every warpgroup is
+nf4's table), the products issued asynchronously, and the stage of the span before refilled once every warpgroup is
 past its products. Over a 13B layer's four products, H200, at the rule's shapes: int4 0.73-0.79× the rows kernel's
-time at 96-256 rows and 1.00× bf16's at 96 and 128 rows (1.4-1.7× at 160-256), nf4 0.64-0.86× the rows kernel's; a
+time at 96-256 rows and 1.00× bf16's at 96 and 128 rows (1.4-1.7× at 160-256), nf4 0.64-0.86× the rows kernel's (nf4's
+groups of 64 one a span then; two a span, 1.18× bf16's time at 64 rows, 1.42× at 128, 1.9× at 160, 1.5× at 256); a
 step of 32 rows carrying 63 / 127 prompt tokens (13B, int4) 11.67 / 17.52 ms against 15.03 / 22.66 with the rows
 kernel. At 32 rows and fewer the rows kernel stays (tiles of 8-32 rows here: 1.00× its time at 1 row, 0.94× at 32 for
 int4, 0.99-1.12× for nf4), and past 256 rows values + cuBLAS (a 256-row tile and a tile of the rest made every weight
@@ -27,7 +28,8 @@ import triton
 
 from ..compat.gluon import (TensorDescriptor, cta_barrier, descriptor_type, fence_async_shared, gl, gluon, mbarrier,
                             sm90_compile, tma_load, warpgroup_mma, warpgroup_mma_wait)
-from .four_bit_products import span_of
+from .four_bit_layout import span_of
+from .four_bit_products_kernel import OPERANDS
 from .int8_products import PROGRAMS
 from .int8_products_kernel import add_shares
 
@@ -53,8 +55,7 @@ def _weights(packed, scale, zero, high_scale, high_zero, LEVELS: gl.constexpr):
     zeros, _ = gl.broadcast(zero[:, None], packed)
     high_scales, _ = gl.broadcast(high_scale[:, None], packed)
     high_zeros, _ = gl.broadcast(high_zero[:, None], packed)
-    return gl.inline_asm_elementwise(LEVELS, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-                                     [levels, scales, zeros, high_scales, high_zeros],
+    return gl.inline_asm_elementwise(LEVELS, OPERANDS, [levels, scales, zeros, high_scales, high_zeros],
                                      dtype=(scale.dtype, scale.dtype), is_pure=True, pack=4)
 
 
@@ -212,9 +213,10 @@ def wgmma_shape(rows: int, outs: int, spans: int, span: int, table: bool = False
     every row in one tile (`tile_rows`: fewer than 32 rows past the last, or 64 or 256 rows); 64 output columns (one
     warpgroup) for tiles of 64 and 96 rows and for int4's (not a `table`'s) of 128 (two programs per SM overlap each
     other's weights and products: 0.84x the time of 128 columns over a layer at 128 rows; nf4's table, more work per
-    weight, took 1.04x the time), else 128 (two warpgroups reading one tile of rows); 3 stages, 4 for tiles of 256 rows
-    where they fit (nf4's groups of 64); the inner dimension in shares only where the blocks are fewer than SPREAD
-    (o and down: the shares that make PROGRAMS programs; q/k/v and gate/up were 15-25% slower in two shares)."""
+    weight, took 1.04x the time), else 128 (two warpgroups reading one tile of rows); 3 stages, for tiles of 256 rows
+    as many as fit up to 4 (2 for spans of 128 weights); the inner dimension in shares only where the blocks are
+    fewer than SPREAD (o and down: the shares that make PROGRAMS programs; q/k/v and gate/up were 15-25% slower in two
+    shares). nf4's shapes were timed while its spans were single groups of 64 weights, not again since."""
     tile, tail = tile_rows(rows)
     out = 64 if tile <= 96 or (tile == 128 and not table) else 128
     stages = min(4, SHARED // stage_bytes(tile, out, span)) if tile == 256 else 3
@@ -233,7 +235,7 @@ def _layouts(dtype: torch.dtype, shape: WgmmaShape, half: int) -> tuple[Any, Any
 
 def wgmma_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: str,
                   shape: WgmmaShape | None = None, table: bool = False) -> torch.Tensor:
-    """x (rows × in) · weightᵀ through the kernel, the weight a `four_bit_products.FourBitWeight`'s tensors made by
+    """x (rows × in) · weightᵀ through the kernel, the weight a `four_bit_layout.FourBitWeight`'s tensors made by
     `levels` (its `levels_ptx`: a `table`'s or int4's) where `four_bit_products.wgmma_levels` gives them, cut as
     `shape` says (default: `wgmma_shape`'s rule)."""
     rows, ins = x.shape

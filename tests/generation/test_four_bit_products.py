@@ -11,9 +11,9 @@ from torch import nn
 
 from devmap import generate
 from devmap.generation.four_bit_linear import FourBitLinear, own_four_bit_linears
-from devmap.generation.four_bit_products import (
-    INT4_LEVELS, FourBitWeight, dequantize, four_bit_product, kernel_applies, levels, packed_halves, quantize_int4,
-    span_of)
+from devmap.generation.four_bit_layout import (
+    INT4_LEVELS, FourBitWeight, dequantize, levels, packed_halves, quantize_int4, span_of)
+from devmap.generation.four_bit_products import four_bit_product, kernel_applies
 from devmap.generation.joined_projections import JoinedLayer, every_layer_joined, join_projections, joined_products
 
 
@@ -115,8 +115,8 @@ def test_int4_joined_steps_compile_once_for_every_batch_size(model, compiles_onc
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from devmap.generation.four_bit_products import (BlockShape, block_shape, dequantize, kernel_product,
-                                                      quantize_int4, values)
+    from devmap.generation.four_bit_layout import dequantize, quantize_int4
+    from devmap.generation.four_bit_products import BlockShape, block_shape, kernel_product, values
     torch.manual_seed(0)
     # one block of rows (split or not, uneven output blocks), tiles of rows, and the rule's shape
     for rows, outs, ins, shape in ((1, 96, 256, None), (5, 64, 384, BlockShape(64, 2)),
@@ -170,8 +170,8 @@ def test_the_kernels_bit_patterns_give_each_weight_exactly(dtype):
     from devmap.generation.four_bit_products_kernel import LEVEL_PATTERNS, _levels_ptx
 
     magic, one, minus, kind = LEVEL_PATTERNS[dtype]
-    ptx = _levels_ptx(magic, one, minus, kind, 1)
-    assert f"mov.b32 magic, {magic:#x};" in ptx and f"fma.rn.{kind} $0, t0_0, $5, $7;" in ptx
+    ptx = _levels_ptx(magic, one, minus, kind)
+    assert f"mov.b32 magic, {magic:#x};" in ptx and f"fma.rn.{kind} $0, t0, $5, $7;" in ptx
 
     def halves(register: int) -> list[float]:  # a 32-bit register as two values of dtype, low half first
         pair = torch.tensor([register & 0xFFFF, register >> 16], dtype=torch.int32).to(torch.int16)
@@ -193,11 +193,10 @@ def test_the_kernels_bit_patterns_give_each_weight_exactly(dtype):
         assert low == ((packed & 15).int() - 8).tolist() and high == ((packed >> 4).int() - 8).tolist()
 
 
-def run_ptx(ptx: str, words: list[int]) -> dict[str, int]:
+def run_ptx(ptx: str, word: int) -> dict[str, int]:
     """The registers after the integer part of a table's PTX (`mov`, `and`, `shr`, `prmt`, `lop3`: everything before
-    its fused multiply-adds) with `words` in its word operands ($4 for one word, $8 and $9 for two), each
-    instruction as PTX defines it."""
-    regs: dict[str, int] = {f"${4 * len(words) + i}": word for i, word in enumerate(words)}
+    its fused multiply-adds) with `word` in $4, each instruction as PTX defines it."""
+    regs: dict[str, int] = {"$4": word}
 
     def value(operand: str) -> int:
         return regs[operand] if operand in regs else int(operand, 0)
@@ -228,36 +227,29 @@ def run_ptx(ptx: str, words: list[int]) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("words", [1, 2])
-def test_a_tables_ptx_gives_each_weight_its_level(dtype, words):
+def test_a_tables_ptx_gives_each_weight_its_level(dtype):
     """The kernels' PTX for a table of levels (`table_ptx`, nf4's), run instruction by instruction on the CPU: the
-    four bytes of each word come out as the levels (rounded to dtype) of weights j..j+3 (low halves) and SPAN / 2 +
-    j.. (high halves), in order, two a register, before each pair's scale and zero (operands as `constraints`
-    counts them)."""
+    four bytes of a register come out as the levels (rounded to dtype) of weights j..j+3 (low halves) and SPAN / 2
+    + j.. (high halves), in order, two a register, before the scales and zeros: the low halves' pair ($5-$8), then
+    the high halves' ($9-$12), as `OPERANDS` counts them."""
     pytest.importorskip("triton")
-    from devmap.generation.four_bit_products_kernel import LEVEL_PATTERNS, constraints, table_ptx
+    from devmap.generation.four_bit_products_kernel import LEVEL_PATTERNS, OPERANDS, table_ptx
 
-    ptx = table_ptx(dtype, NF4, words)
+    ptx = table_ptx(dtype, NF4)
     kind = LEVEL_PATTERNS[dtype][3]
-    if words == 1:
-        assert f"fma.rn.{kind} $0, t0_0, $5, $7;" in ptx and f"fma.rn.{kind} $3, u1_0, $10, $12;" in ptx
-    else:  # outputs $0-$7, words $8-$9, then scales, zeros, high halves' scales and zeros from $10, four apiece
-        assert f"fma.rn.{kind} $3, t1_1, $13, $17;" in ptx and f"fma.rn.{kind} $7, u1_1, $21, $25;" in ptx
-    assert constraints(words).count("=r") == 4 * words and constraints(words).count(",") == 13 * words - 1
+    assert f"fma.rn.{kind} $0, t0, $5, $7;" in ptx and f"fma.rn.{kind} $3, u1, $10, $12;" in ptx
+    assert OPERANDS.value.count("=r") == 4 and OPERANDS.value.count(",") == 12
     table = torch.tensor(NF4).to(dtype)
 
     def halves(register: int) -> list[float]:  # a 32-bit register as two values of dtype, low half first
         return torch.tensor([register & 0xFFFF, register >> 16], dtype=torch.int32).to(torch.int16).view(dtype).tolist()
 
     torch.manual_seed(0)
-    samples = torch.randint(0, 1 << 32, (200, words)).tolist() + [[w] * words for w in
-                                                                   (0, 0xFFFFFFFF, 0x88888888, 0x77777777)]
-    for sample in samples:
-        regs = run_ptx(ptx, sample)
-        for i, word in enumerate(sample):
-            packed = torch.tensor([(word >> 8 * k) & 0xFF for k in range(4)], dtype=torch.uint8)
-            assert halves(regs[f"t0_{i}"]) + halves(regs[f"t1_{i}"]) == table[(packed & 15).long()].tolist()
-            assert halves(regs[f"u0_{i}"]) + halves(regs[f"u1_{i}"]) == table[(packed >> 4).long()].tolist()
+    for word in torch.randint(0, 1 << 32, (200,)).tolist() + [0, 0xFFFFFFFF, 0x88888888, 0x77777777]:
+        regs = run_ptx(ptx, word)
+        packed = torch.tensor([(word >> 8 * i) & 0xFF for i in range(4)], dtype=torch.uint8)
+        assert halves(regs["t0"]) + halves(regs["t1"]) == table[(packed & 15).long()].tolist()
+        assert halves(regs["u0"]) + halves(regs["u1"]) == table[(packed >> 4).long()].tolist()
 
 
 def test_hoppers_kernel_cuts_every_step_it_runs_into_tiles_that_fit():
