@@ -43,30 +43,30 @@ def library_linear(weight: torch.Tensor, scheme: str) -> torch.nn.Module:
     return holder.linear
 
 
-def grid(rows: int, outs: int, groups: int) -> list[BlockShape]:
+def grid(rows: int, outs: int, spans: int) -> list[BlockShape]:
     """Shapes to time: every row in one block up to 32 rows (output columns, shares, warps, stages); beyond, every row
     in one block or tiles of 64 or 128 rows (output columns, warps; the rule's shares for one block, one share for
     tiles)."""
     if rows <= 32:
-        return [BlockShape(out, max(1, min(groups, share * block_shape(rows, outs * 256 // out, groups).splits)),
+        return [BlockShape(out, max(1, min(spans, share * block_shape(rows, outs * 256 // out, spans).splits)),
                            warps, stages)
                 for out, share, warps, stages in itertools.product((64, 128, 256), (1, 2), (4, 8), (2, 3, 4))]
-    return [BlockShape(out, max(1, min(groups, PROGRAMS // -(-outs // out))) if height == 0 else 1, warps, 3, height)
+    return [BlockShape(out, max(1, min(spans, PROGRAMS // -(-outs // out))) if height == 0 else 1, warps, 3, height)
             for height, out, warps in itertools.product((0, 64, 128), (64, 128, 256), (4, 8))]
 
 
-def wgmma_grid(rows: int, outs: int, groups: int, group: int, table: bool) -> list:
+def wgmma_grid(rows: int, outs: int, spans: int, span: int, table: bool) -> list:
     """Hopper's kernel's shapes to time: the rule's tile (in its parts) and the power of two that holds the rows,
     64 or 128 output columns, 2-4 stages that fit, one share or the count that makes PROGRAMS programs."""
     from devmap.generation.four_bit_products_wgmma import SHARED, WgmmaShape, stage_bytes, wgmma_shape
 
-    rule = wgmma_shape(rows, outs, groups, group, table)
+    rule = wgmma_shape(rows, outs, spans, span, table)
     shapes = {rule}
     tiles = {(rule.rows, rule.tail), (min(256, max(64, 1 << (rows - 1).bit_length())), 0)}
     for (tile, tail), out, stages in itertools.product(tiles, (64, 128), (2, 3, 4)):
-        if stages * stage_bytes(tile, out, group) <= SHARED:
+        if stages * stage_bytes(tile, out, span) <= SHARED:
             programs = -(-outs // out) * -(-rows // tile)
-            for splits in {1, max(1, min(groups, PROGRAMS // programs))}:
+            for splits in {1, max(1, min(spans, PROGRAMS // programs))}:
                 shapes.add(WgmmaShape(tile, out, stages, splits, tail))
     return sorted(shapes)
 
@@ -109,7 +109,7 @@ def main() -> None:
                 dense = graph_timed_us(lambda: torch.mm(x, values(ours, x.dtype).t()), repeat=50)
                 best, best_shape = kernel, "rule"
                 if args.grid and rows <= 512:
-                    for shape in grid(rows, outs, ours.scale.shape[1]):
+                    for shape in grid(rows, outs, ins // ours.span):
                         try:
                             us = graph_timed_us(lambda shape=shape: kernel_product(x, ours, shape), repeat=50)
                         except Exception as exc:  # noqa: BLE001 - a probe: a shape too large for the SM, say so
@@ -121,7 +121,7 @@ def main() -> None:
                     if ptx:
                         from devmap.generation.four_bit_products_wgmma import wgmma_product
 
-                        for shape in wgmma_grid(rows, outs, ours.scale.shape[1], ours.group, not ours.affine):
+                        for shape in wgmma_grid(rows, outs, ins // ours.span, ours.span, not ours.affine):
                             us = graph_timed_us(lambda shape=shape: wgmma_product(x, *ours.tensors, ptx, shape),
                                                 repeat=50)
                             if us < best:
