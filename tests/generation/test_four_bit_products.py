@@ -26,6 +26,24 @@ def test_levels_pack_two_a_byte_in_group_halves():
     assert torch.equal(levels(packed, 128), q)
 
 
+def test_groups_smaller_than_the_span_pair_up_in_their_bytes():
+    """Groups of 64 (nf4's blocks) and 32 go two a span where the inner dimension holds whole pairs: the first group's
+    weights in the bytes' low halves, the second's in the high halves; groups of 128 and more, or an odd count of
+    groups, stay one a span. Packing and unpacking by the span give the levels back either way."""
+    assert [span_of(256, g) for g in (32, 64, 128, 256)] == [64, 128, 128, 256]
+    assert span_of(192, 64) == 64 and span_of(384, 64) == 128 and span_of(96, 32) == 32
+    torch.manual_seed(3)
+    for ins, group in ((256, 64), (192, 64), (256, 128)):
+        weight = quantize_int4(torch.randn(4, ins), group=group)
+        span = span_of(ins, group)
+        assert weight.span == span and weight.paired == (span == 2 * group)
+        q = levels(weight.packed, span)
+        assert torch.equal(weight.packed[:, 0] & 15, q[:, 0]) and torch.equal(weight.packed[:, 0] >> 4, q[:, span // 2])
+        assert torch.equal(packed_halves(q, span), weight.packed)
+        grouped = (dequantize(weight, torch.float32) - weight.zero.repeat_interleave(group, 1)).reshape(4, -1, group)
+        assert (grouped.abs().amax(-1) <= 8 * weight.scale.float() + 1e-5).all()  # each group by its own scale
+
+
 def test_weights_come_back_within_half_a_step_of_their_group():
     torch.manual_seed(0)
     weight = torch.randn(48, 512) * torch.linspace(0.1, 3, 512)
