@@ -1,10 +1,10 @@
 """Matrix products with 4-bit weights (`--quantize int4`: torchao's numbers, tinygemm's formula, w = (q - 8) · scale +
 zero per group of 128 along the inner dimension, q in 0..15; `--quantize nf4`: below) in a plain layout that devmap's
 kernels read: two weights a byte (in each span, weight j in the low half of byte j, weight span/2 + j in its high half;
-a span is a group of 128 or more weights, or two smaller groups: `span_of`), output row by output row (`FourBitWeight`),
-so that q, k and v (gate and up) lie end to end and a decode step reads each layer in few products. torchao's tinygemm
-is built for a row or a few: at 32 rows of a 13B layer it took 4.4× bf16's time, at 2,048 rows 24×, and serving a 13B
-model at 32 clients ran at 0.15× bf16's tokens/s.
+a span is a group of 128 or more weights, or two smaller groups: `four_bit_layout`), output row by output row
+(`FourBitWeight`), so that q, k and v (gate and up) lie end to end and a decode step reads each layer in few products.
+torchao's tinygemm is built for a row or a few: at 32 rows of a 13B layer it took 4.4× bf16's time, at 2,048 rows 24×,
+and serving a 13B model at 32 clients ran at 0.15× bf16's tokens/s.
 
 On CUDA, in half precision, up to DECODE_ROWS rows (decode steps) `four_bit_product` runs `four_bit_products_kernel`'s
 rows kernel: the 4 bits read once per block of rows (two bytes at a time), each weight made from bit patterns, (q - 8) ·
