@@ -173,8 +173,7 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
         x, weight.packed, weight.scale, weight.zero, table, shares, rows, outs, ins, x.stride(0),
         weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, PAIRED=weight.paired,
         BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out, SPLIT=shape.splits, PATTERN=bool(ptx), LEVELS=ptx,
-        TABLE=not weight.affine,
-        num_warps=shape.warps, num_stages=shape.stages)
+        TABLE=not weight.affine, num_warps=shape.warps, num_stages=shape.stages)
     if shape.splits > 1:
         add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
     return out

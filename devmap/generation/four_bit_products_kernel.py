@@ -23,6 +23,14 @@ import triton.language as tl
 
 
 @triton.jit
+def _span_groups(span, PAIRED: tl.constexpr):
+    """The groups of a span's low halves and of its high halves: the span's own group twice, or with PAIRED its
+    two."""
+    low = span * 2 if PAIRED else span
+    return low, (low + 1 if PAIRED else low)
+
+
+@triton.jit
 def _half_values(q, Scale, Zero, Levels, out, scale_row, group, keep_outs, TABLE: tl.constexpr):
     """The weights (float32) that levels `q` (outputs `out` × half a span) of `group` stand for: level(q) · scale +
     zero, the group's scale and zero of each output; level(q) = q - 8 (int4), or with TABLE Levels[q] (16 float32
@@ -39,8 +47,7 @@ def _values(packed, Scale, Zero, Levels, out, scale_row, span, keep_outs, TABLE:
             PAIRED: tl.constexpr):
     """The weights (float32) that the low and high halves of `packed` (outputs `out` × half a span) stand for: both
     of the span's group, or with PAIRED the low halves of its first group and the high halves of its second."""
-    low = span * 2 if PAIRED else span
-    high = low + 1 if PAIRED else low
+    low, high = _span_groups(span, PAIRED)
     return (_half_values(packed & 15, Scale, Zero, Levels, out, scale_row, low, keep_outs, TABLE),
             _half_values(packed >> 4, Scale, Zero, Levels, out, scale_row, high, keep_outs, TABLE))
 
@@ -150,8 +157,7 @@ def _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS:
     (`pairs`: uint16, outputs × a quarter span), each pair's four weights made as two pairs of values: no conversion
     per weight, and no byte taken apart and put together again on its way to the PTX (as a tensor of bytes was:
     H200, 7% less time over a 13B layer's products at 1-32 rows)."""
-    low = span * 2 if PAIRED else span
-    high = low + 1 if PAIRED else low
+    low, high = _span_groups(span, PAIRED)
     scale = _doubled(Scale, out, scale_row, low, keep_outs, pairs.shape)
     zero = _doubled(Zero, out, scale_row, low, keep_outs, pairs.shape)
     high_scale, high_zero = scale, zero
@@ -186,18 +192,18 @@ def four_bit_rows_kernel(X, W, Scale, Zero, Levels, Out, rows, outs, ins, x_row,
     pair = tl.arange(0, PAIRS)
     keep_rows = row[None, :] < rows
     keep_outs = out < outs
-    byte_pairs = W.to(tl.pointer_type(tl.uint16))
+    byte_pairs = W.to(tl.pointer_type(tl.uint16))  # the PTX's bytes, two at a time
     acc = tl.zeros((BLOCK_OUT, BLOCK_ROWS), dtype=tl.float32)
     for span in range(split, ins // SPAN, SPLIT):
         inputs = X + row[None, :] * x_row + span * SPAN + half[:, None]
         x_low = tl.load(inputs, mask=keep_rows, other=0.0)
         x_high = tl.load(inputs + HALF, mask=keep_rows, other=0.0)
-        pairs = tl.load(byte_pairs + out[:, None] * (w_row // 2) + span * PAIRS + pair[None, :],
-                        mask=keep_outs[:, None], other=0)
         if PATTERN:
+            pairs = tl.load(byte_pairs + out[:, None] * (w_row // 2) + span * PAIRS + pair[None, :],
+                            mask=keep_outs[:, None], other=0)
             low, high = _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS, PAIRED)
         else:
-            packed = tl.reshape(tl.join(pairs & 0xFF, pairs >> 8), (BLOCK_OUT, HALF)).to(tl.uint8)
+            packed = tl.load(W + out[:, None] * w_row + span * HALF + half[None, :], mask=keep_outs[:, None], other=0)
             low, high = _values(packed, Scale, Zero, Levels, out, scale_row, span, keep_outs, TABLE, PAIRED)
         acc += tl.dot(low.to(x_low.dtype), x_low)
         acc += tl.dot(high.to(x_low.dtype), x_high)
