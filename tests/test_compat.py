@@ -295,5 +295,5 @@ def test_gluon_names_build_hoppers_four_bit_kernel_for_sm90(levels):
     ptx = LEVELS_PTX[torch.bfloat16] if levels == "int4" else table_ptx(torch.bfloat16, tuple(range(-8, 8)))
     for shape, span, paired in ((WgmmaShape(64, 64, 4, 1), 128, False), (WgmmaShape(256, 128, 2, 2), 128, True),
                                 (WgmmaShape(160, 128, 3, 1, 32), 128, False), (WgmmaShape(64, 64, 3, 1), 64, True)):
-        kernel = compile_sm90(shape, span, torch.bfloat16, ptx, paired)
+        kernel = compile_sm90(shape, span, torch.bfloat16, ptx, paired, zero=levels == "int4")
         assert "wgmma.mma_async" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"]

@@ -20,13 +20,13 @@ INT4_LEVELS = tuple(float(q - 8) for q in range(16))  # int4's levels (torchao, 
 
 class FourBitWeight(NamedTuple):
     """A weight of `outs` × `ins` in 4 bits: `packed` (outs × ins/2 uint8, per span of s weights s/2 bytes: weight j
-    in the low half of byte j, s/2 + j in the high half), `scale` and `zero` (outs × ins/group, the weight's dtype)
-    and the 16 `levels` the 4 bits stand for: w = levels[q] · scale + zero. int4 (torchao): levels q - 8; nf4
-    (bitsandbytes): its table of 16 values, scale each block's absmax, zero 0."""
+    in the low half of byte j, s/2 + j in the high half), `scale` and `zero` (outs × ins/group, the weight's dtype;
+    zero None: none, w = levels[q] · scale) and the 16 `levels` the 4 bits stand for: w = levels[q] · scale + zero.
+    int4 (torchao): levels q - 8; nf4 (bitsandbytes): its table of 16 values, scale each block's absmax, no zero."""
 
     packed: torch.Tensor
     scale: torch.Tensor
-    zero: torch.Tensor
+    zero: torch.Tensor | None
     levels: tuple[float, ...] = INT4_LEVELS
 
     @property
@@ -50,7 +50,7 @@ class FourBitWeight(NamedTuple):
         return tuple(self.levels) == INT4_LEVELS
 
     @property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return self.packed, self.scale, self.zero
 
     @property
@@ -97,7 +97,8 @@ def dequantize(weight: FourBitWeight, dtype: torch.dtype) -> torch.Tensor:
     q = levels(weight.packed, weight.span)
     level = q.float() - 8 if weight.affine else level_table(weight.levels, q.device, weight.scale.dtype)[q.long()]
     grouped = level.reshape(outs, -1, weight.group) * weight.scale.float()[..., None]
-    grouped = grouped + weight.zero.float()[..., None]
+    if weight.zero is not None:
+        grouped = grouped + weight.zero.float()[..., None]
     return grouped.reshape(outs, ins).to(dtype)
 
 

@@ -40,7 +40,7 @@ class FourBitLinear(nn.Module):
 
 def four_bit_weight(linear: nn.Module) -> FourBitWeight | None:
     """The layer's weight in devmap's layout: torchao's int4 or bitsandbytes' nf4 (on a GPU) taken apart, else None.
-    nf4's absmax becomes the scale, in the weight's dtype (rounded from float32), its zero 0."""
+    nf4's absmax becomes the scale, in the weight's dtype (rounded from float32), with no zero."""
     weight = getattr(linear, "weight", None)
     if not isinstance(linear, nn.Linear) or not isinstance(weight, torch.Tensor):
         return None
@@ -54,7 +54,7 @@ def four_bit_weight(linear: nn.Module) -> FourBitWeight | None:
     q, absmax, levels, dtype = table
     scale = absmax.to(dtype)
     span = span_of(q.shape[1], q.shape[1] // scale.shape[1])
-    return FourBitWeight(packed_halves(q, span), scale, torch.zeros_like(scale), tuple(levels))
+    return FourBitWeight(packed_halves(q, span), scale, None, tuple(levels))
 
 
 @torch.no_grad()

@@ -28,20 +28,20 @@ products do past 32 rows) did not help: with each group's scale and zero applied
 than the rows kernel at 96-160 rows and took 1.15-1.5× values + cuBLAS's time at 288-2,048.
 
 bitsandbytes' nf4 (and fp4) is taken into this layout too (`four_bit_linear`): its blocks of 64 are the groups, two a
-span, each block's absmax the scale and zero 0, its table of 16 values the `levels`, rounded to the scales' dtype on
-every path. The kernels look a table's levels up by PRMT (`four_bit_products_kernel.table_ptx`, ~3.4 instructions a
-weight): over a 13B layer (H200) 0.87× bf16's time at one and 16 rows, 0.98× at 32 (140 / 144 / 162 µs), 1.18× at 64,
-1.42× at 128, 1.9× at 160, 1.5× at 256 (bitsandbytes' own products: 0.97×, 2.9×, 2.9×, 2.9× at 1, 32, 96, 160). Bound by
-issuing instructions, not by memory (ncu at 32 rows: DRAM 14% busy, the integer pipe 55%): a loop step of one group (64
-weights) took 1.15× a span of two's time at 32 rows, and the bytes taken apart one at a time another 1.07×; int4's
-arithmetic on nf4's bytes in steps of 64 weights took 0.89× the table's. More programs, or groups unrolled in a loop
-step, did not help.
+span, each block's absmax the scale and no zero (the kernels read none: 5% less time at 1 and 32 rows), its table of 16
+values the `levels`, rounded to the scales' dtype on every path. The kernels look a table's levels up by PRMT
+(`four_bit_products_kernel.table_ptx`, ~3.4 instructions a weight): over a 13B layer (H200) 0.87× bf16's time at one and
+16 rows, 0.98× at 32 (140 / 144 / 162 µs), 1.18× at 64, 1.42× at 128, 1.9× at 160, 1.5× at 256 (bitsandbytes' own
+products: 0.97×, 2.9×, 2.9×, 2.9× at 1, 32, 96, 160). Bound by issuing instructions, not by memory (ncu at 32 rows: DRAM
+14% busy, the integer pipe 55%): a loop step of one group (64 weights) took 1.15× a span of two's time at 32 rows, and
+the bytes taken apart one at a time another 1.07×; int4's arithmetic on nf4's bytes in steps of 64 weights took 0.89×
+the table's. More programs, or groups unrolled in a loop step, did not help.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -92,6 +92,12 @@ def kernel_table(weight: FourBitWeight, device: torch.device) -> torch.Tensor:
     return weight.scale if weight.affine else level_table(weight.levels, device, weight.scale.dtype)
 
 
+def zero_or_scale(weight: FourBitWeight) -> torch.Tensor:
+    """What the kernels' `Zero` argument gets: the zeros, or for a weight with none (their ZERO off), any tensor of
+    the scales' dtype (the scales: never read)."""
+    return weight.scale if weight.zero is None else weight.zero
+
+
 def four_bit_product(x: torch.Tensor, weight: FourBitWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (… × in) · weightᵀ (+ bias), in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
@@ -100,7 +106,7 @@ def four_bit_product(x: torch.Tensor, weight: FourBitWeight, bias: torch.Tensor 
 
 
 @torch.library.custom_op("devmap::four_bit_rows_product", mutates_args=())
-def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
                           levels: Sequence[float]) -> torch.Tensor:
     """x (rows × in) · weightᵀ in x's dtype: the kernel (by `kernel_applies`) or the dequantized weight's product.
     An operator of its own, so that torch.compile calls it as it is: the block shape for the rows at hand is chosen
@@ -119,7 +125,7 @@ def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 
 
 @four_bit_rows_product.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
       levels: Sequence[float]) -> torch.Tensor:
     return x.new_empty((x.shape[0], packed.shape[0]))
 
@@ -170,8 +176,9 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     ptx = levels_ptx(x.dtype, weight)
     table = kernel_table(weight, x.device)
     four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
-        x, weight.packed, weight.scale, weight.zero, table, shares, rows, outs, ins, x.stride(0),
+        x, weight.packed, weight.scale, zero_or_scale(weight), table, shares, rows, outs, ins, x.stride(0),
         weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, PAIRED=weight.paired,
+        ZERO=weight.zero is not None,
         BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out, SPLIT=shape.splits, PATTERN=bool(ptx), LEVELS=ptx,
         TABLE=not weight.affine, num_warps=shape.warps, num_stages=shape.stages)
     if shape.splits > 1:
@@ -189,8 +196,9 @@ def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> to
     out = torch.empty((outs, ins), dtype=dtype, device=weight.packed.device)
     table = kernel_table(weight, out.device)
     four_bit_values_kernel[(triton.cdiv(outs, block_out), ins // weight.span)](
-        weight.packed, weight.scale, weight.zero, table, out, outs, weight.packed.stride(0), weight.scale.shape[1], ins,
-        GROUP=weight.group, PAIRED=weight.paired, BLOCK_OUT=block_out, TABLE=not weight.affine)
+        weight.packed, weight.scale, zero_or_scale(weight), table, out, outs, weight.packed.stride(0),
+        weight.scale.shape[1], ins, GROUP=weight.group, PAIRED=weight.paired, ZERO=weight.zero is not None,
+        BLOCK_OUT=block_out, TABLE=not weight.affine)
     return out
 
 

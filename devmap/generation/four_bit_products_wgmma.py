@@ -35,16 +35,16 @@ from .int8_products_kernel import add_shares
 
 
 @gluon.jit
-def _span_scales(scales, zeros, span, keep, PAIRED: gl.constexpr):
+def _span_scales(scales, zeros, span, keep, PAIRED: gl.constexpr, ZERO: gl.constexpr):
     """The scale and zero (each output's) of the group of a span's low halves, then of its high halves' (the same
-    group unless PAIRED: the span's two groups)."""
+    group unless PAIRED: the span's two groups); zeros 0 without ZERO (none read)."""
     low = span * 2 if PAIRED else span
     scale = gl.load(scales + low, mask=keep, other=0.0)
-    zero = gl.load(zeros + low, mask=keep, other=0.0)
+    zero = gl.load(zeros + low, mask=keep, other=0.0) if ZERO else gl.zeros_like(scale)
     high_scale, high_zero = scale, zero
     if PAIRED:
         high_scale = gl.load(scales + low + 1, mask=keep, other=0.0)
-        high_zero = gl.load(zeros + low + 1, mask=keep, other=0.0)
+        high_zero = gl.load(zeros + low + 1, mask=keep, other=0.0) if ZERO else zero
     return scale, zero, high_scale, high_zero
 
 
@@ -82,13 +82,13 @@ def _store(acc, Out, rows, outs, row0, out0, out_row, layout: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["rows", "out_split", "splits"])  # one compile per tile, whatever the rows
 def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, ins, scale_row, out_row, out_split,
-                      splits, PAIRED: gl.constexpr, STAGES: gl.constexpr, LEVELS: gl.constexpr, TAIL: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      splits, PAIRED: gl.constexpr, ZERO: gl.constexpr, STAGES: gl.constexpr, LEVELS: gl.constexpr,
+                      TAIL: gl.constexpr, num_warps: gl.constexpr):
     """Out[s, rows, outs] = X · Wᵀ over every `splits`-th span from span s on (program (o, s, r)), as
-    `four_bit_products_kernel.four_bit_rows_kernel` (a span a group, or with PAIRED two), X and W's bytes read
-    through `x_desc` ([head rows, half a span] of X), with TAIL > 0 `tail_desc` ([TAIL rows, half a span]: the
-    tile's rows past the head, a power of two below it), and `w_desc` ([BLOCK_OUT, half a span] bytes). The tensor
-    cores multiply head and tail by the same weights in the registers, in instructions of the tail's width (the
+    `four_bit_products_kernel.four_bit_rows_kernel` (a span a group, or with PAIRED two; zeros read only with ZERO), X
+    and W's bytes read through `x_desc` ([head rows, half a span] of X), with TAIL > 0 `tail_desc` ([TAIL rows, half a
+    span]: the tile's rows past the head, a power of two below it), and `w_desc` ([BLOCK_OUT, half a span] bytes). The
+    tensor cores multiply head and tail by the same weights in the registers, in instructions of the tail's width (the
     first operand's layout is the products')."""
     HEAD: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_ROWS: gl.constexpr = HEAD + TAIL
@@ -127,7 +127,7 @@ def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, i
     keep_outs = out < outs
     scales = Scale + out * scale_row
     zeros = Zero + out * scale_row
-    scale, zero, high_scale, high_zero = _span_scales(scales, zeros, split, keep_outs, PAIRED)
+    scale, zero, high_scale, high_zero = _span_scales(scales, zeros, split, keep_outs, PAIRED, ZERO)
     mbarrier.wait(ready.index(0), 0)
     low, high = _weights(w_bytes.index(0).load(first), scale, zero, high_scale, high_zero, LEVELS)
     # the weights of the products in flight, kept alive until they are waited for
@@ -139,7 +139,7 @@ def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, i
         following = step + 1
         more = following < steps
         scale, zero, high_scale, high_zero = _span_scales(scales, zeros, split + following * splits,
-                                                          keep_outs & more, PAIRED)
+                                                          keep_outs & more, PAIRED, ZERO)
         here = step % STAGES
         acc = warpgroup_mma(low, x_low.index(here).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma(high, x_high.index(here).permute((1, 0)), acc, is_async=True)
@@ -233,9 +233,10 @@ def _layouts(dtype: torch.dtype, shape: WgmmaShape, half: int) -> tuple[Any, Any
             gl.NVMMASharedLayout.get_default_for([shape.out, half], gl.uint8))
 
 
-def wgmma_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: str,
-                  shape: WgmmaShape | None = None, table: bool = False) -> torch.Tensor:
-    """x (rows × in) · weightᵀ through the kernel, the weight a `four_bit_layout.FourBitWeight`'s tensors made by
+def wgmma_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                  levels: str, shape: WgmmaShape | None = None, table: bool = False) -> torch.Tensor:
+    """x (rows × in) · weightᵀ through the kernel, the weight a `four_bit_layout.FourBitWeight`'s tensors (zero None:
+    none) made by
     `levels` (its `levels_ptx`: a `table`'s or int4's) where `four_bit_products.wgmma_levels` gives them, cut as
     `shape` says (default: `wgmma_shape`'s rule)."""
     rows, ins = x.shape
@@ -252,16 +253,18 @@ def wgmma_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, ze
         if shape.tail else x_desc
     w_desc = TensorDescriptor(packed, [outs, ins // 2], [packed.stride(0), 1], [shape.out, half], w_layout)
     wgmma_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, shape.rows))](
-        x_desc, tail_desc, w_desc, scale, zero, shares, rows, outs, ins, groups, outs, rows * outs, shape.splits,
-        PAIRED=span * groups != ins, STAGES=shape.stages, LEVELS=levels, TAIL=shape.tail, num_warps=shape.out // 16)
+        x_desc, tail_desc, w_desc, scale, scale if zero is None else zero, shares, rows, outs, ins, groups, outs,
+        rows * outs, shape.splits, PAIRED=span * groups != ins, ZERO=zero is not None, STAGES=shape.stages,
+        LEVELS=levels, TAIL=shape.tail, num_warps=shape.out // 16)
     if shape.splits > 1:
         add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
     return out
 
 
-def compile_sm90(shape: WgmmaShape, span: int, dtype: torch.dtype, levels: str, paired: bool = False) -> Any:
-    """The kernel for `shape`, spans of `span` weights (two groups each where `paired`) and `levels`' PTX compiled
-    for sm_90 (no GPU needed)."""
+def compile_sm90(shape: WgmmaShape, span: int, dtype: torch.dtype, levels: str, paired: bool = False,
+                 zero: bool = True) -> Any:
+    """The kernel for `shape`, spans of `span` weights (two groups each where `paired`), zeros read or not, and
+    `levels`' PTX compiled for sm_90 (no GPU needed)."""
     half = span // 2
     head_layout, tail_layout, w_layout = _layouts(dtype, shape, half)
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -269,9 +272,9 @@ def compile_sm90(shape: WgmmaShape, span: int, dtype: torch.dtype, levels: str, 
                  "tail_desc": descriptor_type(name, [shape.tail or shape.rows, half], tail_layout),
                  "w_desc": descriptor_type("u8", [shape.out, half], w_layout), "Scale": f"*{name}",
                  "Zero": f"*{name}", "Out": "*fp32", "rows": "i32", "outs": "i32", "ins": "i32", "scale_row": "i32",
-                 "out_row": "i32", "out_split": "i32", "splits": "i32", "PAIRED": "constexpr", "STAGES": "constexpr",
-                 "LEVELS": "constexpr", "TAIL": "constexpr", "num_warps": "constexpr"}
-    constants = {"PAIRED": paired, "STAGES": shape.stages, "LEVELS": levels, "TAIL": shape.tail,
+                 "out_row": "i32", "out_split": "i32", "splits": "i32", "PAIRED": "constexpr", "ZERO": "constexpr",
+                 "STAGES": "constexpr", "LEVELS": "constexpr", "TAIL": "constexpr", "num_warps": "constexpr"}
+    constants = {"PAIRED": paired, "ZERO": zero, "STAGES": shape.stages, "LEVELS": levels, "TAIL": shape.tail,
                  "num_warps": shape.out // 16}
     return sm90_compile(wgmma_rows_kernel, signature, constants, ("Scale", "Zero", "Out", "ins", "outs", "out_row"),
                         shape.out // 16)

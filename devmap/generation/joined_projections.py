@@ -81,10 +81,10 @@ def _groups(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
 
 def _stored(linear: nn.Module) -> list[torch.Tensor] | None:
     """The plain tensors a Linear's weight is stored as: [weight] (full precision), [int8 data, scales] (and the
-    zero point when it has one) or, for a FourBitLinear, [packed levels, scales, zeros]; None for a weight of any
-    other form."""
+    zero point when it has one) or, for a FourBitLinear, [packed levels, scales] (and zeros where it has them); None for
+    a weight of any other form."""
     if isinstance(linear, FourBitLinear):
-        return [linear.packed, linear.scale, linear.zero]
+        return [linear.packed, linear.scale] + ([] if linear.zero is None else [linear.zero])
     weight = getattr(linear, "weight", None)
     if not isinstance(weight, torch.Tensor):
         return None
@@ -132,7 +132,7 @@ def _join(group: Sequence[nn.Module]) -> bool:
         end = begin + parts[0].shape[0]
         views = [buffer[begin:end] for buffer in buffers]
         if isinstance(linear, FourBitLinear):
-            linear.packed, linear.scale, linear.zero = views
+            linear.packed, linear.scale, linear.zero = (views + [None])[:3]
         else:
             weight = views[0] if len(views) == 1 else torchao_int8_weight(views[0], views[1], (views + [None])[2],
                                                                            linear.weight)
@@ -188,7 +188,7 @@ class Product:
             return None
         sizes = [parts[0].shape[0] for parts in stored]
         if isinstance(group[0], FourBitLinear):
-            return cls(None, None, None, bias, sizes, FourBitWeight(*joined, group[0].levels))
+            return cls(None, None, None, bias, sizes, FourBitWeight(*(joined + [None])[:3], group[0].levels))
         if len(joined) == 1:
             return cls(joined[0], None, None, bias, sizes)
         return cls(None, joined[0], joined[1], bias, sizes)

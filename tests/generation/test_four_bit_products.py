@@ -74,14 +74,14 @@ NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.
 
 def int4_layers(model: nn.Module, levels: tuple[float, ...] | None = None) -> nn.Module:
     """The model with every Linear of its decoder layers a FourBitLinear of its weight (int4's levels, or the 4 bits
-    standing for `levels` with int4's scales and zeros)."""
+    standing for `levels` with int4's scales and no zeros, as nf4's)."""
     for layer in model.model.layers:
         for name, module in list(layer.named_modules()):
             if isinstance(module, nn.Linear):
                 parent, _, attr = name.rpartition(".")
                 weight = quantize_int4(module.weight.data, group=32)  # the tiny model's sizes are multiples of 32
                 if levels is not None:
-                    weight = weight._replace(levels=levels, zero=torch.zeros_like(weight.zero))
+                    weight = weight._replace(levels=levels, zero=None)
                 setattr(layer.get_submodule(parent), attr, FourBitLinear(weight, None))
     return model
 
@@ -97,6 +97,8 @@ def test_a_table_of_levels_stands_for_its_values_in_the_scales_dtype():
     assert torch.equal(dequantize(halved, torch.bfloat16), rounded.reshape(8, 128).to(torch.bfloat16))
     assert not weight.affine and quantize_int4(torch.randn(8, 128)).affine
     torch.testing.assert_close(dequantize(weight, torch.float32), want.reshape(8, 128), rtol=0, atol=0)
+    zeroless = (torch.tensor(NF4)[q.long()] * weight.scale.float()[..., None]).reshape(8, 128)
+    assert torch.equal(dequantize(weight._replace(zero=None), torch.float32), zeroless)
     x = torch.randn(3, 128)
     torch.testing.assert_close(four_bit_product(x, weight), x @ want.reshape(8, 128).t())
 
@@ -114,6 +116,7 @@ def test_int4_projections_join_and_decode_the_unjoined_models_tokens(tiny_llama,
     layer = JoinedLayer.of(model.model.layers[0], "llama")
     assert isinstance(layer.qkv.four_bit, FourBitWeight) and layer.qkv.qdata is None and layer.qkv.weight is None
     assert layer.qkv.four_bit.levels == (table or INT4_LEVELS)
+    assert (layer.qkv.four_bit.zero is None) == (table is not None)  # a table's weights join without zeros
     assert len([p for p in joined_products(model) if p.four_bit is not None]) == 4 * len(model.model.layers)
     ids = torch.randint(3, 500, (2, 9))
     with torch.no_grad():
@@ -151,6 +154,10 @@ KERNEL_CHECK = textwrap.dedent("""
         want = x.float() @ dequantize(table, torch.float16).float().t()
         torch.testing.assert_close(kernel_product(x, table, shape).float(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(values(table, torch.float16), dequantize(table, torch.float16))
+        zeroless = table._replace(zero=None)  # no zeros (nf4's): none read
+        want = x.float() @ dequantize(zeroless, torch.float16).float().t()
+        torch.testing.assert_close(kernel_product(x, zeroless, shape).float(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(values(zeroless, torch.float16), dequantize(zeroless, torch.float16))
     assert block_shape(1, 15360, 40) == BlockShape(64, 2) and block_shape(16, 5120, 40) == BlockShape(64, 6)
     assert block_shape(17, 15360, 40) == BlockShape(128, 2, 8) and block_shape(32, 5120, 40) == BlockShape(128, 6, 8)
     assert block_shape(64, 27648, 40) == BlockShape(64, 1) and block_shape(96, 5120, 40) == BlockShape(64, 3)

@@ -42,6 +42,7 @@ def test_devmaps_layout_gives_the_librarys_products_at_every_row_count(scheme):
         # the same numbers, up to bf16's rounding of each value (and, nf4, of each block's absmax)
         torch.testing.assert_close(dequantize(weight, torch.float32), library_values, atol=1e-6, rtol=1e-2)
         assert weight.affine == (scheme == "int4") and weight.group == (128 if scheme == "int4" else 64)
+        assert (weight.zero is None) == (scheme == "nf4")  # nf4 has no zeros
         for rows in (1, 5, 32, 33, 128, 129, 2100):  # one block, tiles, values + cuBLAS
             x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
             assert kernel_applies(x, weight)
@@ -107,12 +108,14 @@ def test_the_rows_kernels_bit_patterns_give_the_dequantized_product(dtype):
     weight = quantize_int4(torch.randn(320, 512, device="cuda", dtype=dtype), group=64)
     assert levels_ptx(dtype, weight) and not levels_ptx(torch.float32, weight)
     assert torch.equal(values(weight, dtype), dequantize(weight, dtype))  # past TILED_ROWS: float32, then rounded
-    nf4 = weight._replace(levels=NF4, zero=torch.zeros_like(weight.zero))  # a table: nf4's PTX
+    nf4 = weight._replace(levels=NF4, zero=None)  # a table and no zeros: nf4's PTX, no zeros read
+    zeros = nf4._replace(zero=weight.zero)  # a table with zeros
     assert levels_ptx(dtype, nf4) != levels_ptx(dtype, weight)
     assert torch.equal(values(nf4, dtype), dequantize(nf4, dtype))
+    assert torch.equal(values(zeros, dtype), dequantize(zeros, dtype))
     for rows in (1, 9, 16, 17, 32, 33, 100, 130, 256):
         x = torch.randn(rows, 512, device="cuda", dtype=dtype)
-        for four_bit in (weight, nf4):
+        for four_bit in (weight, nf4, zeros):
             want = x.float() @ dequantize(four_bit, dtype).float().t()
             got = kernel_product(x, four_bit).float()
             assert ((got - want).norm() / want.norm()).item() < 2e-3, (dtype, rows, four_bit.affine)
@@ -134,7 +137,7 @@ def test_hoppers_kernel_gives_the_dequantized_product(dtype):
     torch.manual_seed(0)
     for outs, ins, group in ((320, 1024, 64), (200, 1536, 128)):
         weight = quantize_int4(torch.randn(outs, ins, device="cuda", dtype=dtype), group=group)
-        nf4 = weight._replace(levels=NF4, zero=torch.zeros_like(weight.zero))
+        nf4 = weight._replace(levels=NF4, zero=None)
         for rows in (33, 64, 70, 100, 130, 180, 200, 256):
             x = torch.randn(rows, ins, device="cuda", dtype=dtype)
             for four_bit in (weight, nf4):
