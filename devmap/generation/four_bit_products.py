@@ -60,7 +60,7 @@ def kernel_applies(x: torch.Tensor, weight: FourBitWeight) -> bool:
     bytes from an even address: read two at a time), groups of at least 32 that are a power of two."""
     group = weight.group
     return (x.is_cuda and x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.stride(1) == 1
-            and all(t.is_contiguous() for t in weight.tensors) and weight.packed.data_ptr() % 2 == 0
+            and all(t is None or t.is_contiguous() for t in weight.tensors) and weight.packed.data_ptr() % 2 == 0
             and group >= 32 and group & (group - 1) == 0)
 
 
