@@ -30,13 +30,13 @@ than the rows kernel at 96-160 rows and took 1.15-1.5× values + cuBLAS's time a
 bitsandbytes' nf4 (and fp4) is taken into this layout too (`four_bit_linear`): its blocks of 64 are the groups, two a
 span, each block's absmax the scale and no zero (the kernels read none: 5% less time at 1 and 32 rows), its table of 16
 values the `levels`, rounded to the scales' dtype on every path. The kernels look a table's levels up by PRMT
-(`four_bit_products_kernel.table_ptx`, ~3.4 instructions a weight): over a 13B layer (H200) 0.87× bf16's time at one and
-16 rows, 0.98× at 32 (140 / 144 / 162 µs), 1.18× at 64, 1.42× at 128, 1.9× at 160, 1.5× at 256 (bitsandbytes' own
-products: 0.97×, 2.9×, 2.9×, 2.9× at 1, 32, 96, 160). Bound by issuing instructions, not by memory (ncu at 32 rows: DRAM
-14% busy, the integer pipe 55%): a loop step of one group (64 weights) took 1.15× a span of two's time at 32 rows, and
-the bytes taken apart one at a time another 1.07×; int4's arithmetic on nf4's bytes in steps of 64 weights took 0.89×
-the table's. More programs, or groups unrolled in a loop step, did not help.
-"""
+(`four_bit_products_kernel.table_ptx`, ~3.4 instructions a weight): over a 13B layer (H200) 0.84× bf16's time at one
+row, 0.86× at 16, 0.95× at 32 (133 / 143 / 156 µs), 1.07× at 64, 1.38× at 128, 1.9× at 160, 1.5× at 256 (bitsandbytes'
+own products: 0.97×, 2.9×, 2.9×, 2.9× at 1, 32, 96, 160). Bound by the integer pipe's instructions (PRMT, LOP3, SHF:
+half rate), not by memory (ncu at 32 rows: DRAM 14% busy, the integer pipe 55%): a loop step of one group (64 weights)
+took 1.15× a span of two's time at 32 rows, and the bytes taken apart one at a time another 1.07×; int4's arithmetic on
+nf4's bytes in steps of 64 weights took 0.89× the table's; 64 fewer copies of the table's words a loop step (moves, not
+integer-pipe work) changed nothing. More programs, or groups unrolled in a loop step, did not help. """
 
 from __future__ import annotations
 
@@ -178,9 +178,8 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
         x, weight.packed, weight.scale, zero_or_scale(weight), table, shares, rows, outs, ins, x.stride(0),
         weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, PAIRED=weight.paired,
-        ZERO=weight.zero is not None,
-        BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out, SPLIT=shape.splits, PATTERN=bool(ptx), LEVELS=ptx,
-        TABLE=not weight.affine, num_warps=shape.warps, num_stages=shape.stages)
+        ZERO=weight.zero is not None, BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out, SPLIT=shape.splits,
+        PATTERN=bool(ptx), LEVELS=ptx, TABLE=not weight.affine, num_warps=shape.warps, num_stages=shape.stages)
     if shape.splits > 1:
         add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
     return out

@@ -182,12 +182,11 @@ def four_bit_rows_kernel(X, W, Scale, Zero, Levels, Out, rows, outs, ins, x_row,
                          out_split, GROUP: tl.constexpr, PAIRED: tl.constexpr, ZERO: tl.constexpr,
                          BLOCK_ROWS: tl.constexpr, BLOCK_OUT: tl.constexpr, SPLIT: tl.constexpr, PATTERN: tl.constexpr,
                          LEVELS: tl.constexpr, TABLE: tl.constexpr):
-    """Out[s, rows, outs] = X[rows, ins] · Wᵀ over every SPLIT-th span of the inner dimension from span s on
-    (program (o, s, r), r the block of rows), in float32, W[o, i] = level(q) · Scale[o, g] + Zero[o, g], g = i //
-    GROUP (`_values`: int4, or nf4's table with TABLE; Zero read only with ZERO), a span a group or with PAIRED two.
-    The weights are the
-    products' first operand (W · Xᵀ), made in the registers the tensor cores read them from (as the second operand
-    they went through shared memory: ~10% slower over a 13B layer, H200): with PATTERN by `LEVELS`' PTX
+    """Out[s, rows, outs] = X[rows, ins] · Wᵀ over every SPLIT-th span of the inner dimension from span s on (program
+    (o, s, r), r the block of rows), in float32, W[o, i] = level(q) · Scale[o, g] + Zero[o, g], g = i // GROUP
+    (`_values`: int4, or nf4's table with TABLE; Zero read only with ZERO), a span a group or with PAIRED two. The
+    weights are the products' first operand (W · Xᵀ), made in the registers the tensor cores read them from (as the
+    second operand they went through shared memory: ~10% slower over a 13B layer, H200): with PATTERN by `LEVELS`' PTX
     (`levels_ptx`: X's, Scale's and Zero's dtype), else in float32 and converted (Triton's interpreter)."""
     SPAN: tl.constexpr = GROUP * 2 if PAIRED else GROUP
     HALF: tl.constexpr = SPAN // 2
