@@ -36,7 +36,8 @@ own products: 0.97×, 2.9×, 2.9×, 2.9× at 1, 32, 96, 160). Bound by the integ
 half rate), not by memory (ncu at 32 rows: DRAM 14% busy, the integer pipe 55%): a loop step of one group (64 weights)
 took 1.15× a span of two's time at 32 rows, and the bytes taken apart one at a time another 1.07×; int4's arithmetic on
 nf4's bytes in steps of 64 weights took 0.89× the table's; 64 fewer copies of the table's words a loop step (moves, not
-integer-pipe work) changed nothing. More programs, or groups unrolled in a loop step, did not help. """
+integer-pipe work) changed nothing. More programs, or groups unrolled in a loop step, did not help.
+"""
 
 from __future__ import annotations
 
