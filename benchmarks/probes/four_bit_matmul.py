@@ -123,7 +123,7 @@ def main() -> None:
                         from devmap.generation.four_bit_products_wgmma import wgmma_product
 
                         for shape in wgmma_grid(rows, outs, ins // ours.span, ours.span, not ours.affine):
-                            us = graph_timed_us(lambda shape=shape: wgmma_product(x, *ours.tensors, ptx, shape),
+                            us = graph_timed_us(lambda shape=shape: wgmma_product(x, ours, ptx, shape),
                                                 repeat=50)
                             if us < best:
                                 best, best_shape = us, f"Hopper {tuple(shape)}"

@@ -58,6 +58,12 @@ class FourBitWeight(NamedTuple):
         return self.packed.shape[0], 2 * self.packed.shape[1]
 
 
+def zero_or_scale(weight: FourBitWeight) -> torch.Tensor:
+    """What the kernels' `Zero` argument gets: the zeros, or for a weight with none (their ZERO off), any tensor of
+    the scales' dtype (the scales: never read)."""
+    return weight.scale if weight.zero is None else weight.zero
+
+
 def span_of(ins: int, group: int) -> int:
     """The weights of an output row whose bytes hold them (their first half in the low halves, the second in the high
     halves) for an inner dimension of `ins` in groups of `group`: two groups where they make at most SPAN weights and

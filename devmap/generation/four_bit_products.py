@@ -46,7 +46,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
-from .four_bit_layout import SPAN, FourBitWeight, dequantize, level_table
+from .four_bit_layout import SPAN, FourBitWeight, dequantize, level_table, zero_or_scale
 from .int8_products import PROGRAMS  # programs a product aims at (re-exported for the probes)
 
 NARROW_ROWS = 16  # rows up to which a block of 64 output columns takes every row and the rows kernel cuts the inner
@@ -93,12 +93,6 @@ def kernel_table(weight: FourBitWeight, device: torch.device) -> torch.Tensor:
     return weight.scale if weight.affine else level_table(weight.levels, device, weight.scale.dtype)
 
 
-def zero_or_scale(weight: FourBitWeight) -> torch.Tensor:
-    """What the kernels' `Zero` argument gets: the zeros, or for a weight with none (their ZERO off), any tensor of
-    the scales' dtype (the scales: never read)."""
-    return weight.scale if weight.zero is None else weight.zero
-
-
 def four_bit_product(x: torch.Tensor, weight: FourBitWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (… × in) · weightᵀ (+ bias), in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
@@ -121,7 +115,7 @@ def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     if ptx:
         from .four_bit_products_wgmma import wgmma_product
 
-        return wgmma_product(x, *weight.tensors, ptx, table=not weight.affine)
+        return wgmma_product(x, weight, ptx)
     return kernel_product(x, weight)
 
 

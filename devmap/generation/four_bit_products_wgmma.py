@@ -28,7 +28,7 @@ import triton
 
 from ..compat.gluon import (TensorDescriptor, cta_barrier, descriptor_type, fence_async_shared, gl, gluon, mbarrier,
                             sm90_compile, tma_load, warpgroup_mma, warpgroup_mma_wait)
-from .four_bit_layout import span_of
+from .four_bit_layout import FourBitWeight, zero_or_scale
 from .four_bit_products_kernel import OPERANDS
 from .int8_products import PROGRAMS
 from .int8_products_kernel import add_shares
@@ -233,17 +233,16 @@ def _layouts(dtype: torch.dtype, shape: WgmmaShape, half: int) -> tuple[Any, Any
             gl.NVMMASharedLayout.get_default_for([shape.out, half], gl.uint8))
 
 
-def wgmma_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                  levels: str, shape: WgmmaShape | None = None, table: bool = False) -> torch.Tensor:
-    """x (rows × in) · weightᵀ through the kernel, the weight a `four_bit_layout.FourBitWeight`'s tensors (zero None:
-    none) made by
-    `levels` (its `levels_ptx`: a `table`'s or int4's) where `four_bit_products.wgmma_levels` gives them, cut as
-    `shape` says (default: `wgmma_shape`'s rule)."""
+def wgmma_product(x: torch.Tensor, weight: FourBitWeight, levels: str,
+                  shape: WgmmaShape | None = None) -> torch.Tensor:
+    """x (rows × in) · weightᵀ through the kernel, the weight made by `levels` (its `levels_ptx`: a table's or
+    int4's) where `four_bit_products.wgmma_levels` gives them, cut as `shape` says (default: `wgmma_shape`'s
+    rule)."""
     rows, ins = x.shape
-    outs, groups = packed.shape[0], scale.shape[1]
-    span = span_of(ins, ins // groups)
+    packed, span = weight.packed, weight.span
+    outs, groups = packed.shape[0], weight.scale.shape[1]
     half = span // 2
-    shape = shape or wgmma_shape(rows, outs, ins // span, span, table)
+    shape = shape or wgmma_shape(rows, outs, ins // span, span, not weight.affine)
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)
@@ -253,8 +252,8 @@ def wgmma_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, ze
         if shape.tail else x_desc
     w_desc = TensorDescriptor(packed, [outs, ins // 2], [packed.stride(0), 1], [shape.out, half], w_layout)
     wgmma_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, shape.rows))](
-        x_desc, tail_desc, w_desc, scale, scale if zero is None else zero, shares, rows, outs, ins, groups, outs,
-        rows * outs, shape.splits, PAIRED=span * groups != ins, ZERO=zero is not None, STAGES=shape.stages,
+        x_desc, tail_desc, w_desc, weight.scale, zero_or_scale(weight), shares, rows, outs, ins, groups, outs,
+        rows * outs, shape.splits, PAIRED=weight.paired, ZERO=weight.zero is not None, STAGES=shape.stages,
         LEVELS=levels, TAIL=shape.tail, num_warps=shape.out // 16)
     if shape.splits > 1:
         add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)

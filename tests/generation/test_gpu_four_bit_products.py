@@ -147,9 +147,8 @@ def test_hoppers_kernel_gives_the_dequantized_product(dtype):
                 rule = wgmma_shape(rows, outs, ins // four_bit.span, four_bit.span, not four_bit.affine)
                 for shape in (rule, rule._replace(splits=1), WgmmaShape(rule.rows, 64, 2, 3, rule.tail),
                               WgmmaShape(rule.rows, 128, 2, 1, rule.tail)):
-                    got = wgmma_product(x, *four_bit.tensors, ptx, shape).float()
+                    got = wgmma_product(x, four_bit, ptx, shape).float()
                     error = ((got - want).norm() / want.norm()).item()
                     assert error < 2e-3, (dtype, outs, group, rows, four_bit.affine, shape)
-                assert torch.equal(four_bit_product(x, four_bit),
-                                   wgmma_product(x, *four_bit.tensors, ptx, table=not four_bit.affine))
+                assert torch.equal(four_bit_product(x, four_bit), wgmma_product(x, four_bit, ptx))
     assert not wgmma_levels(x[:, 1:], weight._replace(packed=weight.packed[:, :-8]))  # TMA: rows not 16-byte aligned
