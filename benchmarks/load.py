@@ -112,7 +112,8 @@ def print_cold(runs: dict[str, list[dict[str, float]]]) -> list[dict]:
     rows = []
     reference = {k: min(r[k] for r in runs["transformers"]) for k in ("call_s", "process_s")} \
         if "transformers" in runs else None
-    print(f"\n{'cold system':<16}{'imports s':>10}{'call s':>9}{'process s':>11}{'call time / tf':>15}{'process / tf':>14}")
+    print(f"\n{'cold system':<16}{'imports s':>10}{'call s':>9}{'process s':>11}"
+          f"{'call time / tf':>15}{'process / tf':>14}")
     for name, values in runs.items():
         best = {k: min(r[k] for r in values if k in r) for k in ("imports_s", "call_s", "process_s") if k in values[0]}
         ratio = {k: best[k] / reference[k] for k in ("call_s", "process_s")} if reference else {}

@@ -219,7 +219,8 @@ def report(model: str, results: dict[str, Any]) -> None:
                   f"{t['process_s'] / d['process_s']:.2f}× |")
             print(f"| {scheme} | cold process (`devmap load` CLI) | {c['process_s']:.2f} | {t['process_s']:.2f} | "
                   f"{t['process_s'] / c['process_s']:.2f}× |")
-    print("\n| scheme | W4 system | steady s | tokens/s | first call s | vs best transformers |\n|---|---|---|---|---|---|")
+    print("\n| scheme | W4 system | steady s | tokens/s | first call s | vs best transformers |\n"
+          "|---|---|---|---|---|---|")
     for scheme, r in results.items():
         steady = {k: min(v[1:]) for k, v in r["w4"].items()}
         best_tf = min((v for k, v in steady.items() if k.startswith("transformers")), default=None)

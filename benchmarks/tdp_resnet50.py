@@ -69,7 +69,8 @@ def main() -> None:
             dist.barrier()
             ms = (time.perf_counter() - start) / args.steps * 1000
             if rank == 0:
-                print(json.dumps({"system": f"torch.distributed.pipelining {schedule_cls.__name__.removeprefix('Schedule')}",
+                schedule = schedule_cls.__name__.removeprefix("Schedule")
+                print(json.dumps({"system": f"torch.distributed.pipelining {schedule}",
                                   "batch": args.batch, "chunks": chunks, "ms": ms}), flush=True)
     dist.destroy_process_group()
 

@@ -67,8 +67,8 @@ class Release:
     def problem(self) -> str:
         if self.version is None:
             return f"{self.package} is not installed; devmap needs {self.package}{self.tested} (pip install -e .)"
-        return (f"{self.package} {self.version} is outside the range devmap is tested on ({self.package}{self.tested}); "
-                f"install one inside it, e.g. pip install '{self.package}{self.tested}' "
+        return (f"{self.package} {self.version} is outside the range devmap is tested on "
+                f"({self.package}{self.tested}); install one inside it, e.g. pip install '{self.package}{self.tested}' "
                 f"(or set {ALLOW_VARIABLE}=1 to run anyway)")
 
 

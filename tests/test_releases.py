@@ -46,7 +46,8 @@ def test_the_oldest_releases_ci_pins_are_the_lower_bounds():
         assert package in pins, f"{package} has no oldest release pinned in .ci/oldest-releases.txt"
         assert lower and Requirement(f"{package}{spec}").specifier.contains(pins[package]), package
         floor, pin = Version(lower[0]).release, Version(pins[package]).release
-        assert pin[:len(floor)] == floor, f"{package}: CI's oldest leg pins {pins[package]}, the range starts at {lower[0]}"
+        assert pin[:len(floor)] == floor, \
+            f"{package}: CI's oldest leg pins {pins[package]}, the range starts at {lower[0]}"
 
 
 def test_installed_releases_are_inside_their_ranges():

@@ -5,9 +5,9 @@ Run on nvidia-h200-x2:  PYTHONPATH=. python3 benchmarks/probes/generate_race_pro
 The tiny fp32 LLaMA of tests/generation/test_gpu_generation.py, split over two GPUs; the same batch of 8 prompts
 (left-padded) and two others of that shape, through devmap.generate with cached graphs, graphs released before each
 call, keep_graphs=False, graphs=False and 1 or 2 lanes. Each line: OK, or the rows that differ and the first column
-where they do. Before the fix of the hand-off copy, rows 6 and 7 (the last of 3 lanes) differed in many calls, every failing call
-one with 3 lanes and CUDA graphs, while transformers' own tokens were the same from run to run, and everything was OK
-with CUDA_LAUNCH_BLOCKING=1: a stream ordering race on the two-GPU path, not a numerical difference.
+where they do. Before the fix of the hand-off copy, rows 6 and 7 (the last of 3 lanes) differed in many calls, every
+failing call one with 3 lanes and CUDA graphs, while transformers' own tokens were the same from run to run, and
+everything was OK with CUDA_LAUNCH_BLOCKING=1: a stream ordering race on the two-GPU path, not a numerical difference.
 """
 
 import sys

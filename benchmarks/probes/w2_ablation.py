@@ -7,7 +7,8 @@ per micro-batch) or `split` (input and weight halves; `-kN` defers the weight ha
 
 Run on nvidia-h200-x2:
   PYTHONPATH=. python3 benchmarks/probes/w2_ablation.py 1024 16 two-whole,two-split-k1,two-split-k4,two-split-kall
-  PYTHONPATH=. python3 benchmarks/probes/w2_ablation.py 1024 16 four-whole,four-split-kall,four-split-kall-prio --profile
+  PYTHONPATH=. python3 benchmarks/probes/w2_ablation.py 1024 16 \
+      four-whole,four-split-kall,four-split-kall-prio --profile
 """
 from pathlib import Path
 import sys

@@ -91,8 +91,8 @@ def compare(devices: str | None, batch_size: int, image_size: int, num_batches: 
         from devmap.comparison.compare_systems import devmap_systems
 
         extra = devmap_systems(devs, config)
-    with tqdm(total=total_runs(config, extra), desc="compare", unit="run", file=sys.stderr, disable=as_json or not sys.stderr.isatty(),
-              leave=False) as bar:
+    with tqdm(total=total_runs(config, extra), desc="compare", unit="run", file=sys.stderr,
+              disable=as_json or not sys.stderr.isatty(), leave=False) as bar:
         result = run_comparison(devs, config, toy=toy, device_map=placement, extra_systems=extra,
                                 progress=lambda: bar.update(1))
     save_results(result, out_dir)

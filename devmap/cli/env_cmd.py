@@ -29,9 +29,11 @@ def env(as_json: bool) -> None:
             right=(3, 4),
         ))
         if info.peer_access:
-            click.echo("\nPeer access: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info.peer_access.items()))
+            pairs = (f"{k} {'yes' if v else 'no'}" for k, v in info.peer_access.items())
+            click.echo("\nPeer access: " + ", ".join(pairs))
     else:
-        click.echo("GPUs: none visible (CUDA " + ("not available" if info.cuda is None else f"{info.cuda} build, no device") + ")")
+        cuda = "not available" if info.cuda is None else f"{info.cuda} build, no device"
+        click.echo(f"GPUs: none visible (CUDA {cuda})")
     click.echo(f"\nCPU: {info.cpu_count} cores, {format_bytes(info.cpu_available_bytes)} available "
                f"of {format_bytes(info.cpu_total_bytes)}")
     click.echo(f"Python {info.python}\n")

@@ -71,7 +71,8 @@ def load(source: str, device_map: str, max_memory: str | None, dtype: str | None
         click.echo(f"Initialized randomly (missing from the checkpoint): {', '.join(report.initialized[:5])}")
     if run_forward:
         run = data["run"]
-        click.echo(f"\nForward pass: input {run['input_shape']} -> output {run['output_shape']} in {run['seconds']:.3f} s")
+        click.echo(f"\nForward pass: input {run['input_shape']} -> output {run['output_shape']} "
+                   f"in {run['seconds']:.3f} s")
 
 
 def _run(model, prompt: str | None, batch_size: int) -> dict:  # type: ignore[no-untyped-def]

@@ -33,8 +33,10 @@ def load_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--device-map, --max-memory, --dtype, --quantize (real devices: loading never simulates GPUs)."""
     options = [
         click.option("--device-map", "device_map", default="auto", show_default=True, help=STRATEGY_HELP),
-        click.option("--max-memory", default=None, help="Budget per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=200GB."),
-        click.option("--dtype", default=None, help="float32, float16, bfloat16, or auto (the checkpoint's; weights are cast on load)."),
+        click.option("--max-memory", default=None,
+                     help="Budget per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=200GB."),
+        click.option("--dtype", default=None,
+                     help="float32, float16, bfloat16, or auto (the checkpoint's; weights are cast on load)."),
         click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4"], case_sensitive=False),
                      help="Quantize the blocks' Linear layers as they load (int8, int4: torchao; nf4: bitsandbytes; "
                           "int4 and nf4 on GPUs only); the dtype defaults to bfloat16."),

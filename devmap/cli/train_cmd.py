@@ -1,4 +1,5 @@
-"""`torchrun ... -m devmap train`: train a model split into pipeline stages over ranks (torch.distributed.pipelining)."""
+"""`torchrun ... -m devmap train`: train a model split into pipeline stages over ranks
+(torch.distributed.pipelining)."""
 
 from __future__ import annotations
 

@@ -23,8 +23,10 @@ def _ints(text: str) -> list[int]:
 @click.option("--batch-size", default=120, show_default=True, type=click.IntRange(min=1))
 @click.option("--image-size", default=128, show_default=True, type=click.IntRange(min=16))
 @click.option("--chunks", "chunks_text", default="1,2,3,4,6,8", show_default=True, help="Micro-batch counts to try.")
-@click.option("--balance", type=click.Choice(["measure", "time", "memory"], case_sensitive=False), default="measure", show_default=True,
-              help="Stage boundaries: profiled then refined by measured steps, profiled only, or the device map's memory balance.")
+@click.option("--balance", type=click.Choice(["measure", "time", "memory"], case_sensitive=False), default="measure",
+              show_default=True,
+              help="Stage boundaries: profiled then refined by measured steps, profiled only, or the device map's "
+                   "memory balance.")
 @click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1), help="Timed steps per candidate.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def tune(source: str, devices: str | None, batch_size: int, image_size: int, chunks_text: str, balance: str,

@@ -70,9 +70,10 @@ def devmap_systems(devices: Sequence[torch.device], config: HarnessConfig, tune_
         pipeline(model, chunks=chunks_guess, balance="time", sample=sample)
         names = pipeline(model, chunks=1).block_names
         placement = dict(model.hf_device_map)
-        two = tune(lambda c: pipeline(model, chunks=c), sample, _usable([2, 3, 4, 5, 6, 8], config.batch_size), steps=tune_steps)
-        one = tune(lambda c: pipeline(stages_from_names(model, names, [gpus[0]] * 2), chunks=c), sample, _usable([1, 2, 3, 4], config.batch_size),
+        two = tune(lambda c: pipeline(model, chunks=c), sample, _usable([2, 3, 4, 5, 6, 8], config.batch_size),
                    steps=tune_steps)
+        one = tune(lambda c: pipeline(stages_from_names(model, names, [gpus[0]] * 2), chunks=c), sample,
+                   _usable([1, 2, 3, 4], config.batch_size), steps=tune_steps)
 
         def on_two(devs: Sequence[torch.device], cfg: HarnessConfig) -> nn.Module:
             m = torchvision.models.resnet50(num_classes=cfg.num_classes)

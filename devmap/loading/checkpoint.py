@@ -75,7 +75,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{path} is corrupted: bad header entry for {name!r}") from None
         expected = math.prod(shape) * dtype.itemsize
         if end - begin != expected or begin < 0 or min(shape, default=0) < 0:
-            raise CheckpointError(f"{path} is corrupted: {name!r} spans {end - begin} bytes, its shape needs {expected}")
+            raise CheckpointError(f"{path} is corrupted: {name!r} spans {end - begin} bytes, "
+                                  f"its shape needs {expected}")
         if base + end > size:
             raise CheckpointError(
                 f"{path} is truncated: {name!r} ends at byte {base + end} but the file has {size} bytes; "
@@ -135,7 +136,8 @@ def _read_pickle(path: Path, allow_pickle: bool) -> dict[str, TensorEntry]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many types for a bad pickle
-        raise CheckpointError(f"cannot read {path} with torch.load(weights_only=True): {str(exc).splitlines()[0]}") from None
+        first_line = str(exc).splitlines()[0]
+        raise CheckpointError(f"cannot read {path} with torch.load(weights_only=True): {first_line}") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -177,7 +179,8 @@ def index_checkpoint(path: Path, allow_pickle: bool = False) -> dict[str, Tensor
                 entries.update({n: e for n, e in shard_entries.items() if weight_map.get(n) == shard})
             absent = [n for n, f in weight_map.items() if n not in entries]
             if absent:
-                raise CheckpointError(f"{index_file.name} lists {', '.join(absent[:3])} but the shards do not hold them")
+                raise CheckpointError(f"{index_file.name} lists {', '.join(absent[:3])} "
+                                      "but the shards do not hold them")
             return entries
         if (path / single).is_file():
             return index_checkpoint(path / single, allow_pickle)

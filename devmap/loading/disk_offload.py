@@ -95,7 +95,8 @@ def _offload_modules(model: nn.Module, by_module: dict[str, list[Deferred]], fol
         module = model.get_submodule(module_name)
         values = {}
         for item in items:
-            values[item.name] = nn.Parameter(torch.empty(item.shape, dtype=item.dtype), requires_grad=item.requires_grad)
+            empty = torch.empty(item.shape, dtype=item.dtype)
+            values[item.name] = nn.Parameter(empty, requires_grad=item.requires_grad)
             set_tensor(model, item.name, values[item.name])
         if any(item.init for item in items):
             init_module_(module, std=std, generator=generator)  # a module's own parameters share one device

@@ -148,7 +148,8 @@ def _check_devices(plan: Plan, folder: str | None) -> None:
             with tempfile.NamedTemporaryFile(dir=folder):
                 pass
         except OSError as exc:
-            raise UsageError(f"offload folder {folder} can't be written ({exc.strerror or exc}); choose another") from None
+            raise UsageError(f"offload folder {folder} can't be written ({exc.strerror or exc}); "
+                             "choose another") from None
 
 
 def _target(plan: Plan, name: str) -> DeviceKey:

@@ -1,4 +1,5 @@
-"""Balance pipeline stages by time: profile each block's forward + backward, then split blocks so stages take equal time.
+"""Balance pipeline stages by time: profile each block's forward + backward, then split blocks so stages take
+equal time.
 
 A split by parameter bytes (accelerate's `balanced`) is a poor pipeline split: ResNet50's layer4 holds
 most of the weights but little of the compute. Each block is timed at the micro-batch size on its device,
@@ -95,7 +96,8 @@ def partition(times: list[float], stages: int, sizes: list[int] | None = None,
                 if cost < best[s][k]:
                     best[s][k], cut[s][k] = cost, j
     if best[stages][n] == inf:
-        raise PipelineError("no split into stages fits the devices' memory; use fewer blocks per device or more devices")
+        raise PipelineError("no split into stages fits the devices' memory; "
+                            "use fewer blocks per device or more devices")
     owner, k = [0] * n, n
     for s in range(stages, 0, -1):
         j = cut[s][k]

@@ -1,4 +1,5 @@
-"""`devmap.pipeline`: a Pipeline from explicit stages or a placed model, its boundaries balanced by time or measurement."""
+"""`devmap.pipeline`: a Pipeline from explicit stages or a placed model, its boundaries balanced by time or
+measurement."""
 
 from __future__ import annotations
 

@@ -228,9 +228,10 @@ class Pipeline(nn.Module):
         try:
             return capture_stage(stage, slots, backward, sums, splits)
         except Exception as exc:  # capture unsupported by this stage: the whole stage runs eagerly
+            reason = str(exc).splitlines()[0]
             if self.graphs == "on":
-                raise PipelineError(f"stage {j} cannot be captured as a CUDA graph: {str(exc).splitlines()[0]}") from None
-            self.graph_failures.append(f"stage {j}: {str(exc).splitlines()[0]}")
+                raise PipelineError(f"stage {j} cannot be captured as a CUDA graph: {reason}") from None
+            self.graph_failures.append(f"stage {j}: {reason}")
             torch.cuda.synchronize(slots[0].device)
             return [None] * len(slots)
 
@@ -238,7 +239,8 @@ class Pipeline(nn.Module):
 def check_placed(model: nn.Module) -> None:
     """A model the pipeline can take: placed (hf_device_map) with no block offloaded beside GPUs."""
     if not isinstance(model, nn.Module):
-        raise PipelineError(f"pipeline() takes an nn.Module or a list of (module, device) stages, got {type(model).__name__}")
+        raise PipelineError("pipeline() takes an nn.Module or a list of (module, device) stages, "
+                            f"got {type(model).__name__}")
     device_map = getattr(model, "hf_device_map", None)
     if not device_map:
         raise PipelineError(

@@ -1,8 +1,8 @@
 """A ResNet residual block cut in two, so a pipeline stage boundary can fall inside it.
 
 Whole blocks are too coarse to balance two stages of ResNet50 (the best whole-block split leaves one stage
-about a fifth slower than the other). The head runs the block's convolutions up to the cut (and its downsample); it hands the
-tail one tensor, the cut activation and the identity stacked along channels (they share their spatial
+about a fifth slower than the other). The head runs the block's convolutions up to the cut (and its downsample);
+it hands the tail one tensor, the cut activation and the identity stacked along channels (they share their spatial
 size); the tail runs the rest and the residual sum. Together they compute exactly the block's forward.
 
 A Bottleneck is cut after conv2 (its default cut) or, when it does not downsample, also after conv1; a

@@ -1,4 +1,5 @@
-"""Find the best number of micro-batches for a pipeline by measuring training steps, as the tutorial says to do by hand."""
+"""Find the best number of micro-batches for a pipeline by measuring training steps, as the tutorial says to do by
+hand."""
 
 from __future__ import annotations
 

@@ -89,7 +89,8 @@ def deferred_parameters(calls: list[Call]) -> set[int]:
     return {id(p) for call in calls for p in _weight_and_bias(call.module) if p.requires_grad}
 
 
-def weight_grads(calls: list[Call], output_grads: list[torch.Tensor | None]) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+def weight_grads(calls: list[Call], output_grads: list[torch.Tensor | None]
+                 ) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
     """(parameter, gradient) of each deferred call's weight and bias, from the gradient at its output."""
     for call, grad in zip(calls, output_grads):
         if grad is None:  # the output did not reach the loss: its parameters get no gradient from this call

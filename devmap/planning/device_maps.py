@@ -31,8 +31,9 @@ def normalize_device_map(spec: DeviceMapSpec) -> str | dict[str, DeviceKey | int
             key = parse_device_key(spec)
         except UsageError:
             raise UsageError(
-                f"unknown device map strategy or device {spec!r}: use a strategy ({', '.join(STRATEGIES)}), one device for the whole "
-                "model (0, cuda:1, cpu), a {module: device} mapping, or a .json file holding one"
+                f"unknown device map strategy or device {spec!r}: use a strategy ({', '.join(STRATEGIES)}), "
+                "one device for the whole model (0, cuda:1, cpu), a {module: device} mapping, "
+                "or a .json file holding one"
             ) from None
         if key == "disk":
             raise UsageError("device map 'disk' would put the whole model on disk; give cpu or GPU budgets too")
@@ -60,7 +61,8 @@ def read_device_map_file(path: Path) -> dict[str, int | str]:
         raise UsageError(f"device map file {path} must hold a non-empty JSON object {{module name: device}}")
     for name, device in data.items():
         if isinstance(device, bool) or not isinstance(device, (int, str)):
-            raise UsageError(f"device map file {path} puts {name!r} on {device!r}: use a GPU index, cuda:N, cpu or disk")
+            raise UsageError(f"device map file {path} puts {name!r} on {device!r}: "
+                             "use a GPU index, cuda:N, cpu or disk")
     return data
 
 

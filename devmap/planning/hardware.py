@@ -1,4 +1,5 @@
-"""What this machine has: GPUs, their memory and peer links, host memory, library versions (the only module that probes devices)."""
+"""What this machine has: GPUs, their memory and peer links, host memory, library versions (the only module that
+probes devices)."""
 
 from __future__ import annotations
 

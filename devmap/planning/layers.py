@@ -59,7 +59,8 @@ def layer_table(plan: Plan, input_shape: tuple[int, ...] | None = None) -> list[
         with torch.no_grad():
             model(source.sample_input(input_shape, device="meta"))
     except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-        raise UsageError(f"the model cannot run on an input of shape {input_shape}: {str(exc).splitlines()[0]}") from None
+        reason = str(exc).splitlines()[0]
+        raise UsageError(f"the model cannot run on an input of shape {input_shape}: {reason}") from None
     finally:
         for hook in hooks:
             hook.remove()

@@ -41,7 +41,8 @@ def check_metadata_paths(directory: Path) -> None:
             if not path.is_file():
                 continue
             if path.stat().st_size > _MAX_METADATA_BYTES:
-                raise CheckpointError(f"{path} is over {_MAX_METADATA_BYTES >> 20} MiB: not metadata transformers writes")
+                raise CheckpointError(f"{path} is over {_MAX_METADATA_BYTES >> 20} MiB: "
+                                      "not metadata transformers writes")
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             continue  # unreadable metadata is reported by whoever reads it for its content

@@ -1,4 +1,5 @@
-"""Model sources: torchvision ResNets, LLaMA presets, local Hugging Face directories and user modules, built on the meta device."""
+"""Model sources: torchvision ResNets, LLaMA presets, local Hugging Face directories and user modules, built on the
+meta device."""
 
 from __future__ import annotations
 
@@ -141,7 +142,8 @@ def _config_dtype(config: Any) -> torch.dtype:
 def _read_hf_config(path: Path) -> Any:
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise SourceError(f"{path} has no config.json: a model directory needs the config.json that transformers writes")
+        raise SourceError(f"{path} has no config.json: "
+                          "a model directory needs the config.json that transformers writes")
     raw = _read_json(config_file)
     if "model_type" not in raw:
         raise SourceError(f"{config_file} has no 'model_type': it is not a config.json transformers wrote")
@@ -162,7 +164,8 @@ def _read_hf_config(path: Path) -> Any:
 def _read_json(config_file: Path) -> dict[str, Any]:
     try:
         if config_file.stat().st_size > MAX_CONFIG_BYTES:
-            raise SourceError(f"{config_file} is over {MAX_CONFIG_BYTES >> 20} MiB: not a config.json transformers wrote")
+            raise SourceError(f"{config_file} is over {MAX_CONFIG_BYTES >> 20} MiB: "
+                              "not a config.json transformers wrote")
         raw = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise SourceError(f"{config_file} is not valid JSON ({exc}); rewrite it or re-save the model") from None

@@ -147,12 +147,13 @@ def plan(
 ) -> Plan:
     """Place `source` (preset name, local HF directory or nn.Module) on devices without allocating memory.
 
-    `device_map` is a strategy (auto, balanced, balanced_low_0, sequential), one device for the whole model
-    (0, "cuda:1", "cpu", torch.device), an explicit {module name: device}, or a .json file holding one. Budgets come from `max_memory`, simulated `gpus` x `gpu_memory`, or this
-    machine (see devmap.planning.budget.resolve_budget). `dtype` sets the size of each weight; `quantization`
-    ("int8", "int4", "nf4" or a transformers BitsAndBytesConfig) counts the blocks' Linear weights at 1 or ½ byte.
-    `workload` (`devmap.planning.workload.parse_workload`) plans the memory running needs as well: KV cache,
-    activations, gradients and optimizer state, each on the device of the block that holds it.
+    `device_map` is a strategy (auto, balanced, balanced_low_0, sequential), one device for the whole model (0,
+    "cuda:1", "cpu", torch.device), an explicit {module name: device}, or a .json file holding one. Budgets come from
+    `max_memory`, simulated `gpus` x `gpu_memory`, or this machine (see devmap.planning.budget.resolve_budget). `dtype`
+    sets the size of each weight; `quantization` ("int8", "int4", "nf4" or a transformers BitsAndBytesConfig) counts the
+    blocks' Linear weights at 1 or ½ byte. `workload` (`devmap.planning.workload.parse_workload`) plans the memory
+    running needs as well: KV cache, activations, gradients and optimizer state, each on the device of the block that
+    holds it.
     """
     device_map = normalize_device_map(device_map)
     torch_dtype = parse_dtype(dtype)
@@ -216,7 +217,8 @@ def plan_model(
         warnings = _over_budget(placed, sizes, budget)
 
     if quantization is not None:
-        check_placement(quantization, {placed[owner_of(name, placed)] for name in quantized_weights(model, quantization)})
+        owners = {placed[owner_of(name, placed)] for name in quantized_weights(model, quantization)}
+        check_placement(quantization, owners)
     return Plan(
         source=model_source.name,
         strategy=strategy,
@@ -239,7 +241,8 @@ def plan_model(
 def _check_fits(name: str, placed: DeviceMap, sizes: dict[str, int], budget: Budget, dtype: torch.dtype,
                 weights: int, workload: Workload | None) -> None:
     used = usage(placed, sizes)
-    overflow = used.get("disk", 0) if "disk" not in budget.limits else max(0, used.get("disk", 0) - budget.limits["disk"])
+    on_disk = used.get("disk", 0)
+    overflow = on_disk if "disk" not in budget.limits else max(0, on_disk - budget.limits["disk"])
     if not overflow:
         return
     available = sum(budget.limits.values())

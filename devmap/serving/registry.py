@@ -57,7 +57,8 @@ class ResidentModel:
 
     @property
     def kv_budget(self) -> KVBudget:
-        """The KV cache its plan made room for: `max_rows` rows of `cache_len` tokens, or more rows of shorter caches."""
+        """The KV cache its plan made room for: `max_rows` rows of `cache_len` tokens, or more rows of shorter
+        caches."""
         return KVBudget(self.max_rows, self.cache_len)
 
     @property
@@ -72,7 +73,8 @@ class ResidentModel:
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "devmap",
                 "path": str(self.path), "context_length": self.context, "max_batch": self.max_rows,
-                "cache_tokens_per_row": self.cache_len, "kv_cache_tokens": self.kv_budget.tokens, "compiled": self.compiled,
+                "cache_tokens_per_row": self.cache_len, "kv_cache_tokens": self.kv_budget.tokens,
+                "compiled": self.compiled,
                 "device_map": {k: str(v) for k, v in self.model.hf_device_map.items()}}
 
 

@@ -115,14 +115,14 @@ def round_up(value: int, multiple: int) -> int:
 
 def batch_shape(jobs: list[Job], limits: SchedulerLimits, context: int, kept: BatchShape,
                 takes_joiners: bool = True) -> BatchShape:
-    """The shape of a batch starting with `jobs` on a model of `context` tokens (0: unbounded) whose largest shape
-    so far is `kept`: rows a power of two (at least MIN_ROWS when it takes joiners), as many as the model's KV
-    budget holds at that cache length at most (the engine starts the first `rows` of `jobs`); decoding from a slot past the
-    longest prompt plus max_new_tokens (so that a stopped request continuing from its tokens so far still fits),
-    in multiples of `length_bucket`; a cache of that plus the largest budget (its columns wrap around), in
-    multiples of CACHE_BUCKET, within the context. A batch that takes joiners never shrinks below `kept`: a
-    service settles on one shape, whose steps are captured once and replayed. A seeded batch's rows depend on its
-    requests alone (the sampled tokens depend on the rows)."""
+    """The shape of a batch starting with `jobs` on a model of `context` tokens (0: unbounded) whose largest shape so
+    far is `kept`: rows a power of two (at least MIN_ROWS when it takes joiners), as many as the model's KV budget holds
+    at that cache length at most (the engine starts the first `rows` of `jobs`); decoding from a slot past the longest
+    prompt plus max_new_tokens (so that a stopped request continuing from its tokens so far still fits), in multiples of
+    `length_bucket`; a cache of that plus the largest budget (its columns wrap around), in multiples of CACHE_BUCKET,
+    within the context. A batch that takes joiners never shrinks below `kept`: a service settles on one shape, whose
+    steps are captured once and replayed. A seeded batch's rows depend on its requests alone (the sampled tokens depend
+    on the rows)."""
     longest = max(len(j.prompt_ids) + len(j.generated) for j in jobs)
     longest_budget = max(j.budget_left for j in jobs)
     span = max(j.params.max_new_tokens for j in jobs)
@@ -257,5 +257,6 @@ class Scheduler:
         full = len(chosen) == free or any(id(j) not in taken for j in same)
         if (chosen and not full and not batch.riding and free < rows
                 and now - min(j.waiting_since for j in chosen) < limits.join_wait):
-            return Admission([])  # a little longer for more of them: one prefill for all (its cost hardly depends on rows)
+            # a little longer for more of them: one prefill for all (its cost hardly depends on rows)
+            return Admission([])
         return Admission(chosen)

@@ -82,7 +82,8 @@ def test_env_without_gpus():
     (["plan", "meta-llama/Llama-2-7b-hf"], "never contacts a model hub"),
     (["plan", "llama-2-70b", "--gpus", "2", "--gpu-memory", "20GiB", "--dtype", "bf16"], "fits nowhere"),
     (["plan", "resnet50", "--gpus", "1", "--gpu-memory", "1GiB", "--dtype", "int8"], "unsupported dtype"),
-    (["plan", "resnet50", "--gpus", "1", "--gpu-memory", "1GiB", "--input-shape", "1,3"], "applies with --layers or --for"),
+    (["plan", "resnet50", "--gpus", "1", "--gpu-memory", "1GiB", "--input-shape", "1,3"],
+     "applies with --layers or --for"),
     (["plan", "resnet50", "--bogus"], "No such option"),
 ])
 def test_bad_input_is_one_line_exit_2(args, words):

@@ -139,7 +139,8 @@ def test_a_rank_that_raises_stops_every_rank(tmp_path):
 def test_two_nodes_on_one_machine(tmp_path):
     port = free_port()
     argv = ["--factory", "tests.distributed.models:small_sequential", "--num-classes", "10", "--input-shape", "12",
-            "--batch-size", "8", "--chunks", "2", "--steps", "3", "--split-points", "4", "--out", str(tmp_path), "--json"]
+            "--batch-size", "8", "--chunks", "2", "--steps", "3", "--split-points", "4", "--out", str(tmp_path),
+            "--json"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "devmap",

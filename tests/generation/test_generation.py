@@ -1,4 +1,5 @@
-"""Pipelined LLaMA inference on CPU, two stages: greedy tokens equal transformers' generate; forward equals the model."""
+"""Pipelined LLaMA inference on CPU, two stages: greedy tokens equal transformers' generate; forward equals the
+model."""
 
 import json
 

@@ -190,7 +190,8 @@ def test_device_map_json_file(llama_dir, tmp_path):
                                        "cpu=1GiB", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["device_map"] == json.loads(out)["device_map"]
-    for bad, match in [("[1]", "non-empty JSON object"), ('{"model": [0]}', "puts 'model' on"), ("{", "not valid JSON")]:
+    bad_files = [("[1]", "non-empty JSON object"), ('{"model": [0]}', "puts 'model' on"), ("{", "not valid JSON")]
+    for bad, match in bad_files:
         map_file.write_text(bad)
         result = CliRunner().invoke(main, ["plan", str(llama_dir), "--device-map", str(map_file)])
         assert result.exit_code == 2 and match in result.output and "Traceback" not in result.output

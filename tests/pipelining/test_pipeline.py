@@ -290,7 +290,8 @@ def test_bottleneck_cut_after_conv1_and_its_device_map():
     assert [n for n, _ in placed_units(plain)] == [n for n, _ in units]
 
 
-@pytest.mark.parametrize("deferred, expected", [(1, [3]), (2, [2, 3]), (None, [0, 1, 2, 3]), (0, []), (9, [0, 1, 2, 3])])
+@pytest.mark.parametrize("deferred, expected",
+                         [(1, [3]), (2, [2, 3]), (None, [0, 1, 2, 3]), (0, []), (9, [0, 1, 2, 3])])
 def test_which_micro_batches_defer_their_weight_gradients(deferred, expected):
     stages = [(nn.Linear(4, 4), "cpu") for _ in range(3)]
     pipe = pipeline(stages, chunks=4, deferred_weights=deferred)

@@ -1,4 +1,5 @@
-"""DEVMAP_STREAM_CHECK's settings and poison (the checks themselves run on GPUs: tests/generation/test_gpu_streams.py)."""
+"""DEVMAP_STREAM_CHECK's settings and poison (the checks themselves run on GPUs:
+tests/generation/test_gpu_streams.py)."""
 
 import pytest
 import torch
