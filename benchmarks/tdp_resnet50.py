@@ -69,8 +69,8 @@ def main() -> None:
             dist.barrier()
             ms = (time.perf_counter() - start) / args.steps * 1000
             if rank == 0:
-                schedule = schedule_cls.__name__.removeprefix("Schedule")
-                print(json.dumps({"system": f"torch.distributed.pipelining {schedule}",
+                schedule_name = schedule_cls.__name__.removeprefix("Schedule")
+                print(json.dumps({"system": f"torch.distributed.pipelining {schedule_name}",
                                   "batch": args.batch, "chunks": chunks, "ms": ms}), flush=True)
     dist.destroy_process_group()
 
