@@ -90,8 +90,8 @@ def main() -> None:
             weight = torch.randn(outs, ins, device="cuda", dtype=torch.bfloat16) * 0.02
             linear = library_linear(weight, scheme)
             ours = four_bit_weight(linear)
-            parts = [t for t in ours.tensors if t is not None] if ours else []
-            nbytes = sum(t.numel() * t.element_size() for t in parts) if ours else weight.numel() // 2
+            nbytes = (sum(t.numel() * t.element_size() for t in ours.tensors if t is not None) if ours
+                      else weight.numel() // 2)
             floor = nbytes / bandwidth * 1e6
             for rows in [int(r) for r in args.rows.split(",")]:
                 x = torch.randn(rows, ins, device="cuda", dtype=torch.bfloat16)
