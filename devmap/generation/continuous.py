@@ -43,7 +43,7 @@ Emit = Callable[[Any, int], bool]
 def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len: int, lanes: int | None = None,
                      sampling: Sampling | None = None, split_layers: list[int] | None = None, graphs: bool = True,
                      compile: bool = False, keep_graphs: bool = True, kv_room: int | None = None,
-                     riding: bool | None = None) -> Iterator["ContinuousBatch"]:
+                     riding: bool | None = None, scores: int | None = None) -> Iterator["ContinuousBatch"]:
     """A continuous batch of `rows` rows on `model`, driven step by step by its caller:
     `batch.step(joining)` starts requests in free rows and issues one decode step, `batch.collect()` hands back
     the tokens that have come back since (a couple of steps behind the GPUs), `batch.release(owner)` frees the
@@ -61,7 +61,10 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
 
     `riding`: whether joiners' prompts ride the decode steps (`mixed_joins`, where every decoder layer is joined)
     rather than prefilling between two steps; None: where the model is large enough for it to pay and not 4-bit
-    (`mixed_joins.rides_by_default`)."""
+    (`mixed_joins.rides_by_default`).
+
+    `scores`: every token comes back with its log-probability and those of the `scores` most likely tokens
+    (`generation.scores`; `batch.collect(scored=True)`); None: tokens alone."""
     sampling = sampling or Sampling()
     sampling.check()
     if rows < 1 or not 0 < first_slot <= cache_len:
@@ -85,7 +88,7 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     entries = cache.use((run.layout(), tuple(lane.ids.shape[0] for lane in lane_list), cache_len),
                         weight_pointers(model), kv_bytes, kv_room)
     mixing = stages.mixes() and (rides_by_default(model) if riding is None else riding)
-    batch = ContinuousBatch(run, first_slot, cache_len, sampling, cache, entries, mixing)
+    batch = ContinuousBatch(run, first_slot, cache_len, sampling, cache, entries, mixing, scores)
 
     def vacant() -> None:
         for lane in lane_list:

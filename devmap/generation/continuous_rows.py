@@ -16,8 +16,9 @@ from .join_prefill import JoinPrefills
 from .mixed_joins import MixedJoins
 from .lane_decode import computed_rows
 from .lane_runner import EOS_CHECK_LAG, LaneRunner, record_event
-from .row_types import Row, SlotRequest
+from .row_types import Row, SlotRequest, StepFailed
 from .sampling import Sampling, choose
+from .scores import packed, unpacked
 from .step_cache import StepCache
 from ..pipelining.streams import copy_later, to_host
 
@@ -28,7 +29,7 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
     through prefills of their own between two steps (`join_prefill`)."""
 
     def __init__(self, run: LaneRunner, first_slot: int, cache_len: int, sampling: Sampling, cache: StepCache,
-                 entries: dict[Any, Any], mixing: bool) -> None:
+                 entries: dict[Any, Any], mixing: bool, scores: int | None = None) -> None:
         self.run, self.s = run, run.s
         self.cache, self.entries = cache, entries  # captured steps kept for this batch shape (joining packs')
         self.first_slot, self.cache_len = first_slot, cache_len
@@ -44,6 +45,7 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
         self.mixing = mixing  # joiners ride in the decode steps (every layer joined: `CausalLMStages.mixes`)
         self.queued: list[tuple[SlotRequest, int, int]] = []  # (request, lane, row) of joiners waiting to ride
         self.stats = {"steps": 0, "joined": 0, "join_seconds": 0.0}
+        self.scores = scores  # each token's log-probability and this many alternatives' (None: no scores)
 
     @property
     def longest_prompt(self) -> int:
@@ -65,13 +67,26 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
     @torch.no_grad()
     def step(self, joining: list[SlotRequest] | None = None) -> bool:
         """Start `joining` in free rows (each fitting: see `check`), then issue one decode step of every lane. False,
-        and nothing issued, when no row is held and none joins: the batch has drained."""
+        and nothing issued, when no row is held and none joins: the batch has drained.
+
+        A step that fails raises `StepFailed` naming the owners whose prompts ran in it (its suspects); the batch is
+        not to be stepped again (its rows may be half joined), but `collect(everything=True)` still hands back
+        the tokens of the steps before it."""
         joining = joining or []
         free = self.free_rows()
         if len(joining) > len(free):
             raise UsageError(f"{len(joining)} requests joining a batch with {len(free)} free rows")
         if not joining and all(row.issued_to is None for lane in self.rows for row in lane):
             return False
+        prompts: list[Any] = []  # owners whose prompts run in this step
+        try:
+            self._step(joining, free, prompts)
+        except Exception as exc:
+            raise StepFailed(prompts, exc) from exc
+        return True
+
+    def _step(self, joining: list[SlotRequest], free: list[tuple[int, int]], prompts: list[Any]) -> None:
+        """`step`'s work; `prompts` gets the owners whose prompts run in it before they do."""
         self.steps += 1
         step, slot = self.steps, self.first_slot + self.steps - 1  # the slot this step writes its input token to
         self.stats["steps"] = step
@@ -81,9 +96,11 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
         running = [[r for r, row in enumerate(lane) if row.issued_to is not None and not row.queued]
                    for lane in self.rows]
         riders: dict[int, list] = {}
+        prompts.extend(request.owner for request, _, _ in placed)
         if self.mixing:
             self.reserve(placed)
             riders = self.riders()
+            prompts.extend(request.owner for lane_riders in riders.values() for request, _ in lane_riders)
         elif placed:
             self.join(placed, step, slot)
             running = [[r for r, row in enumerate(lane) if row.issued_to is not None] for lane in self.rows]
@@ -92,22 +109,28 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
         for k, lane in enumerate(self.run.lanes):
             rows = computed_rows(running[k][-1] if running[k] else -1, lane.ids.shape[0])
             if k in riders:
-                logits, first = self.ride(k, riders[k], rows, slot)
+                logits, first, first_host = self.ride(k, riders[k], rows, slot)
             else:
                 steps = self.run.first_rows_steps(lane, rows, self.cache) if rows < lane.ids.shape[0] else None
                 logits = self.run.decode_step(lane, steps)
             self.finish(k, logits, step)
             self.count_issued(k, running[k])
             if k in riders:
-                self.hand_in(k, riders[k], first, step)
-        return True
+                self.hand_in(k, riders[k], first, first_host, step)
 
-    def collect(self, everything: bool = False) -> list[tuple[Any, int]]:
+    def collect(self, everything: bool = False, scored: bool = False) -> list[tuple]:
         """(owner, token) of every token back from the steps up to the lag (`everything`: all issued steps, waiting
-        for them), in order. An owner may get tokens after it ended (issued before `release`): ignore them."""
-        out: list[tuple[Any, int]] = []
+        for them), in order; (owner, token, score) with `scored` (the score None unless the batch scores its
+        tokens). An owner may get tokens after it ended (issued before `release`): ignore them."""
+        out: list[tuple[Any, int, Any]] = []
         self.deliver(None if everything else self.steps - self.lag, out)
-        return out
+        return out if scored else [(owner, token) for owner, token, _ in out]
+
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows' next tokens, what goes to the host for them: the tokens, or with their scores `packed`) from
+        float logits, on the current stream."""
+        token = choose(logits, self.sampling, self.generator)
+        return token, token if self.scores is None else packed(logits, token, self.scores)
 
     def release(self, owner: Any) -> None:
         """`owner` needs no more tokens (it ended, or went away): its row is free for the next joiner."""
@@ -152,15 +175,16 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
         """The lane's next tokens (on the last stage's stream): to the host, and to stage 0 for the next step."""
         lane = self.run.lanes[k]
         with self.run.on(len(self.s.stages) - 1) as compute:
-            token = choose(logits, self.sampling, self.generator)
-            host = to_host(token)
+            token, payload = self.pick(logits)
+            host = to_host(payload)
             event = record_event(compute)
         self.pending[k].append((step, event, host, None))  # the first rows' tokens: every held row's
         lane.token_ready = copy_later(lane.steps[0].static_in.view(-1)[:token.shape[0]], token, event, 0,
                                       self.run.streams)
 
-    def deliver(self, limit: int | None, out: list[tuple[Any, int]]) -> None:
-        """Append (owner, token) of every token of the steps up to `limit` (None: all issued) to `out`, in order."""
+    def deliver(self, limit: int | None, out: list[tuple[Any, int, Any]]) -> None:
+        """Append (owner, token, score or None) of every token of the steps up to `limit` (None: all issued) to `out`,
+        in order."""
         for k, queue in enumerate(self.pending):
             lane = self.rows[k]
             while queue and (limit is None or queue[0][0] <= limit):
@@ -168,6 +192,8 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
                 if event is not None:
                     event.synchronize()
                 tokens = host.tolist()
+                if self.scores is not None:
+                    tokens = [unpacked(row, self.scores) for row in tokens]
                 if joined is not None:
                     for r, request, index in joined:
                         lane[r].heard_by, lane[r].to_hear = request.owner, request.max_new_tokens
@@ -178,10 +204,10 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
                         self._give(row, token, out)
 
     @staticmethod
-    def _give(row: Row, token: int, out: list[tuple[Any, int]]) -> None:
-        """Hand `token` to the row's owner; after its last token the row is heard by nobody (its issuing ended
-        earlier, in `count_issued`, and the row may serve another request already)."""
-        out.append((row.heard_by, token))
+    def _give(row: Row, token: Any, out: list[tuple[Any, int, Any]]) -> None:
+        """Hand `token` (an id, or (id, score)) to the row's owner; after its last token the row is heard by nobody
+        (its issuing ended earlier, in `count_issued`, and the row may serve another request already)."""
+        out.append((row.heard_by, *token) if isinstance(token, tuple) else (row.heard_by, token, None))
         row.to_hear -= 1
         if row.to_hear <= 0:
             row.heard_by = None

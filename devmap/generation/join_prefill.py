@@ -17,7 +17,6 @@ from .joins import (on_device, pack_limit, pack_width, pack_widths, packed_conte
 from .lane_cache import LaneCache
 from .lane_runner import record_event
 from .row_types import SlotRequest
-from .sampling import choose
 from ..pipelining.streams import hand_off, to_host
 
 
@@ -33,7 +32,7 @@ class JoinPrefills:
         run, lanes, last = self.run, self.run.lanes, len(self.s.stages) - 1
         groups = [sorted(members, key=lambda i: joining[i][1])  # each lane's prompts side by side in a pack
                   for members in packs([len(r.prompt) for r, _, _ in joining], self.pack_limit)]
-        chosen = [self._prefill_pack([joining[i] for i in members], slot) for members in groups]
+        chosen, payloads = zip(*(self._prefill_pack([joining[i] for i in members], slot) for members in groups))
         order = [i for members in groups for i in members]  # joiner at each place of the tokens
         per_lane: dict[int, list[tuple[int, int]]] = {}  # lane: (place in the tokens, row)
         for place, index in enumerate(order):
@@ -41,7 +40,7 @@ class JoinPrefills:
             per_lane.setdefault(k, []).append((place, row))
         with run.on(last) as compute:
             tokens = torch.cat(chosen) if len(chosen) > 1 else chosen[0]
-            host = to_host(tokens)
+            host = to_host(torch.cat(payloads) if len(payloads) > 1 else payloads[0])
             event = record_event(compute)
         for k, items in per_lane.items():
             self.pending[k].append((step, event, host, [(row, joining[order[place]][0], place)
@@ -73,9 +72,11 @@ class JoinPrefills:
                 for _ in range(2):  # eager, then captured
                     self._through_stages(width, *inputs)
 
-    def _prefill_pack(self, members: list[tuple[SlotRequest, int, int]], slot: int) -> torch.Tensor:
+    def _prefill_pack(self, members: list[tuple[SlotRequest, int, int]],
+                      slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One pack's prefill through every stage, each prompt's keys and values copied into its row's columns
-        before `slot`; returns the prompts' first tokens (on the last stage's stream)."""
+        before `slot`; returns the prompts' first tokens and what goes to the host for them (`pick`), on the last
+        stage's stream."""
         lanes = self.run.lanes
         prompts = [r.prompt for r, _, _ in members]
         per_lane: dict[int, list[tuple[int, int]]] = {}  # lane: (row, prompt length), side by side in the pack
@@ -102,7 +103,7 @@ class JoinPrefills:
         out = self._through_stages(width, *self._pack_inputs(prompts, width), into_rows)
         with self.run.on(len(self.s.stages) - 1):
             last = out[0].index_select(0, on_device(ends, out.device))[:, None, :]  # each prompt's last token
-            return choose(self.s.head(last)[:, -1].float(), self.sampling, self.generator)
+            return self.pick(self.s.head(last)[:, -1].float())
 
     def _pack_inputs(self, prompts: list[list[int]], width: int) -> tuple[torch.Tensor, dict, Any]:
         """(ids, mask and positions, the event they are ready at) of a pack of `width` tokens, on stage 0's stream."""

@@ -29,7 +29,6 @@ from .joins import on_device, pack_width, pack_widths, prompt_columns, to_device
 from .lane_decode import computed_rows
 from .lane_runner import record_event
 from .row_types import SlotRequest
-from .sampling import choose
 
 RIDING_TOKENS = 512  # prompt tokens one step carries at most (one prompt at least): at 13B on an H200 the products
 # of 32 rows plus 512 prompt tokens are bound by arithmetic (19 ms against 6.7 ms for the rows alone,
@@ -99,10 +98,12 @@ class MixedJoins:
         self.queued = self.queued[taken:]
         return per_lane
 
-    def ride(self, k: int, riders: list[Rider], rows: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def ride(self, k: int, riders: list[Rider], rows: int,
+             slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Lane k's decode step over its first `rows` rows (writing cache slot `slot`) carrying the riders' prompts in
         one pack: their keys and values go into their rows' columns before slot + 1, where their rows decode from.
-        Returns the rows' float logits and the riders' first tokens (on the last stage's stream)."""
+        Returns the rows' float logits, the riders' first tokens and what goes to the host for them (`pick`), on the
+        last stage's stream."""
         run, lane, last = self.run, self.run.lanes[k], len(self.s.stages) - 1
         lengths = torch.tensor([len(request.prompt) for request, _ in riders])
         total = int(lengths.sum())
@@ -119,16 +120,15 @@ class MixedJoins:
         logits, packed = self._carrying(k, rows, width, ids, context, ready, into_rows)
         with run.on(last):
             ends = on_device((lengths.cumsum(0) - 1).tolist(), packed.device)  # each prompt's last token
-            first = choose(self.s.head(packed.index_select(0, ends)[:, None])[:, -1].float(), self.sampling,
-                           self.generator)
-        return logits, first
+            first, payload = self.pick(self.s.head(packed.index_select(0, ends)[:, None])[:, -1].float())
+        return logits, first, payload
 
-    def hand_in(self, k: int, riders: list[Rider], first: torch.Tensor, step: int) -> None:
-        """The riders' first tokens: to the host (they reach their owners with the step's), and into their rows'
-        inputs for the lane's next step, after the rows' own tokens got there."""
+    def hand_in(self, k: int, riders: list[Rider], first: torch.Tensor, payload: torch.Tensor, step: int) -> None:
+        """The riders' first tokens: to the host (`payload`: they reach their owners with the step's), and into their
+        rows' inputs for the lane's next step, after the rows' own tokens got there."""
         run, lane = self.run, self.run.lanes[k]
         with run.on(len(self.s.stages) - 1) as compute:
-            host = to_host(first)
+            host = to_host(payload)
             event = record_event(compute)
         self.pending[k].append((step, event, host, [(row, request, i) for i, (request, row) in enumerate(riders)]))
         target = lane.steps[0].static_in.view(-1)

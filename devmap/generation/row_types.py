@@ -26,3 +26,12 @@ class Row:
     to_issue: int = 0
     to_hear: int = 0
     queued: bool = False  # taken by a joiner whose prompt waits for a step to carry it (`mixed_joins`)
+
+
+class StepFailed(RuntimeError):
+    """A continuous batch's step failed (`cause`, also its `__cause__`); `owners`: those whose prompts ran in it
+    (joining, or riding it), the only requests the step did for the first time."""
+
+    def __init__(self, owners: list[Any], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.owners, self.cause = owners, cause

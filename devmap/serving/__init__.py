@@ -14,6 +14,7 @@ from .core_client import RegistrySettings
 from .engine import Engine
 from .limits import EngineLimits
 from .jobs import GenerationParams
-from .registry import ModelRegistry, ResidentModel
+from .registry import ModelRegistry
+from .resident import ResidentModel
 
 __all__ = ["Engine", "EngineLimits", "GenerationParams", "ModelRegistry", "RegistrySettings", "ResidentModel"]

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .engine import Engine
 from .errors import ServiceError
+from .logprob_bodies import TokenTexts, chat_logprobs, completion_logprobs
 from .text_stream import RequestStream
 from .protocol import (ChatRequest, CompletionRequest, LoadRequest, chat_body, chat_chunk, completion_body,
                        error_body, new_id, usage)
@@ -91,22 +92,26 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         ids = prompt if isinstance(prompt, list) else card.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         job = engine.submit(body.model, list(ids), body.params())
         request_id = new_id("cmpl")
+        echoed = (prompt if isinstance(prompt, str) else card.tokenizer.decode(ids)) if body.echo else ""
+        scores = _CompletionScores(card.tokenizer, job, body.echo, len(echoed)) if body.logprobs is not None else None
         if body.stream:
-            return _sse(_completion_events(engine, job, request_id, body.model))
+            return _sse(_completion_events(engine, job, request_id, body.model, echoed, scores))
         text = "".join([piece async for piece in engine.stream(job)])
-        return completion_body(request_id, body.model, text, job.finish_reason,
-                               usage(len(job.prompt_ids), len(job.generated)))
+        return completion_body(request_id, body.model, echoed + text, job.finish_reason,
+                               usage(len(job.prompt_ids), len(job.generated)), scores and scores.new())
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest) -> Any:
-        ids = _chat_ids(engine.card(body.model).tokenizer, body)
+        tokenizer = engine.card(body.model).tokenizer
+        ids = _chat_ids(tokenizer, body)
         job = engine.submit(body.model, ids, body.params())
         request_id = new_id("chatcmpl")
+        scores = _ChatScores(tokenizer, job) if body.logprobs else None
         if body.stream:
-            return _sse(_chat_events(engine, job, request_id, body.model))
+            return _sse(_chat_events(engine, job, request_id, body.model, scores))
         text = "".join([piece async for piece in engine.stream(job)])
         return chat_body(request_id, body.model, text, job.finish_reason or "stop",
-                         usage(len(job.prompt_ids), len(job.generated)))
+                         usage(len(job.prompt_ids), len(job.generated)), scores and scores.new())
 
     return app
 
@@ -128,27 +133,73 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _completion_events(engine: Engine, job: RequestStream, request_id: str, model: str) -> AsyncIterator[dict]:
+async def _completion_events(engine: Engine, job: RequestStream, request_id: str, model: str, echoed: str,
+                             scores: _CompletionScores | None) -> AsyncIterator[dict]:
     try:
+        if echoed:
+            yield completion_body(request_id, model, echoed, None, None, scores and scores.prompt())
         async for piece in engine.stream(job):
-            yield completion_body(request_id, model, piece, None, None)
+            yield completion_body(request_id, model, piece, None, None, scores and scores.new())
     except ServiceError as exc:  # headers are sent: the error goes in the stream, as OpenAI's servers do
         yield error_body(exc.message, exc.kind, exc.param)
         return
-    yield completion_body(request_id, model, "", job.finish_reason, usage(len(job.prompt_ids), len(job.generated)))
+    yield completion_body(request_id, model, "", job.finish_reason, usage(len(job.prompt_ids), len(job.generated)),
+                          scores and scores.new())
 
 
-async def _chat_events(engine: Engine, job: RequestStream, request_id: str, model: str) -> AsyncIterator[dict]:
+async def _chat_events(engine: Engine, job: RequestStream, request_id: str, model: str,
+                       scores: _ChatScores | None) -> AsyncIterator[dict]:
     yield chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None)
     try:
         async for piece in engine.stream(job):
-            yield chat_chunk(request_id, model, {"content": piece}, None)
+            yield chat_chunk(request_id, model, {"content": piece}, None, scores and scores.new())
     except ServiceError as exc:
         yield error_body(exc.message, exc.kind, exc.param)
         return
-    final = chat_chunk(request_id, model, {}, job.finish_reason or "stop")
+    final = chat_chunk(request_id, model, {}, job.finish_reason or "stop", scores and scores.new())
     final["usage"] = usage(len(job.prompt_ids), len(job.generated))
     yield final
+
+
+class _ChatScores:
+    """A chat request's token scores as they arrive: `new()` gives those not yet sent, in the chat API's shape."""
+
+    def __init__(self, tokenizer: Any, job: RequestStream) -> None:
+        self.texts, self.job = TokenTexts(tokenizer), job
+
+    def new(self) -> dict:
+        job, sent = self.job, self.job.scores_sent
+        job.scores_sent = len(job.scores)
+        before = job.generated[sent - 1] if sent else job.prompt_ids[-1]
+        return chat_logprobs(self.texts, job.generated[sent:job.scores_sent], job.scores[sent:job.scores_sent],
+                             before)
+
+
+class _CompletionScores:
+    """A completion's token scores as they arrive, in the completions API's shape: `prompt()` the echoed prompt's
+    (where the request asked for echo), `new()` those not yet sent (the prompt's first, unless `prompt()` sent
+    them), their text offsets counted from the choice's text (the echoed prompt's `offset` characters first)."""
+
+    def __init__(self, tokenizer: Any, job: RequestStream, echo: bool, offset: int) -> None:
+        self.texts, self.job, self.echo, self.offset = TokenTexts(tokenizer), job, echo, offset
+        self.prompt_sent = not echo
+
+    def prompt(self) -> dict:
+        self.prompt_sent = True
+        ids = self.job.prompt_ids
+        return completion_logprobs(self.texts, ids, self.job.prompt_scores or [None] * len(ids))
+
+    def new(self) -> dict:
+        head = None if self.prompt_sent else self.prompt()
+        job, sent = self.job, self.job.scores_sent
+        job.scores_sent = len(job.scores)
+        before = job.generated[sent - 1] if sent else job.prompt_ids[-1]
+        ids = job.generated[sent:job.scores_sent]
+        body = completion_logprobs(self.texts, ids, job.scores[sent:job.scores_sent], before, self.offset)
+        self.offset = body["text_offset"][-1] + len(body["tokens"][-1]) if ids else self.offset
+        if head is not None:
+            body = {key: head[key] + body[key] for key in body}
+        return body
 
 
 class _Observed:

@@ -24,10 +24,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
-from .core import CONTROL, Deliver, EngineCore
+from .core import CONTROL, EngineCore
 from .errors import EngineGone, ServiceError
 from .jobs import Job
 from .limits import EngineLimits
+from .outputs import Deliver
 from .registry import ModelRegistry, load_tokenizer
 
 log = logging.getLogger("devmap.serving")
@@ -38,11 +39,13 @@ Lost = Callable[[ServiceError], None]
 
 @dataclass(frozen=True)
 class ModelCard:
-    """What the API side needs of a resident model: its id, directory, context (0: unbounded) and tokenizer."""
+    """What the API side needs of a resident model: its id, directory, context (0: unbounded), vocabulary size (the
+    token ids its embedding has rows for) and tokenizer."""
 
     id: str
     path: Path
     context: int
+    vocab_size: int
     tokenizer: Any
 
 
@@ -85,7 +88,7 @@ class ThreadCore:
 
     def card(self, model_id: str) -> ModelCard:
         resident = self.registry.get(model_id)
-        return ModelCard(resident.id, resident.path, resident.context, resident.tokenizer)
+        return ModelCard(resident.id, resident.path, resident.context, resident.vocab_size, resident.tokenizer)
 
     def forget(self, model_id: str) -> None:
         """The model was unloaded (the registry already says so)."""
@@ -161,7 +164,8 @@ class ProcessCore:
         if card is None:
             described = self.call("describe", model_id)
             path = Path(described["path"])
-            card = ModelCard(model_id, path, int(described["context_length"]), load_tokenizer(path))
+            card = ModelCard(model_id, path, int(described["context_length"]), int(described["vocab_size"]),
+                             load_tokenizer(path))
             self._cards[model_id] = card
         return card
 

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from ..errors import UsageError
 from .core_client import ModelCard, ProcessCore, RegistrySettings, ThreadCore
-from .errors import QueueFull, RequestTimeout, ServiceError, ShuttingDown
+from .errors import ModelUnloading, QueueFull, RequestTimeout, ServiceError, ShuttingDown
 from .gc_pauses import watch_gc_pauses
 from .jobs import Completion, GenerationParams, Job, TokenOutput
 from .limits import EngineLimits
@@ -29,6 +29,7 @@ from .text_stream import RequestStream, finish_stream, send_text
 
 class HasContext(Protocol):
     context: int
+    vocab_size: int
 
 
 class Engine:
@@ -53,6 +54,7 @@ class Engine:
         self._waiting = 0  # requests submitted that have no output yet (the queue's bound)
         self._inbox: dict[Any, list[tuple[RequestStream, TokenOutput]]] = {}  # per event loop, not yet applied
         self._closing = threading.Event()
+        self._unloading: set[str] = set()  # models whose unload is under way: new requests for them get 503
         self._unwatch_gc: Callable[[], None] = lambda: None  # set while it serves
         self.core.attach(self._deliver, self._lost)
 
@@ -90,8 +92,16 @@ class Engine:
         return described
 
     def unload(self, model_id: str) -> None:
-        self.core.call("unload", model_id)
-        self.core.forget(model_id)
+        """Unload a model (blocks: run it off the event loop): new requests for it get 503 at once, those it took
+        finish within the limits' `unload_drain` (the rest end with an error), then it is freed."""
+        with self._lock:
+            self._unloading.add(model_id)
+        try:
+            self.core.call("unload", model_id)
+        finally:
+            with self._lock:
+                self._unloading.discard(model_id)
+            self.core.forget(model_id)
 
     def card(self, model_id: str) -> ModelCard:
         return self.core.card(model_id)
@@ -103,13 +113,15 @@ class Engine:
     # -- requests -----------------------------------------------------------------------------------------------
 
     def check(self, model: HasContext, prompt_ids: list[int], params: GenerationParams) -> None:
-        """Refuse what the limits or the model's context do not allow (a 400 naming the field)."""
-        self.limits.check_request(len(prompt_ids), params.max_new_tokens, model.context)
+        """Refuse what the limits or the model do not allow (a 400 naming the field)."""
+        self.limits.check_request(prompt_ids, params, model.context, model.vocab_size)
 
     def submit(self, model_id: str, prompt_ids: list[int], params: GenerationParams) -> RequestStream:
         """Queue a request (from a coroutine: its events arrive on the running loop)."""
         if self._closing.is_set():
             raise ShuttingDown("the service is shutting down")
+        if model_id in self._unloading:
+            raise ModelUnloading(f"model {model_id!r} is being unloaded and takes no new requests", param="model")
         # cached per model (a load fills it): only an id the API has not seen asks the core, once, from this loop
         card = self.card(model_id)
         self.check(card, prompt_ids, params)
@@ -215,6 +227,9 @@ class Engine:
                 stream.finished = True
                 self._close_stream(stream)
                 continue
+            stream.scores.extend(out.scores)
+            if out.prompt_scores is not None:
+                stream.prompt_scores = out.prompt_scores
             if out.tokens:
                 if not stream.generated:
                     self.metrics.first_token.observe(time.perf_counter() - stream.arrived)

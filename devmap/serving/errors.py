@@ -42,6 +42,14 @@ class ShuttingDown(ServiceError):
     kind = "service_unavailable"
 
 
+class ModelUnloading(ServiceError):
+    """The model is being unloaded: it takes no new requests, and those still running when its drain bound ends
+    are ended with this."""
+
+    status = 503
+    kind = "service_unavailable"
+
+
 class GenerationFailed(ServiceError):
     status = 500
     kind = "server_error"

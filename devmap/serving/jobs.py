@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..generation.scores import Score
 from .errors import ServiceError
 from .kv_budget import KVBudget
 
@@ -14,7 +15,8 @@ from .kv_budget import KVBudget
 @dataclass(frozen=True)
 class GenerationParams:
     """What a request asks for: at most `max_new_tokens` tokens (its token budget; HTTP's `max_tokens`), temperature 0
-    is greedy decoding (transformers' tokens)."""
+    is greedy decoding (transformers' tokens). `logprobs`: each new token's log-probability and this many most
+    likely alternatives (None: none); `echo`: the prompt's tokens' log-probabilities too (with `logprobs`)."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -22,12 +24,16 @@ class GenerationParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    echo: bool = False
 
     def batch_key(self) -> tuple:
-        """Requests batch together when they decode the same way (one sampling setting per generate call)."""
+        """Requests batch together when they decode the same way (one sampling setting per generate call) and
+        score the same way (a batch computes log-probabilities for all its rows or none)."""
+        scoring = (self.logprobs, self.echo)
         if self.temperature == 0:
-            return ("greedy",)
-        return ("sample", self.temperature, self.top_p, self.top_k, self.seed)
+            return ("greedy", scoring)
+        return ("sample", self.temperature, self.top_p, self.top_k, self.seed, scoring)
 
 
 @dataclass
@@ -55,6 +61,9 @@ class Job:
     finished: bool = False
     resumed: bool = False  # a batch stopped before it ended, and it waits to continue
     kv_budget: KVBudget | None = None  # the KV cache its model's memory plan made room for (None: unbounded)
+    strikes: int = 0  # steps that failed while its prompt ran in them (the core ends it at two, or one alone)
+    alone: bool = False  # after such a failure it joins only as the one joiner of a step (so a second one is its)
+    prompt_scored: bool = False  # its prompt's log-probabilities were handed back (echo)
 
     @property
     def budget_left(self) -> int:
@@ -72,9 +81,13 @@ class TokenOutput:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: ServiceError | None = None
+    scores: list[Score] = field(default_factory=list)  # each token's, where the request asked for logprobs
+    prompt_scores: list[Score | None] | None = None  # the prompt's (echo; its first token has none), once
 
     def merge(self, later: TokenOutput) -> None:
         """Add a later output of the same request (an API that fell behind reads several steps at once)."""
         self.tokens.extend(later.tokens)
+        self.scores.extend(later.scores)
+        self.prompt_scores = self.prompt_scores if later.prompt_scores is None else later.prompt_scores
         self.finish_reason = later.finish_reason or self.finish_reason
         self.error = later.error or self.error

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ServiceError
+from .jobs import GenerationParams
 from .scheduler import SchedulerLimits
+
+SEEDS = (-(1 << 63), (1 << 64) - 1)  # the seeds torch's generators take
+MAX_LOGPROBS = 20  # the most alternatives a token's score lists (OpenAI's top_logprobs bound)
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,7 @@ class EngineLimits:
     max_new_tokens: int = 1024  # the largest token budget a request may ask for (HTTP's max_tokens)
     request_timeout: float = 600.0
     idle_timeout: float | None = None  # unload models unused this long (seconds)
+    unload_drain: float = 30.0  # an unloaded model's running requests may finish within this long (seconds)
     lanes: int | None = None
     compile: bool | None = None  # compiled decode steps: None where they win (devmap.serving.warm_up), or on/off
     riding: bool | None = None  # joiners ride the decode steps: None where it pays (mixed_joins.rides_by_default)
@@ -41,9 +46,11 @@ class EngineLimits:
         return SchedulerLimits(self.max_batch, self.batch_wait, self.max_batch_wait, self.length_bucket,
                                self.join_wait, self.join_tokens, self.preempt_after)
 
-    def check_request(self, prompt_tokens: int, max_new_tokens: int, context: int) -> None:
-        """Refuse a request these limits or its model's `context` (0: unbounded) do not allow: a ServiceError (400)
-        naming the field as HTTP does (max_tokens is the token budget)."""
+    def check_request(self, prompt_ids: list[int], params: GenerationParams, context: int, vocab_size: int) -> None:
+        """Refuse a request these limits or its model do not allow: a ServiceError (400) naming the field as HTTP
+        does (max_tokens is the token budget). The model: its `context` (0: unbounded) and `vocab_size` (its prompt's
+        token ids are below it). Every value that reaches a tensor is checked here, before the request is queued."""
+        prompt_tokens, max_new_tokens = len(prompt_ids), params.max_new_tokens
         if not prompt_tokens:
             raise ServiceError("the prompt is empty", param="prompt")
         if prompt_tokens > self.max_prompt_tokens:
@@ -55,3 +62,12 @@ class EngineLimits:
         if context and prompt_tokens + max_new_tokens > context:
             raise ServiceError(f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_new_tokens}) is "
                                f"more than the model's context of {context} tokens", param="max_tokens")
+        bad = next((i for i in prompt_ids if not 0 <= i < vocab_size), None) if vocab_size else None
+        if bad is not None:
+            raise ServiceError(f"the prompt's token id {bad} is outside the model's vocabulary: ids are 0 to "
+                               f"{vocab_size - 1}", param="prompt")
+        if params.seed is not None and not SEEDS[0] <= params.seed <= SEEDS[1]:
+            raise ServiceError(f"seed must be between {SEEDS[0]} and {SEEDS[1]}, got {params.seed}", param="seed")
+        if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+            raise ServiceError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {params.logprobs}",
+                               param="logprobs")

@@ -1,4 +1,8 @@
-"""OpenAI-compatible request bodies (validated by pydantic) and the response and error bodies built from them."""
+"""OpenAI-compatible request bodies (validated by pydantic) and the response and error bodies built from them.
+
+Nothing a client asks for is dropped silently: a field devmap implements is honoured, a field that changes nothing
+here is accepted (`IGNORED`), and any other field is refused with 400 naming it, unless it carries its neutral value
+(`NEUTRAL`: a penalty of 0, no tools, a text response format). docs/serving.md has the table."""
 
 from __future__ import annotations
 
@@ -6,15 +10,24 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .errors import ServiceError
 from .jobs import GenerationParams
+from .limits import MAX_LOGPROBS, SEEDS
 
 MAX_STOPS = 4  # OpenAI's limit on `stop` sequences
+IGNORED = frozenset({"user", "store", "metadata", "service_tier", "stream_options", "parallel_tool_calls",
+                     "prompt_cache_key", "safety_identifier"})  # they change nothing a model generates here
+NEUTRAL: dict[str, tuple[Any, ...]] = {  # values of unsupported fields that ask for nothing
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},), "best_of": (1,), "suffix": ("",), "modalities": (["text"],),
+}
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI fields devmap does not use (user, logit_bias...) pass
+    model_config = ConfigDict(extra="allow")  # checked against IGNORED and NEUTRAL below
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -24,7 +37,16 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1, le=1, description="devmap returns one choice per request")
     stream: bool = False
     stop: Union[str, list[str], None] = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEEDS[0], le=SEEDS[1])
+
+    @model_validator(mode="after")
+    def nothing_dropped(self) -> Any:
+        for name, value in (self.model_extra or {}).items():
+            if value is None or name in IGNORED or value in NEUTRAL.get(name, ()):
+                continue
+            raise ServiceError(f"{name} is not supported by devmap serve (docs/serving.md lists what is); send the "
+                               "request without it", param=name)
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -37,25 +59,35 @@ class _Request(BaseModel):
         """The request's token budget as sent (None: the service's default)."""
         return self.max_tokens
 
+    def scores(self) -> tuple[int | None, bool]:
+        """(alternatives per token's score, or None for no scores; whether the prompt is scored too)."""
+        return None, False
+
     def params(self, default_budget: int = 16) -> GenerationParams:
         """The generation parameters below HTTP: `max_tokens` becomes the token budget `max_new_tokens`."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logprobs, echo = self.scores()
         return GenerationParams(max_new_tokens=self.budget() or default_budget, temperature=self.temperature,
                                 top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                stop=tuple(s for s in stops if s))
+                                stop=tuple(s for s in stops if s), logprobs=logprobs, echo=echo)
 
 
 class CompletionRequest(_Request):
-    prompt: Union[str, list[int], list[str]]
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
     def one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], str):
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             if len(value) != 1:
                 raise ValueError("send one prompt per request (a list of several prompts is not supported)")
             return value[0]
         return value
+
+    def scores(self) -> tuple[int | None, bool]:
+        return self.logprobs, self.echo and self.logprobs is not None
 
 
 class ChatMessage(BaseModel):
@@ -64,15 +96,34 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
 
+    @field_validator("content")
+    @classmethod
+    def text_parts_only(cls, value: Any) -> Any:
+        for part in value if isinstance(value, list) else ():
+            if part.get("type") != "text":
+                raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text only)")
+        return value
+
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: only text parts carry meaning here
-            return "".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
+        if isinstance(self.content, list):
+            return "".join(str(part.get("text", "")) for part in self.content)
         return self.content or ""
 
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def top_needs_logprobs(self) -> Any:
+        if self.top_logprobs and not self.logprobs:
+            raise ServiceError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
+
+    def scores(self) -> tuple[int | None, bool]:
+        return (self.top_logprobs or 0) if self.logprobs else None, False
 
     def budget(self) -> int | None:
         """`max_tokens`, or the newer `max_completion_tokens` when only that is sent."""
@@ -97,24 +148,25 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def completion_body(request_id: str, model: str, text: str, finish: str | None, usage: dict | None) -> dict:
+def completion_body(request_id: str, model: str, text: str, finish: str | None, usage: dict | None,
+                    logprobs: dict | None = None) -> dict:
     body = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
     if usage is not None:
         body["usage"] = usage
     return body
 
 
-def chat_body(request_id: str, model: str, text: str, finish: str, usage: dict) -> dict:
+def chat_body(request_id: str, model: str, text: str, finish: str, usage: dict, logprobs: dict | None = None) -> dict:
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                         "logprobs": None}],
+                         "logprobs": logprobs}],
             "usage": usage}
 
 
-def chat_chunk(request_id: str, model: str, delta: dict, finish: str | None) -> dict:
+def chat_chunk(request_id: str, model: str, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
     return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:

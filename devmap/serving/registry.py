@@ -14,7 +14,6 @@ import gc
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -25,57 +24,13 @@ from ..errors import DevmapError, DoesNotFitError
 from ..planning.budget import resolve_budget
 from ..planning.devices import DeviceKey
 from ..planning.quantization import Quantization
-from .errors import DoesNotFit, ModelNotFound, ServiceError
-from .kv_budget import KVBudget
+from .errors import DoesNotFit, ModelNotFound, ModelUnloading, ServiceError
 from .limits import EngineLimits
-from .scheduler import BatchShape
+from .resident import ResidentModel
 
 log = logging.getLogger("devmap.serving")
 
-
-@dataclass
-class ResidentModel:
-    """A model on its devices with its tokenizer; `busy` is held while a batch runs on it."""
-
-    id: str
-    path: Path
-    model: nn.Module
-    tokenizer: Any
-    created: int
-    context: int
-    planned: dict[DeviceKey, int]  # bytes per device (weights, KV cache, activations) at its largest batch
-    report: dict[str, Any]
-    max_rows: int = 1  # rows its memory plan fits at `cache_len` (the service's max_batch at most); batches of
-    # shorter caches hold more rows in the same KV tokens (`kv_budget`)
-    cache_len: int = 0  # cache tokens per row its plan made room for
-    compiled: bool = False  # its decode steps run as torch.compile code (devmap.serving.warm_up)
-    eos_ids: tuple[int, ...] = ()  # tokens that end a request (the model's generation config and its tokenizer)
-    last_used: float = field(default_factory=time.monotonic)
-    busy: threading.Lock = field(default_factory=threading.Lock)
-    batch_shape: BatchShape = field(default_factory=BatchShape)  # the largest continuous batch so far: later
-    # ones reuse its shape (and its captured steps)
-
-    @property
-    def kv_budget(self) -> KVBudget:
-        """The KV cache its plan made room for: `max_rows` rows of `cache_len` tokens, or more rows of shorter
-        caches."""
-        return KVBudget(self.max_rows, self.cache_len)
-
-    @property
-    def kv_room(self) -> int:
-        """Bytes its plan made room for in KV caches (all devices): its batches' kept caches stay within them."""
-        from ..planning.runtime_memory import layer_kv_bytes
-
-        config = self.model.config
-        dtype = self.model.get_input_embeddings().weight.dtype
-        return config.num_hidden_layers * layer_kv_bytes(config, dtype, self.max_rows, self.cache_len)
-
-    def describe(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "model", "created": self.created, "owned_by": "devmap",
-                "path": str(self.path), "context_length": self.context, "max_batch": self.max_rows,
-                "cache_tokens_per_row": self.cache_len, "kv_cache_tokens": self.kv_budget.tokens,
-                "compiled": self.compiled,
-                "device_map": {k: str(v) for k, v in self.model.hf_device_map.items()}}
+UNLOAD_GRACE = 60.0  # seconds an unload waits past its drain bound for the step in flight (a cold compile's)
 
 
 class ModelRegistry:
@@ -146,14 +101,22 @@ class ModelRegistry:
             report = model.devmap_load_report.to_dict()
             resident = ResidentModel(
                 id=model_id, path=path, model=model, tokenizer=tokenizer, created=int(time.time()),
-                context=context, planned={usage.key: usage.total for usage in model.devmap_plan.devices.values()},
+                context=context, vocab_size=model.get_input_embeddings().num_embeddings,
+                planned={usage.key: usage.total for usage in model.devmap_plan.devices.values()},
                 report=report, max_rows=rows, cache_len=cache_len, compiled=compiled,
                 eos_ids=end_of_sequence_ids(model, tokenizer),
             )
-            with self._lock:
-                self._models[model_id] = resident
+            self.add(resident)
             _freeze_survivors()
             return resident
+
+    def add(self, resident: ResidentModel) -> None:
+        """Make a model resident (one `load` made, or a caller's own) under its id."""
+        with self._lock:
+            if resident.id in self._models:
+                raise ServiceError(f"model {resident.id!r} is already loaded; unload it first or pick another id",
+                                   param="id")
+            self._models[resident.id] = resident
 
     def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> tuple[int, int, Any]:
         """(rows, cache tokens per row, workload) of the largest batch the model will run within `budget`."""
@@ -188,24 +151,49 @@ class ModelRegistry:
         return left
 
     def get(self, model_id: str) -> ResidentModel:
+        """The resident model for new work (404 if none, 503 while it is being unloaded)."""
+        resident = self.serving(model_id)
+        if resident.unload_at is not None:
+            raise ModelUnloading(f"model {model_id!r} is being unloaded and takes no new requests", param="model")
+        return resident
+
+    def serving(self, model_id: str) -> ResidentModel:
+        """The resident model for requests it took before an unload began, until the unload's drain bound."""
         with self._lock:
             resident = self._models.get(model_id)
         if resident is None:
             raise ModelNotFound(f"model {model_id!r} is not loaded; GET /v1/models lists the loaded ones",
                                 param="model")
+        if resident.drained():
+            raise ModelUnloading(f"model {model_id!r} was unloaded before this request started", param="model")
         return resident
 
     def all(self) -> list[ResidentModel]:
         with self._lock:
             return list(self._models.values())
 
-    def unload(self, model_id: str) -> None:
-        """Drop the model (after any batch running on it) and free its device memory."""
-        resident = self.get(model_id)
-        with resident.busy:
+    def unload(self, model_id: str, drain: float = 0.0) -> None:
+        """Drop the model and free its device memory: from now on it takes no new requests (503), those it took may
+        run for up to `drain` seconds (the engine ends the rest then), and this returns once none runs."""
+        with self._lock:
+            resident = self._models.get(model_id)
+            if resident is None:
+                raise ModelNotFound(f"model {model_id!r} is not loaded; GET /v1/models lists the loaded ones",
+                                    param="model")
+            if resident.unload_at is None:  # a second unload keeps the first one's bound
+                resident.unload_at = time.monotonic() + drain
+            wait = max(resident.unload_at - time.monotonic(), 0.0) + UNLOAD_GRACE
+        if not resident.busy.acquire(timeout=wait):  # the engine ends its batch at its next step past the bound
+            raise ServiceError(f"model {model_id!r} is still running a step {UNLOAD_GRACE:g} s past its drain bound; "
+                               "it takes no new requests, try the unload again")
+        try:
             with self._lock:
-                self._models.pop(model_id, None)
+                if self._models.get(model_id) is not resident:  # another unload freed it meanwhile
+                    return
+                del self._models[model_id]
             _free(resident.model)
+        finally:
+            resident.busy.release()
         del resident
         gc.unfreeze()  # the model's objects were frozen at its load: cycles among them are garbage only now
         _freeze_survivors()

@@ -11,7 +11,9 @@ clock, so the policy is tested without a model (`tests/serving/test_scheduler.py
 
 One batching mode: continuous batches. Greedy and unseeded sampled requests join a running batch of the same model
 and sampling; a seeded batch takes no joiners and never stops early (a request's tokens then depend only on the
-requests it started with).
+requests it started with), nor does a batch of requests that asked for their prompts' scores (they are scored before
+the batch starts). A request that was among several joiners of a failed step joins alone from then on: it starts a
+batch alone, and is the one joiner of its step (`batch_run`).
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ def key_of(job: Job) -> Hashable:
 
 
 def takes_joiners(job: Job) -> bool:
-    """Seeded sampling admits no joiners: a request's tokens then depend only on the batch it started in."""
-    return job.params.temperature == 0 or job.params.seed is None
+    """Seeded sampling admits no joiners (a request's tokens then depend only on the batch it started in), nor do
+    requests whose prompts are scored (echo), which happens before their batch starts."""
+    return (job.params.temperature == 0 or job.params.seed is None) and not job.params.echo
 
 
 def most_rows(job: Job, limits: SchedulerLimits, cache_len: int | None = None) -> int:
@@ -117,27 +120,37 @@ def batch_shape(jobs: list[Job], limits: SchedulerLimits, context: int, kept: Ba
                 takes_joiners: bool = True) -> BatchShape:
     """The shape of a batch starting with `jobs` on a model of `context` tokens (0: unbounded) whose largest shape so
     far is `kept`: rows a power of two (at least MIN_ROWS when it takes joiners), as many as the model's KV budget holds
-    at that cache length at most (the engine starts the first `rows` of `jobs`); decoding from a slot past the longest
-    prompt plus max_new_tokens (so that a stopped request continuing from its tokens so far still fits), in multiples of
-    `length_bucket`; a cache of that plus the largest budget (its columns wrap around), in multiples of CACHE_BUCKET,
-    within the context. A batch that takes joiners never shrinks below `kept`: a service settles on one shape, whose
-    steps are captured once and replayed. A seeded batch's rows depend on its requests alone (the sampled tokens depend
-    on the rows)."""
+    at that cache length at most (the engine starts the first `rows` of `jobs`).
+
+    A row holds its request's tokens so far and the tokens it may still generate: `columns(job)` cache columns. The
+    cache holds every starting row's columns, and is never longer than the context (a request admitted with prompt +
+    max_tokens within the context always fits, however many tokens it had before its batch stopped). Within that, the
+    shape leaves room for joiners as large as the starting requests were when they came: the lanes decode from a slot
+    past the longest prompt plus max_new_tokens (so that a stopped request continuing from its tokens so far still
+    fits), in multiples of `length_bucket`, with a cache of that plus the largest budget (its columns wrap around),
+    in multiples of CACHE_BUCKET; where the context cuts that short, the slot moves back (never before the longest
+    row's tokens) until the largest budget left fits a joiner. A batch that takes joiners never shrinks below `kept`:
+    a service settles on one shape, whose steps are captured once and replayed. A seeded batch's rows depend on its
+    requests alone (the sampled tokens depend on the rows)."""
     longest = max(len(j.prompt_ids) + len(j.generated) for j in jobs)
     longest_budget = max(j.budget_left for j in jobs)
     span = max(j.params.max_new_tokens for j in jobs)
     fresh = max(len(j.prompt_ids) for j in jobs) + span - 1
     slot = max(round_up(max(longest, fresh), limits.length_bucket), kept.first_slot)
-    cache = max(round_up(slot + span, CACHE_BUCKET), kept.cache_len)
+    cache = max(round_up(slot + span, CACHE_BUCKET), kept.cache_len, max(columns(j) for j in jobs))
     if context:
         cache = min(cache, context)
-        if longest_budget > cache - slot + 1:  # the buckets never cost a request its tokens (the engine's check
-            slot = longest  # fits it)
-    cache = max(cache, slot + longest_budget - 1)
+        slot = max(longest, min(slot, cache - longest_budget + 1))
     fewest = 1 << (len(jobs) - 1).bit_length()
     most = most_rows(jobs[0], limits, cache)
     rows = min(most, max(MIN_ROWS, fewest, kept.rows)) if takes_joiners else min(fewest, most)
     return BatchShape(rows, slot, cache)
+
+
+def columns(job: Job) -> int:
+    """The cache columns a request's row needs from now on: its tokens so far and the tokens it may still generate
+    (the last of which is never written back)."""
+    return len(job.prompt_ids) + len(job.generated) + job.budget_left - 1
 
 
 def largest_cache(limits: SchedulerLimits, max_prompt_tokens: int, max_new_tokens: int, context: int) -> int:
@@ -197,7 +210,7 @@ class Scheduler:
         first = live[0]
         key = key_of(first)
         most = most_rows(first, self.limits)
-        same = [j for j in live if key_of(j) == key][:most]
+        same = [first] if first.alone else [j for j in live if key_of(j) == key and not j.alone][:most]
         latest = max(first.arrived, last_done) + self.limits.max_batch_wait
         quiet = max(j.arrived for j in live) + self.limits.batch_wait
         if any(j.resumed for j in live) or len(same) >= most or now >= min(latest, quiet):
@@ -234,13 +247,15 @@ class Scheduler:
         tokens = 0
         most = batch.shape.cache_len - batch.shape.first_slot + 1
         for job in live:
+            if chosen and chosen[0].alone:  # the one joiner of its step
+                break
             is_same = key_of(job) == batch.key
             if is_same and job.budget_left > most:
                 return Admission([], stop=True)  # it never fits this batch's cache: a new batch, now
             length = len(job.prompt_ids) + len(job.generated)
             fits = length <= batch.shape.first_slot
-            if is_same and fits and len(chosen) < free and (not chosen or batch.riding
-                                                             or tokens + length <= limits.join_tokens):
+            if is_same and fits and len(chosen) < free and (not chosen or not job.alone) and (
+                    not chosen or batch.riding or tokens + length <= limits.join_tokens):
                 chosen.append(job)
                 tokens += length
                 continue
@@ -255,7 +270,7 @@ class Scheduler:
                 return Admission([], stop=True)
         taken = {id(j) for j in chosen}
         full = len(chosen) == free or any(id(j) not in taken for j in same)
-        if (chosen and not full and not batch.riding and free < rows
+        if (chosen and not full and not batch.riding and free < rows and not chosen[0].alone
                 and now - min(j.waiting_since for j in chosen) < limits.join_wait):
             # a little longer for more of them: one prefill for all (its cost hardly depends on rows)
             return Admission([])

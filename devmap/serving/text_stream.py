@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..generation.scores import Score
 from .jobs import GenerationParams
 
 
@@ -33,6 +34,9 @@ class RequestStream:
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
     stopped: bool = False  # a stop string ended it
+    scores: list[Score] = field(default_factory=list)  # each generated token's (where it asked for logprobs)
+    prompt_scores: list[Score | None] | None = None  # its prompt's tokens' (echo with logprobs)
+    scores_sent: int = 0  # scores a stream's chunks carried so far
 
     def emit(self, *event: Any) -> None:
         self.events.put_nowait(event)

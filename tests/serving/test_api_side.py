@@ -37,7 +37,7 @@ class StandInCore:
         self.aborted.append(request_id)
 
     def card(self, model_id: str) -> ModelCard:
-        return ModelCard(model_id, Path("."), 0, self.tokenizer)
+        return ModelCard(model_id, Path("."), 0, 0, self.tokenizer)
 
     def forget(self, model_id: str) -> None:
         pass
