@@ -55,6 +55,9 @@ from .options import load_options
               help="Seconds before a request is given up (504).")
 @click.option("--idle-timeout", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Unload a model unused for this many seconds.")
+@click.option("--unload-drain", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds an unloaded model's running requests may still take (DELETE /v1/models/{id} refuses new "
+                   "ones at once); those left then end with a 503.")
 @click.option("--lanes", default=None, type=click.IntRange(min=1), help="Micro-batches in flight (default: stages).")
 @click.option("--compile/--no-compile", "compile_steps", default=None,
               help="torch.compile each model's decode and prefill steps (fused kernels, one compile for all shapes, at "
@@ -69,7 +72,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
           max_batch_wait_ms: float, join_wait_ms: float, join_tokens: int, riding: bool | None,
           preempt_after_ms: float, max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
-          lanes: int | None, compile_steps: bool | None, log_level: str) -> None:
+          unload_drain: float, lanes: int | None, compile_steps: bool | None, log_level: str) -> None:
     """Serve models on their devices over an OpenAI-compatible HTTP API.
 
     Loads MODEL_DIR... (ids: their directory names) and serves them until SIGTERM or Ctrl-C.
@@ -96,7 +99,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
                           join_wait=join_wait_ms / 1000, join_tokens=join_tokens, riding=riding,
                           preempt_after=preempt_after_ms / 1000, max_prompt_tokens=max_prompt_tokens,
                           max_new_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
-                          lanes=lanes, compile=compile_steps)
+                          unload_drain=unload_drain, lanes=lanes, compile=compile_steps)
     # the models and the loop that batches them run in a process of their own (the engine core); this one answers
     # HTTP, tokenizes and detokenizes, so that no request's Python work holds the loop that issues the GPUs' work
     engine = Engine.spawned(RegistrySettings(model_root, device_map, max_memory, dtype, quantize), limits,

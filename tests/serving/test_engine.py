@@ -375,3 +375,84 @@ def test_a_seeded_request_gives_the_same_text_whatever_ran_before(registry):
     finally:
         engine.close(timeout=60)
     assert first == again
+
+
+def test_two_waves_of_short_requests_with_large_budgets_all_finish(model_root):
+    """16 requests of 3 tokens and max_tokens 200 on a 256-token model, then 48 more once the first are 60 tokens
+    in: the first batch stops to grow and resumes with rows of several lengths so far; every request finishes."""
+    registry = ModelRegistry(model_root, "auto", "cpu=2GB")
+    limits = EngineLimits(max_prompt_tokens=64, max_new_tokens=200, request_timeout=120)
+    engine = Engine(registry, limits)
+    registry.load(model_root / "tiny", model_id="waves")
+    engine.start()
+
+    async def waves() -> list:
+        greedy = GenerationParams(max_new_tokens=200, temperature=0)
+        first = [engine.submit("waves", [5, 6, 7], greedy) for _ in range(16)]
+        texts = [asyncio.ensure_future(_text(engine, job)) for job in first]
+        while len(first[0].generated) < 60:
+            await asyncio.sleep(0.005)
+        second = [asyncio.ensure_future(engine.complete("waves", [8, 9, 10], greedy)) for _ in range(48)]
+        rest = await asyncio.gather(*texts, *second, return_exceptions=True)
+        return rest
+
+    try:
+        done = asyncio.run(waves())
+    finally:
+        engine.close(timeout=60)
+    assert [d for d in done if isinstance(d, Exception)] == []
+    assert engine.core.core.metrics.preemptions._value.get() >= 1
+
+
+async def _text(engine, job) -> str:
+    return "".join([piece async for piece in engine.stream(job)])
+
+
+def test_a_request_whose_step_fails_fails_alone_and_the_batch_keeps_its_answers(registry, monkeypatch):
+    """A request whose prompt makes the model raise while it joins a running batch (injected: the embedding fails
+    on one token id) gets a 500 naming the cause; the requests running beside it answer as devmap.generate does."""
+    import torch
+
+    import devmap
+    from devmap.serving.errors import GenerationFailed
+
+    resident = registry.get("tiny")
+    eos = list(resident.eos_ids)
+    poison = 499
+    embedding = resident.model.get_input_embeddings()
+    attribute = "_old_forward" if hasattr(embedding, "_old_forward") else "forward"  # past accelerate's hook
+    forward = getattr(embedding, attribute)
+
+    def failing(ids):
+        if bool((ids == poison).any()):
+            raise IndexError("index out of range in self")
+        return forward(ids)
+
+    prompts = [[5 + 17 * i % 300, 6, 7, 9] for i in range(4)]
+
+    def alone(ids: list[int], new: int) -> str:
+        out = devmap.generate(resident.model, torch.tensor([ids]), max_new_tokens=new, eos_token_id=eos,
+                              pad_token_id=eos[0])[0, len(ids):].tolist()
+        return resident.tokenizer.decode([t for t in out[:next((k for k, t in enumerate(out) if t in eos), len(out))]],
+                                         skip_special_tokens=True)
+
+    expected = [alone(p, 80) for p in prompts]
+    monkeypatch.setattr(embedding, attribute, failing)
+    engine = Engine(registry, EngineLimits(max_batch=8, request_timeout=120))
+    engine.start()
+
+    async def run() -> tuple:
+        greedy = GenerationParams(max_new_tokens=80, temperature=0)
+        jobs = [engine.submit("tiny", p, greedy) for p in prompts]
+        texts = [asyncio.ensure_future(_text(engine, job)) for job in jobs]
+        while len(jobs[0].generated) < 10:  # the batch runs: the failing request joins it
+            await asyncio.sleep(0.005)
+        bad = await asyncio.gather(engine.complete("tiny", [5, poison, 6], greedy), return_exceptions=True)
+        return await asyncio.gather(*texts), bad[0]
+
+    try:
+        texts, bad = asyncio.run(run())
+    finally:
+        engine.close(timeout=60)
+    assert isinstance(bad, GenerationFailed) and bad.status == 500 and "IndexError" in bad.message
+    assert texts == expected

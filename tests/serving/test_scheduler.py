@@ -165,7 +165,7 @@ def test_any_requests_fit_the_shape_they_get():
         for j in jobs:
             length = len(j.prompt_ids) + len(j.generated)
             assert length <= shape.first_slot and j.budget_left <= shape.cache_len - length + 1
-        assert not context or shape.cache_len <= max(context, shape.first_slot + max(j.budget_left for j in jobs) - 1)
+        assert shape.first_slot <= shape.cache_len and (not context or shape.cache_len <= context)
         assert min(len(jobs), LIMITS.max_batch) <= shape.rows <= LIMITS.max_batch
 
     check()
@@ -189,3 +189,57 @@ def test_a_kv_budget_holds_more_rows_of_shorter_caches():
     s = scheduler(*many[2:4])
     assert not s.admit(RunningBatch(key_of(many[0]), BatchShape(2, 384, 512), True), free=0, now=1.0).stop
     assert s.admit(RunningBatch(key_of(many[0]), BatchShape(4, 32, 128), True), free=0, now=1.0).stop
+
+
+def test_the_join_token_limit_holds_at_its_boundary():
+    """join_tokens=20: a first joiner of 8 tokens and a second of 12 make exactly 20 and join together; a second of
+    13 waits for the next step."""
+    first = job(0.0)
+    exact = [job(1.0, prompt=8), job(1.0, prompt=12)]
+    assert scheduler(*exact).admit(running(first), free=3, now=2.0).joining == exact
+    over = [job(1.0, prompt=8), job(1.0, prompt=13)]
+    assert scheduler(*over).admit(running(first), free=3, now=2.0).joining == over[:1]
+
+
+def test_a_request_that_exactly_fits_the_cache_joins_and_one_token_more_stops_the_batch():
+    """A batch decoding from slot 32 with a cache of 128 holds 128 - 32 + 1 = 97 new tokens for any prompt that fits
+    its slot: a budget of 97 joins, 98 never fits (the batch stops at once, so that a new one holds it)."""
+    first = job(0.0)
+    fits = job(1.0, prompt=32, params=GenerationParams(max_new_tokens=97, temperature=0))
+    assert scheduler(fits).admit(running(first, slot=32, cache=128), free=2, now=2.0).joining == [fits]
+    longer = job(1.0, prompt=33, params=GenerationParams(max_new_tokens=8, temperature=0))
+    assert scheduler(longer).admit(running(first, slot=32, cache=128), free=2, now=1.0) == Admission([])
+    never = job(1.0, prompt=4, params=GenerationParams(max_new_tokens=98, temperature=0))
+    assert scheduler(never).admit(running(first, slot=32, cache=128), free=2, now=1.0).stop
+
+
+def test_a_shape_at_the_context_holds_a_request_of_exactly_the_context():
+    """prompt + max_tokens == the context is admitted at the door, so its batch holds it (its last token is never
+    written back), after any number of tokens it had before its batch stopped."""
+    for done in (0, 1, 50, 99):
+        j = job(0.0, prompt=156, params=GenerationParams(max_new_tokens=100, temperature=0))
+        j.generated = [7] * done
+        other = job(0.0, prompt=3, params=GenerationParams(max_new_tokens=200, temperature=0))
+        shape = batch_shape([j, other], LIMITS, context=256, kept=BatchShape())
+        assert shape.cache_len <= 256
+        for each in (j, other):
+            length = len(each.prompt_ids) + len(each.generated)
+            assert length <= shape.first_slot and each.budget_left <= shape.cache_len - length + 1
+
+
+def test_a_request_of_a_failed_step_starts_and_joins_alone():
+    first = job(0.0)
+    suspect, other = job(1.0), job(1.0)
+    suspect.alone = True
+    started = scheduler(suspect, other).start(9.0, last_done=0.0)
+    assert isinstance(started, Start) and started.jobs == [suspect]
+    assert scheduler(other, suspect).start(9.0, last_done=0.0).jobs == [other]  # nobody starts with it
+    assert scheduler(suspect, other).admit(running(first), free=3, now=2.0).joining == [suspect]
+    assert scheduler(other, suspect).admit(running(first), free=3, now=2.0).joining == [other]
+
+
+def test_requests_whose_prompts_are_scored_take_no_joiners():
+    echo = GenerationParams(max_new_tokens=8, temperature=0, logprobs=1, echo=True)
+    started = scheduler(job(1.0, params=echo), job(1.0, params=echo)).start(9.0, last_done=0.0)
+    assert isinstance(started, Start) and not started.takes_joiners and len(started.jobs) == 2
+    assert key_of(job(1.0, params=echo)) != key_of(job(1.0))  # nor do they join a batch of unscored requests
