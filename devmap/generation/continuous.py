@@ -20,7 +20,7 @@ from .causal_lm import CausalLMStages
 from ..errors import UsageError
 from ..planning.runtime_memory import layer_kv_bytes
 from .continuous_rows import ContinuousBatch
-from .row_types import Row, SlotRequest
+from .row_types import Row, SlotRequest, StepFailed
 from .lane_runner import LaneRunner, place_lanes, split_lanes
 from .mixed_joins import rides_by_default
 from .sampling import Sampling
@@ -143,8 +143,11 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
 
         joining: list[SlotRequest] | None = first
         while True:
-            if not batch.step(joining):
-                break
+            try:
+                if not batch.step(joining):
+                    break
+            except StepFailed as failed:  # a caller of this function gets the error itself
+                raise failed.cause from None
             hand_back(batch.collect())
             joining = admit(len(batch.free_rows()), batch.longest_prompt, batch.most_new_tokens)
             if joining is None:

@@ -185,6 +185,7 @@ class EngineCore:
         failing a second time, or one that joined alone) ends with the reason, several each join alone from now on
         (so that the next failure names its request); the others continue in the next batch from the tokens they
         got. A failure with no suspect (a step of rows that had run before, or the batch's start) ends them all."""
+        self.metrics.failed_steps.inc()
         suspects = {id(owner) for owner in failure.owners} if isinstance(failure, StepFailed) else set()
         cause = failure.cause if isinstance(failure, StepFailed) else failure
         log.error("a step failed (%s: %s); %d of its %d requests ran their prompts in it", type(cause).__name__,

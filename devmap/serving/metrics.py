@@ -55,6 +55,8 @@ class EngineMetrics:
                                       "schedule (the queue and the scheduler), idle (every row free, waiting for "
                                       "requests)", ["phase"], registry=r)
         self.decode_steps = Counter("devmap_decode_steps", "Decode steps issued by continuous batches", registry=r)
+        self.failed_steps = Counter("devmap_failed_steps", "Steps (or batch starts) that failed: the requests whose "
+                                    "prompts ran in them ended or joined alone, the others continued", registry=r)
         self.joined = Counter("devmap_joined_requests", "Requests that took a free row of a running batch "
                               "(continuous batching)", registry=r)
         self.gc_pauses = Histogram("devmap_gc_pause_seconds", "Python garbage collections in the engine core's "
