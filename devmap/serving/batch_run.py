@@ -71,10 +71,10 @@ class ModelBatches:
 @dataclass
 class Outcome:
     """How a batch ended: `left`, the unfinished requests of a batch the scheduler stopped (they continue later);
-    `failure`, what a failed step (or the batch's start) raised."""
+    `failure`, the `StepFailed` of a failed step (a batch that cannot start raises instead)."""
 
     left: list[Job] = field(default_factory=list)
-    failure: BaseException | None = None
+    failure: StepFailed | None = None
 
 
 def failure_for(cause: BaseException) -> ServiceError:
@@ -110,11 +110,7 @@ class BatchRunner:
         outcome = Outcome()
         stopped = False
         self._score_prompts(resident, jobs)
-        try:
-            opened = self.batches.open(resident, shape, sampling, params.logprobs)
-        except Exception as exc:  # the batch could not start: nothing of any request ran
-            return Outcome(failure=exc)
-        with opened as batch:
+        with self.batches.open(resident, shape, sampling, params.logprobs) as batch:  # a start that fails raises
             running.riding = batch.mixing
             joining = [job for job in jobs if not job.finished]
             clock = PhaseClock(self.metrics)

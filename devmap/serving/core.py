@@ -172,8 +172,7 @@ class EngineCore:
                 log.debug("batch stopped for waiting requests: %d continue", len(outcome.left))
             if outcome.failure is not None:
                 self._isolate(jobs, outcome.failure)
-        except Exception as exc:  # the batch failed outside its steps: every request in it gets the reason
-            log.exception("a batch failed")
+        except Exception as exc:  # the batch failed outside its steps (its start): every request gets the reason
             self._isolate(jobs, exc)
         finally:
             self.outputs.flush()
