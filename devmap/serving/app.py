@@ -135,14 +135,18 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
 
 async def _completion_events(engine: Engine, job: RequestStream, request_id: str, model: str, echoed: str,
                              scores: _CompletionScores | None) -> AsyncIterator[dict]:
+    echo = bool(echoed)  # the echoed prompt goes first, once its scores came (with or before the first text)
     try:
-        if echoed:
-            yield completion_body(request_id, model, echoed, None, None, scores and scores.prompt())
         async for piece in engine.stream(job):
+            if echo:
+                echo = False
+                yield completion_body(request_id, model, echoed, None, None, scores and scores.prompt())
             yield completion_body(request_id, model, piece, None, None, scores and scores.new())
     except ServiceError as exc:  # headers are sent: the error goes in the stream, as OpenAI's servers do
         yield error_body(exc.message, exc.kind, exc.param)
         return
+    if echo:
+        yield completion_body(request_id, model, echoed, None, None, scores and scores.prompt())
     yield completion_body(request_id, model, "", job.finish_reason, usage(len(job.prompt_ids), len(job.generated)),
                           scores and scores.new())
 

@@ -155,20 +155,24 @@ def test_completion_logprobs_with_echo_score_the_prompt_as_lm_eval_reads_them(ho
     sums token_logprobs[ctxlen:-1] and checks each against max(top_logprobs)."""
     model, _, _ = tiny
     ids = [1, 15, 27, 9, 88, 140, 7]
-    body = {"model": "tiny", "prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0,
-            "seed": 1234}
-    response = httpx.post(hostile_server + "/v1/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    logprobs = choice["logprobs"]
-    assert len(logprobs["token_logprobs"]) == len(ids) + 1 and logprobs["token_logprobs"][0] is None
+    api = openai.OpenAI(base_url=hostile_server + "/v1", api_key="unused", max_retries=0, timeout=60)
+    choice = api.completions.create(model="tiny", prompt=[ids], echo=True, logprobs=1, max_tokens=1, temperature=0,
+                                    seed=1234).choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.token_logprobs) == len(ids) + 1 and logprobs.token_logprobs[0] is None
     reference = reference_logprobs(model, ids)
     for i in range(1, len(ids)):
-        assert abs(logprobs["token_logprobs"][i] - reference[i - 1, ids[i]].item()) < 1e-3
-        assert abs(max(logprobs["top_logprobs"][i].values()) - reference[i - 1].max().item()) < 1e-3
-    assert abs(logprobs["token_logprobs"][-1] - reference[-1].max().item()) < 1e-3  # the greedy new token
-    assert logprobs["text_offset"] == sorted(logprobs["text_offset"]) and choice["text"].startswith(
-        "".join(logprobs["tokens"][:len(ids)]))
+        assert abs(logprobs.token_logprobs[i] - reference[i - 1, ids[i]].item()) < 1e-3
+        assert abs(max(logprobs.top_logprobs[i].values()) - reference[i - 1].max().item()) < 1e-3
+    assert abs(logprobs.token_logprobs[-1] - reference[-1].max().item()) < 1e-3  # the greedy new token
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    assert choice.text.startswith("".join(logprobs.tokens[:len(ids)]))
+    streamed = api.completions.create(model="tiny", prompt=[ids], echo=True, logprobs=1, max_tokens=4,
+                                      temperature=0, stream=True)
+    scores = [v for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for v in chunk.choices[0].logprobs.token_logprobs]
+    assert scores[0] is None and len(scores) >= len(ids)
+    assert [round(v, 5) for v in scores[1:len(ids)]] == [round(v, 5) for v in logprobs.token_logprobs[1:len(ids)]]
 
 
 def test_an_unload_answers_within_its_drain_bound_while_clients_keep_coming(hostile_server):
