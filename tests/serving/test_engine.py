@@ -72,24 +72,25 @@ def test_the_request_timeout_gives_504_and_closing_refuses_new_work(registry):
 
 
 def test_stop_strings_end_the_text_before_them(registry):
+    """The free text's characters 3-4 as a stop string: the text ends right before their first appearance, with
+    finish_reason "stop"; the stop string is never sent."""
     engine = Engine(registry)
     engine.start()
 
     async def run() -> tuple:
         free = await engine.complete("tiny", [5, 6, 7], GenerationParams(max_new_tokens=12, temperature=0))
-        stop = free.text[3:5] if len(free.text) >= 5 else None
-        stopped = None
-        if stop:
-            stopped = await engine.complete("tiny", [5, 6, 7], GenerationParams(max_new_tokens=12, temperature=0,
-                                                                                 stop=(stop,)))
+        assert len(free.text) >= 5, free  # the tiny model's 12 tokens of text are longer than that
+        stop = free.text[3:5]
+        stopped = await engine.complete("tiny", [5, 6, 7], GenerationParams(max_new_tokens=12, temperature=0,
+                                                                             stop=(stop,)))
         return free, stop, stopped
 
     try:
         free, stop, stopped = asyncio.run(run())
     finally:
         engine.close(timeout=30)
-    if stop:
-        assert stopped.text == free.text[:free.text.find(stop)] and stopped.finish_reason == "stop"
+    assert stopped.text == free.text[:free.text.find(stop)] and stop not in stopped.text
+    assert stopped.finish_reason == "stop" and free.finish_reason in ("stop", "length")
 
 
 def test_idle_models_are_unloaded_and_paths_stay_under_the_root(model_root):
