@@ -88,7 +88,7 @@ def test_recompile_limit_and_the_stance_that_refuses_to_compile():
     double(torch.ones(3))
     with compat.fail_on_recompile():
         double(torch.ones(3))  # compiled already: runs
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError, match="recompile"):
             double(torch.ones(4, 4))  # a new shape would compile: refused
 
 

@@ -146,12 +146,19 @@ def test_bad_arguments():
 
 
 def test_pipeline_is_a_module():
-    pipe = pipeline([(nn.Linear(3, 3), "cpu"), (nn.Dropout(0.5), "cpu")], chunks=2)
+    """Its parameters are its stages', and eval()/train() reach every stage: dropout is off in eval (the output is
+    the linear layer's alone) and on in training."""
+    linear = nn.Linear(3, 3)
+    pipe = pipeline([(linear, "cpu"), (nn.Dropout(0.5), "cpu")], chunks=2)
     assert len(list(pipe.parameters())) == 2
+    x = torch.randn(64, 3)
     pipe.eval()
     assert not pipe.partitions[1].training
-    x = torch.randn(4, 3)
-    torch.testing.assert_close(pipe(x), pipe(x))
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), linear(x))
+        pipe.train()
+        assert pipe.partitions[1].training
+        assert (pipe(x) == 0).any() and not torch.allclose(pipe(x), linear(x))
 
 
 def test_tune_picks_a_candidate_and_keeps_weights():
