@@ -28,8 +28,14 @@ def serving_plan(path, budget, most=LIMITS.max_batch):
 
 
 def row_bytes(path, cache_len=128):
+    """One row's KV cache counted by hand from the config: keys and values (2) of every KV head's head_dim floats
+    (4 bytes) for each cached token, in every layer."""
     config = resolve_source(str(path)).config
-    return config.num_hidden_layers * layer_kv_bytes(config, torch.float32, 1, cache_len)
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_key_value_heads * head_dim * 4
+    assert per_token * cache_len * config.num_hidden_layers == \
+        config.num_hidden_layers * layer_kv_bytes(config, torch.float32, 1, cache_len)  # what the planner counts
+    return config.num_hidden_layers * cache_len * per_token
 
 
 def test_a_load_gets_the_most_rows_its_budget_has_room_for(model_root):
