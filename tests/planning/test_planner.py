@@ -89,6 +89,10 @@ def test_balanced_low_0_uses_gpu_0_unlike_accelerate():
     assert set(theirs.values()) == {1}  # accelerate: everything on GPU 1
     used = gpu_bytes(result)
     assert 0.2 * result.total_bytes < used["cuda:0"] < used["cuda:1"]
+    # GPU 0 takes half of GPU 1's share: a third of the model, within one block (the split's granularity)
+    sizes = module_sizes(result.model, torch.bfloat16)
+    block = max(sizes.get(k, 0) for k in result.device_map)
+    assert abs(used["cuda:0"] - result.total_bytes / 3) <= block
 
 
 def test_sequential_matches_accelerate_when_offloading():
