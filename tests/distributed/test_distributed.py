@@ -275,7 +275,7 @@ def test_a_distributed_run_shows_its_steps_and_a_final_table(tmp_path):
     rank a table of the losses; with --json, one JSON line and no progress."""
     code, seen, _ = devmap_train(*RESNET, "--nproc-per-node", "2", terminal=True)
     assert code == 0, seen
-    assert "train:" in seen and "s/step" in seen, seen  # tqdm's bar on rank 0
+    assert "train:" in seen and ("s/step" in seen or "step/s" in seen), seen  # tqdm's bar on rank 0 (its rate)
     assert "2 ranks, 2 stages, 1f1b" in seen and "step" in seen and "loss" in seen and "seconds" in seen
     code, out, err = devmap_train(*RESNET, "--nproc-per-node", "2", "--json", "--out", str(tmp_path))
     assert code == 0, err
