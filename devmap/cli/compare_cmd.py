@@ -63,7 +63,8 @@ def compare(devices: str | None, batch_size: int, image_size: int, num_batches: 
     """Time ResNet50 on one device, split over two (Model Parallel), and pipelined, as the PyTorch
     model-parallel tutorial does, then sweep the pipeline split size.
 
-    Writes OUT/results.json, mp_vs_rn.png, mp_vs_rn_vs_pp.png and split_size_tradeoff.png.
+    Writes OUT/results.json, mp_vs_rn.png, mp_vs_rn_vs_pp.png, split_size_tradeoff.png and, with devmap's
+    pipeline in the comparison (the default), mp_vs_rn_vs_pp_vs_devmap.png.
     Defaults are the tutorial's: 3 batches of 120 images of 3x128x128, timeit repeat=10, number=1.
     """
     import sys

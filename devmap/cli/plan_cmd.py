@@ -128,7 +128,8 @@ def render_plan(result) -> str:  # type: ignore[no-untyped-def]
     if result.workload is not None:
         w = result.workload
         shape = f"{w.batch} × {w.seq_len} tokens" if w.seq_len else f"{w.batch} × {'x'.join(map(str, w.input_shape))}"
-        lines.append(f"For {w.kind}: {shape}, {w.chunks} {'lanes' if w.seq_len and w.kind != 'train' else 'chunks'}"
+        unit = "lane" if w.seq_len and w.kind != "train" else "chunk"
+        lines.append(f"For {w.kind}: {shape}, {w.chunks} {unit}{'' if w.chunks == 1 else 's'}"
                      + (f", {w.optimizer}" if w.kind == "train" else "")
                      + "; runtime bytes measured on the meta device")
         rows = [[name, len(u.modules), format_bytes(u.bytes), format_bytes(u.kv_cache_bytes),
