@@ -86,4 +86,12 @@ def generate(source: str, device_map: str, max_memory: str | None, dtype: str | 
     click.echo(f"{source}: batch {batch_size}, prompt {input_ids.shape[1]}, {new} new tokens in {seconds:.2f} s "
                f"= {data['new_tokens_per_s']:.0f} new tokens/s ({which})")
     if "text" in data:
-        click.echo(data["text"])
+        click.echo(shown(data["text"]))
+
+
+def shown(text: str) -> str:
+    """The text as a terminal should show it: control characters other than newlines and tabs written as escapes
+    (a random-weight model's tokens are often carriage returns, which would hide the line they end)."""
+    import unicodedata
+
+    return "".join(c if c in "\n\t" or unicodedata.category(c)[0] != "C" else repr(c)[1:-1] for c in text)

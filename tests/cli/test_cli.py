@@ -99,3 +99,9 @@ def test_bad_config_json_from_cli(tmp_path):
     (tmp_path / "config.json").write_text("{oops")
     code, out = run("plan", str(tmp_path), "--gpus", "1", "--gpu-memory", "1GiB")
     assert code == 2 and "not valid JSON" in out
+
+
+def test_generated_text_shows_control_characters_as_escapes():
+    from devmap.cli.generate_cmd import shown
+
+    assert shown("Hello\r\x00 wörld\n\tok\x1b[31m") == "Hello\\r\\x00 wörld\n\tok\\x1b[31m"
