@@ -59,7 +59,10 @@ def load(source: str, device_map: str, max_memory: str | None, dtype: str | None
     click.echo(render_plan(model.devmap_plan))
     origin = f"random init (no checkpoint: {report.source} has no weights given)" if report.random_init \
         else f"from {report.checkpoint}"
-    click.echo(f"\nLoaded {origin} in {report.seconds:.2f} s")
+    moved = max((d.seconds for d in report.devices.values()), default=0.0)
+    click.echo(f"\nLoaded {origin} in {report.seconds:.2f} s: {moved:.2f} s reading and copying weights (the "
+               "slowest device below), the rest making the model (random weights too, without a checkpoint), planning "
+               "and placing hooks")
     click.echo(table(
         ["device", "blocks", "planned", "allocated", "time", "GB/s"],
         [[d.device, d.blocks, format_bytes(d.planned_bytes),
