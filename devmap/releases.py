@@ -90,9 +90,27 @@ def _checked() -> tuple[str, ...]:
     return tuple(r.problem() for r in releases() if not r.supported)
 
 
+KNOWN_NOISE = ("torch.utils._pytree", "Calling register_constant() on Enum subclasses is deprecated")
+"""A log warning of torch 2.14 that torchao 0.18 triggers twice at import (it registers two enums as pytree
+constants), and transformers imports torchao whenever it is installed: filtered by its text from that logger alone."""
+
+
+class _KnownNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return KNOWN_NOISE[1] not in record.getMessage()
+
+
+def quiet_known_noise() -> None:
+    """Drop KNOWN_NOISE's warning (once installed, a no-op)."""
+    logger = logging.getLogger(KNOWN_NOISE[0])
+    if not any(isinstance(f, _KnownNoise) for f in logger.filters):
+        logger.addFilter(_KnownNoise())
+
+
 def require_supported() -> None:
     """Raise UnsupportedReleaseError (one line: package, version, range) if a library is outside its tested range;
-    with DEVMAP_ALLOW_UNSUPPORTED=1 log a warning once instead."""
+    with DEVMAP_ALLOW_UNSUPPORTED=1 log a warning once instead. Quiets KNOWN_NOISE first."""
+    quiet_known_noise()
     problems = _checked()
     if not problems:
         return

@@ -98,3 +98,22 @@ def test_the_library_refuses_before_any_work_and_the_variable_lets_it_run(tmp_pa
                              env={**env, "DEVMAP_ALLOW_UNSUPPORTED": "1"}, capture_output=True, text=True)
     assert allowed.returncode == 0, allowed.stderr
     assert "untested releases" in allowed.stderr
+
+
+def test_torchaos_import_warning_under_newer_torch_is_filtered_and_nothing_else():
+    import logging
+
+    from devmap.releases import KNOWN_NOISE, require_supported
+
+    require_supported()
+    logger = logging.getLogger(KNOWN_NOISE[0])
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger.addHandler(handler)
+    try:
+        logger.warning("<enum 'KernelPreference'> is an Enum subclass ... %s in a future release.", KNOWN_NOISE[1])
+        logger.warning("another warning")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == ["another warning"]
