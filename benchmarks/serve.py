@@ -15,6 +15,11 @@ step it is, and devmap's ratio to transformers.
 `--systems devmap+int8` (+int4, +nf4; +compile, +no-compile; +ride, +no-ride) serves devmap with those flags, its
 floor reading the quantized weights; `devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline
 in the same run).
+`--gpus 1,2,4` serves each devmap system on the machine's first 1, 2 and 4 GPUs in turn (CUDA_VISIBLE_DEVICES, the
+same checkpoint), rows named `SYSTEM/NgpuS`, each with its ratio to the same system on one GPU at the same client count;
+such a row's floor knows the pipeline: per round every stage reads its weights once per lane and its lanes' KV cache,
+so a round of S stages and L lanes takes at least (L × W / S + KV / S) / bandwidth for weights W and the running
+requests' cache KV (L = S unless `--devmap-args` sets `--lanes`).
 Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each devmap server once
 more after its runs, for a restart's time with the compile caches on disk that its first start filled.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its release does
@@ -310,12 +315,26 @@ def quantized_copy(model: str, path: Path, scheme: str) -> Path:
     return copy
 
 
-def floor_seconds(row: dict[str, Any], weights: int, kv_per_token: int, bandwidth: float, new: int) -> float | None:
-    """The least time a decode step of this load can take: the weights and every running request's KV cache
-    (mean prompt + half the new tokens) read once from HBM."""
+def floor_seconds(row: dict[str, Any], weights: int, kv_per_token: int, bandwidth: float, new: int, stages: int = 1,
+                  lanes: int = 1) -> float | None:
+    """The least time a decode step (a round of every lane) of this load can take: on each of `stages` GPUs, its share
+    of the weights read once per lane and its share of every running request's KV cache (mean prompt + half the new
+    tokens) read once, from HBM."""
     if row.get("mean_prompt_tokens") is None:
         return None
-    return (weights + row["clients"] * (row["mean_prompt_tokens"] + new / 2) * kv_per_token) / bandwidth
+    kv = row["clients"] * (row["mean_prompt_tokens"] + new / 2) * kv_per_token
+    return (lanes * weights / stages + kv / stages) / bandwidth
+
+
+def gpu_counts(system: str, counts: list[int] | None) -> list[int | None]:
+    """The GPU counts a system is served on: each of `counts` for devmap (None: every visible GPU, as it is)."""
+    return list(counts) if counts and system.startswith("devmap") else [None]
+
+
+def lanes_of(devmap_args: str, gpus: int) -> int:
+    """The lanes devmap serve runs on `gpus` GPUs: `--lanes N` in its flags, else one per stage."""
+    words = devmap_args.split()
+    return int(words[words.index("--lanes") + 1]) if "--lanes" in words else gpus
 
 
 def transformers_command(path: Path, port: int) -> list[str]:
@@ -355,9 +374,13 @@ def main() -> None:
     parser.add_argument("--restart", action="store_true",
                         help="start each devmap server once more after its runs and report how long it takes to "
                              "answer with the on-disk caches its first start filled (inductor's, Triton's): a restart")
+    parser.add_argument("--gpus", default=None,
+                        help="GPU counts to serve each devmap system on, e.g. 1,2,4 (the first N GPUs of the machine); "
+                             "default: every visible GPU, one row per system")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
+    gpus_list = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     rows: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("DEVMAP_BENCH_TMP")) as folder:
         path = Path(args.checkpoint).resolve() if args.checkpoint else Path(folder) / args.model
@@ -374,13 +397,16 @@ def main() -> None:
         schemes.update({system: transformers_scheme(system) for system in systems if system.startswith("transformers")})
         read = {system: model_bytes(path, scheme)[0] if scheme else weights  # each system's weight bytes per step
                 for system, scheme in schemes.items()}
-        for system in systems:
+        for system, gpus in [(system, gpus) for system in systems for gpus in gpu_counts(system, gpus_list)]:
             port = free_port()
             env = tree = None
             if "@" in system:  # devmap from another source tree (run from there: `-m` puts the cwd first)
                 tree = str(Path(system.split("@", 1)[1]).resolve())
                 paths = [tree, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(Path(p).resolve()) for p in paths)}
+            name = system if gpus is None else f"{system}/{gpus}gpu"
+            if gpus is not None:
+                env = {**(env or os.environ), "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(gpus))}
             if system.startswith("devmap"):
                 command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype",
                            "bfloat16", "--log-level", "debug", "--max-queue", "4096",
@@ -389,7 +415,7 @@ def main() -> None:
             else:
                 served = quantized_copy(args.model, path, schemes[system]) if schemes[system] else path
                 command, model = transformers_command(served, port), str(served)
-            with server(command, port, system, env=env, cwd=tree) as (url, cold):
+            with server(command, port, name, env=env, cwd=tree) as (url, cold):
                 for clients in counts:
                     before: dict[str, float] = {}
 
@@ -407,21 +433,23 @@ def main() -> None:
                                                      if k != "steps" and not k.startswith("ttft")} if steps else {}
                         row["steps"] = steps
                         row["server_ttft_p99"] = server_ttft_p99(before, after)
-                    floor = floor_seconds(row, read.get(system, weights), kv_per_token, bandwidth, args.new)
-                    rows.setdefault(system, []).append({**row, "cold_start_s": cold, "floor_s": floor,
-                                                        "hbm_bytes_per_s": bandwidth})
+                    stages = gpus or 1
+                    floor = floor_seconds(row, read.get(system, weights), kv_per_token, bandwidth, args.new, stages,
+                                          lanes_of(args.devmap_args, stages) if stages > 1 else 1)
+                    rows.setdefault(name, []).append({**row, "cold_start_s": cold, "floor_s": floor,
+                                                      "hbm_bytes_per_s": bandwidth, "gpus": gpus})
                     # batch sizes, first-token times: as the server saw them
                     if args.out and system.startswith("devmap"):
                         Path(args.out).mkdir(parents=True, exist_ok=True)
-                        (Path(args.out) / f"metrics_{label(system)}_{args.model}_{clients}.txt").write_text(
+                        (Path(args.out) / f"metrics_{label(name)}_{args.model}_{clients}.txt").write_text(
                             httpx.get(url + "/metrics", timeout=10).text)
-                    print(f"  {system} {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
+                    print(f"  {name} {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
                           f"ttft p50 {row['ttft_p50']} p99 {row['ttft_p99']}", flush=True)
-            if args.restart and system.startswith("devmap") and rows.get(system):
+            if args.restart and system.startswith("devmap") and rows.get(name):
                 port = free_port()
                 command[command.index("--port") + 1] = str(port)
-                with server(command, port, f"{system}-restart", env=env, cwd=tree) as (_, again):
-                    rows[system][0]["restart_s"] = again
+                with server(command, port, f"{name}-restart", env=env, cwd=tree) as (_, again):
+                    rows[name][0]["restart_s"] = again
     report(args.model, rows, counts, args.out, schemes)
 
 
@@ -429,19 +457,22 @@ def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int],
            schemes: dict[str, str | None] | None = None) -> None:
     print(f"\nserving {model}, streaming chat completions, greedy")
     print("| system | clients | requests | first call s | output tok/s | TTFT p50 / p99 s "
-          "| time per token p50 / p99 ms | floor ms | floor ÷ step | vs transformers |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| time per token p50 / p99 ms | floor ms | floor ÷ step | vs transformers | vs 1 GPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for system, results in rows.items():
-        scheme = (schemes or {}).get(system)
+        base = system.rsplit("/", 1)[0]
+        scheme = (schemes or {}).get(base)
         peer_rows = rows.get(f"transformers+{scheme}") if scheme and not system.startswith("transformers") else None
         peer = {r["clients"]: r["tokens_per_s"] for r in peer_rows or rows.get("transformers", [])}
+        one = {r["clients"]: r["tokens_per_s"] for r in rows.get(f"{base}/1gpu", [])} if base != system else {}
         for r in results:
             ratio = f"{r['tokens_per_s'] / peer[r['clients']]:.2f}x" if peer.get(r["clients"]) else "-"
+            scaling = f"{r['tokens_per_s'] / one[r['clients']]:.2f}x" if one.get(r["clients"]) else "-"
             ttft = f"{_fmt(r['ttft_p50'])} / {_fmt(r['ttft_p99'])}"
             token = f"{_fmt(r['tpot_p50'], 1000)} / {_fmt(r['tpot_p99'], 1000)}"
             print(f"| {system} | {r['clients']} | {r['requests']} | {r['first_call_s']:.2f} | {r['tokens_per_s']:,.0f} "
                   f"| {ttft} | {token} | {_fmt(r['floor_s'], 1000)} | {_share(r['floor_s'], r['tpot_p50'])} | "
-                  f"{ratio} |")
+                  f"{ratio} | {scaling} |")
     for system, results in rows.items():
         for r in results:
             if r.get("engine_ms_per_step"):
