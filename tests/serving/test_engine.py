@@ -409,7 +409,8 @@ async def _text(engine, job) -> str:
     return "".join([piece async for piece in engine.stream(job)])
 
 
-def test_a_request_whose_step_fails_fails_alone_and_the_batch_keeps_its_answers(registry, monkeypatch):
+@pytest.mark.parametrize("riding", [None, True], ids=["joining apart", "riding"])
+def test_a_request_whose_step_fails_fails_alone_and_the_batch_keeps_its_answers(registry, monkeypatch, riding):
     """A request whose prompt makes the model raise while it joins a running batch (injected: the embedding fails
     on one token id) gets a 500 naming the cause; the requests running beside it answer as devmap.generate does."""
     import torch
@@ -439,7 +440,7 @@ def test_a_request_whose_step_fails_fails_alone_and_the_batch_keeps_its_answers(
 
     expected = [alone(p, 80) for p in prompts]
     monkeypatch.setattr(embedding, attribute, failing)
-    engine = Engine(registry, EngineLimits(max_batch=8, request_timeout=120))
+    engine = Engine(registry, EngineLimits(max_batch=8, request_timeout=120, riding=riding))
     engine.start()
 
     async def run() -> tuple:
