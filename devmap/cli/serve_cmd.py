@@ -113,7 +113,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
             click.echo(f"loaded {described['id']} from {path} onto "
                        f"{', '.join(sorted(set(described['device_map'].values())))}: batches of up to "
                        f"{described['max_batch']} rows of {described['cache_tokens_per_row']} cache tokens (more rows "
-                       f"of shorter caches), steps {'compiled' if described['compiled'] else 'captured eagerly'}",
+                       f"of shorter caches), steps {'compiled' if described['compiled'] else 'captured eagerly'}; "
+                       + ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in described["load_seconds"].items()),
                        err=True)
     except ServiceError as exc:
         engine.close(timeout=30)

@@ -9,6 +9,7 @@ loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -22,6 +23,7 @@ from .errors import GenerationFailed, ServiceError
 from .gc_pauses import watch_gc_pauses
 from .jobs import Job
 from .limits import EngineLimits
+from .load_phases import PHASES
 from .metrics import EngineMetrics
 from .outputs import Deliver, StepOutputs
 from .registry import ModelRegistry
@@ -95,6 +97,8 @@ class EngineCore:
         path = self.registry.under_root(name) if under_root else Path(name).expanduser().resolve()
         resident = self.registry.load(path, model_id, device_map, max_memory, dtype)
         self.metrics.models.set(len(self.registry.all()))
+        for phase, seconds in resident.load_seconds.items():
+            self.metrics.load_seconds.labels(model=resident.id, phase=phase).set(seconds)
         return {**resident.describe(), "plan": resident.model.devmap_plan.to_dict(), "load_report": resident.report}
 
     def unload(self, model_id: str) -> None:
@@ -102,6 +106,9 @@ class EngineCore:
         batch ends the rest), then free it."""
         self.registry.unload(model_id, self.limits.unload_drain)
         self.metrics.models.set(len(self.registry.all()))
+        for phase in PHASES:
+            with contextlib.suppress(KeyError):
+                self.metrics.load_seconds.remove(model_id, phase)
         self.unloaded(model_id)
 
     def render_metrics(self) -> bytes:

@@ -63,6 +63,9 @@ class EngineMetrics:
                                    "process (each holds every thread of it)",
                                    buckets=GC_BUCKETS, registry=r)
         self.models = Gauge("devmap_resident_models", "Models loaded", registry=r)
+        self.load_seconds = Gauge("devmap_model_load_seconds", "Seconds each phase of a resident model's load took "
+                                  "(plan, weights, prepare, compile: compiling, capturing and warming up its steps)",
+                                  ["model", "phase"], registry=r)
         self.device_memory = Gauge("devmap_device_memory_bytes", "Memory allocated by torch on each GPU",
                                    ["device"], registry=r)
         self.device_memory_peak = Gauge("devmap_device_memory_peak_bytes", "The most memory torch has allocated on "

@@ -26,6 +26,7 @@ from ..planning.devices import DeviceKey
 from ..planning.quantization import Quantization
 from .errors import DoesNotFit, ModelNotFound, ModelUnloading, ServiceError
 from .limits import EngineLimits
+from .load_phases import LoadPhases
 from .resident import ResidentModel
 
 log = logging.getLogger("devmap.serving")
@@ -79,32 +80,38 @@ class ModelRegistry:
             if max_memory is None and not self.budget and not self.all():
                 self._machine = dict(resolve_budget().limits)  # the machine's budget, with nothing of ours on it
             budget = max_memory if max_memory is not None else self.remaining()
+            phases = LoadPhases()
             try:
-                rows, cache_len, workload = self._serving_plan(path, device_map or self.device_map, budget,
-                                                               dtype or self.dtype)
-                model = load(str(path), device_map or self.device_map, budget, dtype or self.dtype,
-                             quantization=self.quantization, workload=workload)
+                with phases.timed("plan"):
+                    rows, cache_len, workload = self._serving_plan(path, device_map or self.device_map, budget,
+                                                                   dtype or self.dtype)
+                with phases.timed("weights"):
+                    model = load(str(path), device_map or self.device_map, budget, dtype or self.dtype,
+                                 quantization=self.quantization, workload=workload)
             except DoesNotFitError as exc:
                 raise DoesNotFit(f"{model_id} does not fit in what the service's budget has left: {exc}") from None
             except DevmapError as exc:
                 raise ServiceError(f"cannot load {model_id}: {exc}") from None
             try:
-                joined = join_projections(model)  # the service owns the model and never saves it: see there
-                log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
-                _prepare_product_kernels(model, model_id)
-                tokenizer = load_tokenizer(path)
+                with phases.timed("prepare"):
+                    joined = join_projections(model)  # the service owns the model and never saves it: see there
+                    log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
+                    _prepare_product_kernels(model, model_id)
+                    tokenizer = load_tokenizer(path)
                 context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-                compiled = _compiled(model, self.limits, model.devmap_plan.quantization, rows, context)
+                with phases.timed("compile"):
+                    compiled = _compiled(model, self.limits, model.devmap_plan.quantization, rows, context)
             except BaseException:
                 _free(model)
                 raise
+            log.info("%s loaded: %s", model_id, phases.summary())
             report = model.devmap_load_report.to_dict()
             resident = ResidentModel(
                 id=model_id, path=path, model=model, tokenizer=tokenizer, created=int(time.time()),
                 context=context, vocab_size=model.get_input_embeddings().num_embeddings,
                 planned={usage.key: usage.total for usage in model.devmap_plan.devices.values()},
                 report=report, max_rows=rows, cache_len=cache_len, compiled=compiled,
-                eos_ids=end_of_sequence_ids(model, tokenizer),
+                eos_ids=end_of_sequence_ids(model, tokenizer), load_seconds=phases.seconds,
             )
             self.add(resident)
             _freeze_survivors()

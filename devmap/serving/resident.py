@@ -38,6 +38,7 @@ class ResidentModel:
     busy: threading.Lock = field(default_factory=threading.Lock)
     batch_shape: BatchShape = field(default_factory=BatchShape)  # the largest continuous batch so far: later
     # ones reuse its shape (and its captured steps)
+    load_seconds: dict[str, float] = field(default_factory=dict)  # per phase of its load (`load_phases`)
     unload_at: float | None = None  # being unloaded: its running requests are ended at this time.monotonic()
 
     def drained(self) -> bool:
@@ -64,5 +65,5 @@ class ResidentModel:
                 "path": str(self.path), "context_length": self.context, "vocab_size": self.vocab_size,
                 "max_batch": self.max_rows,
                 "cache_tokens_per_row": self.cache_len, "kv_cache_tokens": self.kv_budget.tokens,
-                "compiled": self.compiled,
+                "compiled": self.compiled, "load_seconds": self.load_seconds,
                 "device_map": {k: str(v) for k, v in self.model.hf_device_map.items()}}

@@ -102,11 +102,16 @@ def test_load_and_unload_a_second_model(server, model_root):
         assert loaded.status_code == 200, loaded.text
         body = loaded.json()
         assert body["id"] == "second" and body["plan"]["device_map"] and body["load_report"]["devices"]
+        assert list(body["load_seconds"]) == ["plan", "weights", "prepare", "compile"]  # where the load went
+        assert all(seconds >= 0 for seconds in body["load_seconds"].values())
+        shown = http.get("/metrics").text
+        assert 'devmap_model_load_seconds{model="second",phase="weights"}' in shown
         assert sorted(m["id"] for m in http.get("/v1/models").json()["data"]) == ["second", "tiny"]
         answer = http.post("/v1/completions", json={"model": "second", "prompt": "Hello", "max_tokens": 3})
         assert answer.status_code == 200
         assert http.post("/v1/models/load", json={"model": "second"}).status_code == 400  # already loaded
         assert http.delete("/v1/models/second").json()["deleted"] is True
+        assert 'devmap_model_load_seconds{model="second"' not in http.get("/metrics").text
         gone = http.post("/v1/completions", json={"model": "second", "prompt": "Hello"})
         assert gone.status_code == 404 and gone.json()["error"]["type"] == "not_found_error"
         assert http.delete("/v1/models/second").status_code == 404
