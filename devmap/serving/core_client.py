@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -105,7 +106,7 @@ class ProcessCore:
         self._from_core, core_writes = context.Pipe(duplex=False)
         # not a daemon: the core's compiler starts worker processes of its own
         self._process = context.Process(target=run_core_process, name="devmap-engine-core",
-                                        args=(settings, limits, log_level, core_reads, core_writes))
+                                        args=(settings, limits, log_level, core_reads, core_writes, time.time()))
         self._process.start()
         core_reads.close()
         core_writes.close()
@@ -226,9 +227,10 @@ def _control(core: EngineCore, method: str, args: tuple) -> Any:
 
 
 def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level: str, inbox: Connection,
-                     outbox: Connection) -> None:
+                     outbox: Connection, spawned_at: float | None = None) -> None:
     """The engine core's process: a registry of models, the core's loop in its thread, and this thread reading
-    requests until the API asks it to close (or goes away)."""
+    requests until the API asks it to close (or goes away). `spawned_at` (time.time()): when the API side started
+    it, for the seconds its start took (interpreter, imports) in the log and `/metrics`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the API side stops us
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")  # uvicorn's look
@@ -243,6 +245,10 @@ def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level
                              quantization=settings.quantization, limits=limits)
     core = EngineCore(registry, limits, lambda outputs: send(("out", outputs)),
                       unloaded=lambda model_id: send(("unloaded", model_id)))
+    if spawned_at is not None:
+        started = time.time() - spawned_at
+        core.metrics.startup.labels(phase="core_process").set(started)
+        log.info("engine core ready %.1f s after its process was spawned (interpreter and imports)", started)
     core.start()
 
     def answer(call_id: int, method: str, args: tuple) -> None:

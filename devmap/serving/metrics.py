@@ -63,6 +63,9 @@ class EngineMetrics:
                                    "process (each holds every thread of it)",
                                    buckets=GC_BUCKETS, registry=r)
         self.models = Gauge("devmap_resident_models", "Models loaded", registry=r)
+        self.startup = Gauge("devmap_startup_seconds", "Seconds the service's start took by phase: core_process "
+                             "(the engine core's process from its spawn to ready: interpreter and imports); each "
+                             "model's load is devmap_model_load_seconds", ["phase"], registry=r)
         self.load_seconds = Gauge("devmap_model_load_seconds", "Seconds each phase of a resident model's load took "
                                   "(plan, weights, prepare, compile: compiling, capturing and warming up its steps)",
                                   ["model", "phase"], registry=r)

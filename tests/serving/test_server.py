@@ -106,6 +106,7 @@ def test_load_and_unload_a_second_model(server, model_root):
         assert all(seconds >= 0 for seconds in body["load_seconds"].values())
         shown = http.get("/metrics").text
         assert 'devmap_model_load_seconds{model="second",phase="weights"}' in shown
+        assert 'devmap_startup_seconds{phase="core_process"}' in shown  # the engine core's process start
         assert sorted(m["id"] for m in http.get("/v1/models").json()["data"]) == ["second", "tiny"]
         answer = http.post("/v1/completions", json={"model": "second", "prompt": "Hello", "max_tokens": 3})
         assert answer.status_code == 200
