@@ -10,10 +10,13 @@ STRATEGY_HELP = ("auto, balanced, balanced_low_0 or sequential (GPUs first, then
                  "whole model (cpu, cuda:1, 0); or a JSON file {module: device} (e.g. the output of plan --json).")
 
 
+DEVICE_MAP = click.option("--device-map", "device_map", default="auto", show_default=True, help=STRATEGY_HELP)
+
+
 def placement_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--device-map, --gpus, --gpu-memory, --max-memory, --dtype."""
     options = [
-        click.option("--device-map", "device_map", default="auto", show_default=True, help=STRATEGY_HELP),
+        DEVICE_MAP,
         click.option("--gpus", type=int, default=None, help="Number of GPUs (simulated with --gpu-memory)."),
         click.option("--gpu-memory", default=None, help="Memory of each simulated GPU, e.g. 80GiB."),
         click.option(
@@ -32,7 +35,7 @@ def placement_options(func: Callable[..., Any]) -> Callable[..., Any]:
 def load_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--device-map, --max-memory, --dtype, --quantize (real devices: loading never simulates GPUs)."""
     options = [
-        click.option("--device-map", "device_map", default="auto", show_default=True, help=STRATEGY_HELP),
+        DEVICE_MAP,
         click.option("--max-memory", default=None,
                      help="Budget per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=200GB."),
         click.option("--dtype", default=None,

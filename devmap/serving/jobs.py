@@ -12,13 +12,16 @@ from .errors import ServiceError
 from .kv_budget import KVBudget
 
 
+DEFAULT_BUDGET = 16  # a request's token budget when it names none (OpenAI's completions API default)
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """What a request asks for: at most `max_new_tokens` tokens (its token budget; HTTP's `max_tokens`), temperature 0
     is greedy decoding (transformers' tokens). `logprobs`: each new token's log-probability and this many most
     likely alternatives (None: none); `echo`: the prompt's tokens' log-probabilities too (with `logprobs`)."""
 
-    max_new_tokens: int = 16
+    max_new_tokens: int = DEFAULT_BUDGET
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

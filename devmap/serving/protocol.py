@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .errors import ServiceError
-from .jobs import GenerationParams
+from .jobs import DEFAULT_BUDGET, GenerationParams
 from .limits import MAX_LOGPROBS, SEEDS
 
 MAX_STOPS = 4  # OpenAI's limit on `stop` sequences
@@ -63,7 +63,7 @@ class _Request(BaseModel):
         """(alternatives per token's score, or None for no scores; whether the prompt is scored too)."""
         return None, False
 
-    def params(self, default_budget: int = 16) -> GenerationParams:
+    def params(self, default_budget: int = DEFAULT_BUDGET) -> GenerationParams:
         """The generation parameters below HTTP: `max_tokens` becomes the token budget `max_new_tokens`."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         logprobs, echo = self.scores()
