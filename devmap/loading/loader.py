@@ -135,7 +135,7 @@ def _check_devices(plan: Plan, folder: str | None) -> None:
     """Real devices only, and a writable offload folder when the plan uses disk; all before any byte moves."""
     count = hardware.gpu_count()
     for device in set(plan.device_map.values()):
-        if isinstance(device, int) and device >= count:
+        if is_gpu(device) and device >= count:
             raise UsageError(
                 f"the plan puts blocks on {device_label(device)}, but {count} GPU(s) are visible; "
                 "lower --max-memory to the devices you have"
@@ -162,7 +162,7 @@ def _materialize(
 ) -> dict[str, Any]:
     """Allocate every tensor on its device, initialize what the checkpoint lacks, copy the rest, offload disk;
     the weights named in `shrink` come last, block by block, and are quantized as each block lands."""
-    gpus = sorted({d for d in plan.device_map.values() if isinstance(d, int)})
+    gpus = sorted({d for d in plan.device_map.values() if is_gpu(d)})
     before = {g: torch.cuda.memory_allocated(g) for g in gpus}
     aliases = {n: a for group in _tied_groups(model) for n in group for a in group if a in entries}
     persistent = set(model.state_dict(keep_vars=True))
@@ -242,7 +242,7 @@ def _attach_hooks(model: nn.Module, plan: Plan, folder: str | None) -> None:
     """accelerate's hooks move inputs to each block's device and the output back to the input's device."""
     from accelerate import dispatch_model
 
-    gpus = [d for d in plan.device_map.values() if isinstance(d, int)]
+    gpus = [d for d in plan.device_map.values() if is_gpu(d)]
     main: DeviceKey = gpus[0] if gpus else "cpu"  # accelerate compares main_device with the string "cpu"
     with accelerate_quietly():
         # like transformers: the KV cache is not moved by the hooks (each layer keeps its own on its device)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import PipelineError
+from ..planning.devices import offloaded, parse_device_key
 from .grad_sums import GradSums, open_pass
 from .graphs import StageGraph, capture_stage
 from .stages import block_devices, group_stages, placed_units, stage_module
@@ -247,8 +248,7 @@ def check_placed(model: nn.Module) -> None:
             "the model has no placement: place it with devmap.load(...) or devmap.dispatch(model, device_map=...), "
             "or pass explicit stages [(module, device), ...]"
         )
-    devices_used = set(device_map.values())
-    if "disk" in devices_used or ("cpu" in devices_used and any(isinstance(d, int) for d in devices_used)):
+    if offloaded(parse_device_key(d) for d in device_map.values()):
         raise PipelineError("the model has offloaded blocks (cpu or disk beside GPUs): give it enough GPU memory "
                             "to hold every block before pipelining it")
     from accelerate.hooks import remove_hook_from_module

@@ -8,7 +8,7 @@ from typing import Mapping
 
 from . import hardware
 from ..errors import UsageError
-from .devices import DeviceKey, device_label
+from .devices import DeviceKey, device_label, is_gpu
 from .memory import Size, parse_max_memory, parse_size
 
 # Like transformers, keep 10% of each real GPU's free memory for activations when the user sets no budget.
@@ -26,7 +26,7 @@ class Budget:
 
     @property
     def gpus(self) -> list[int]:
-        return [k for k in self.limits if isinstance(k, int)]
+        return [k for k in self.limits if is_gpu(k)]
 
     def label(self) -> str:
         """ "cuda:0 20.00 GiB, cpu 64.00 GiB"; runs of GPUs with one budget as "cuda:0-7 80.00 GiB each". """
@@ -44,12 +44,12 @@ class Budget:
             parts.append(f"cuda:{gpus[start]} {size}" if end == start else
                          f"cuda:{gpus[start]}-{gpus[end]} {size} each")
             start = end + 1
-        parts += [f"{k} {format_bytes(v)}" for k, v in self.limits.items() if not isinstance(k, int)]
+        parts += [f"{k} {format_bytes(v)}" for k, v in self.limits.items() if not is_gpu(k)]
         return ", ".join(parts)
 
 
 def _ordered(limits: Mapping[DeviceKey, int]) -> dict[DeviceKey, int]:
-    gpus = sorted(k for k in limits if isinstance(k, int))
+    gpus = sorted(k for k in limits if is_gpu(k))
     return {k: limits[k] for k in [*gpus, *(d for d in ("cpu", "disk") if d in limits)]}
 
 
@@ -103,7 +103,7 @@ def resolve_budget(
     for key, raw in overrides.items():
         if key not in totals:
             totals[key] = _device_total(key, real_gpus, offload_folder)
-        if isinstance(key, int) and key >= real_gpus and gpus is None:
+        if is_gpu(key) and key >= real_gpus and gpus is None:
             simulated = True
         limits[key] = parse_size(raw, total=totals[key], what=f"memory for {device_label(key)}")
     if offload_folder is not None and "disk" not in limits:
@@ -113,7 +113,7 @@ def resolve_budget(
 
 
 def _device_total(key: DeviceKey, real_gpus: int, offload_folder: str | None) -> int | None:
-    if isinstance(key, int):
+    if is_gpu(key):
         return hardware.gpu_memory(key)[1] if key < real_gpus else None
     if key == "cpu":
         return hardware.host_memory()[1]

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .devices import DeviceKey
+from .devices import DeviceKey, is_gpu
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 DeviceMap = dict[str, DeviceKey]
@@ -117,7 +117,7 @@ def _gpu_only(
     """
     shifted = {0: 0, **{g + 1: int(c * seen) for g, c in caps.items()}}
     device_map = _infer(model, shifted, no_split, dtype, special)
-    if not all(isinstance(d, int) and d > 0 for d in device_map.values()):
+    if not all(is_gpu(d) and d > 0 for d in device_map.values()):
         return None
     device_map = {name: d - 1 for name, d in device_map.items()}
     used = usage(device_map, sizes)
@@ -192,7 +192,7 @@ def place(
         sizes, seen = module_sizes(model, dtype, special), 1.0
     else:  # the caller's sizes may count bytes accelerate does not see (quantization scales): only with `special`
         seen = module_sizes(model, dtype, special)[""] / sizes[""] if special and sizes[""] else 1.0
-    gpus = [k for k in limits if isinstance(k, int) and limits[k] > 0]
+    gpus = [k for k in limits if is_gpu(k) and limits[k] > 0]
     if gpus:
         if strategy == "sequential":
             found = _gpu_only(model, {g: limits[g] for g in gpus}, sizes, no_split, dtype, special, seen)
@@ -204,7 +204,7 @@ def place(
             return found
     # accelerate sees `seen` of each byte (not quantization scales, not a workload's runtime bytes): its caps shrink
     # by that share, then by what a device still holds over its limit in `sizes` (their mix differs per device)
-    caps = {k: int(v * seen) for k, v in limits.items() if k in gpus or not isinstance(k, int)}
+    caps = {k: int(v * seen) for k, v in limits.items() if k in gpus or not is_gpu(k)}
     for _ in range(8):
         found = _infer(model, caps, no_split, dtype, special)
         used = usage(found, sizes)
