@@ -46,7 +46,7 @@ def profiled(model: torch.nn.Module, rows: int, first_slot: int, cache_len: int,
                           riding=True) as batch:
         owners = [SlotRequest([5] * 100, batch.most_new_tokens, i) for i in range(rows)]
         batch.step(owners)
-        while batch.queued:
+        while batch.joins.waiting():
             batch.step()
         for carrying in (False, True):
             for _ in range(2):
@@ -122,7 +122,7 @@ def main() -> None:
         print(f"batch of {rows} rows opened (captures): {time.perf_counter() - start:.1f} s", flush=True)
         owners = [SlotRequest([5] * 100, batch.most_new_tokens, i) for i in range(rows)]
         batch.step(owners)
-        while batch.queued:
+        while batch.joins.waiting():
             batch.step()
         for _ in range(4):
             batch.step()

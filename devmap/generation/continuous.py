@@ -103,7 +103,7 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
         vacant()
         if run.graphs:  # every join shape captured up front (steps carrying packs run on the vacant rows: so again)
             run.start()
-            batch.capture_mixed() if batch.mixing else batch.capture_joins()
+            batch.joins.capture()
             run.streams.join([])
             vacant()
         run.start()

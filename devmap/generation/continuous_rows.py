@@ -1,6 +1,8 @@
 """The rows of a continuous batch: who holds each row as work is issued and as tokens come back, the decode steps,
-and the tokens' way back to their owners. Requests join through `join_prefill.JoinPrefills`. All of it is issued
-in stream order between the lanes' steps.
+and the tokens' way back to their owners. Requests join through one joining strategy chosen when the batch is made:
+prefills of their own between two steps (`join_prefill.JoinApart`), or riding the decode steps
+(`mixed_joins.Riding`), both over the batch's packed prompts (`packs.Packs`). All of it is issued in stream order
+between the lanes' steps.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
-from .join_prefill import JoinPrefills
-from .mixed_joins import MixedJoins
+from .join_prefill import JoinApart
+from .mixed_joins import Riding
+from .packs import Packs
 from .lane_decode import computed_rows
 from .lane_runner import EOS_CHECK_LAG, LaneRunner, record_event
 from .row_types import Row, SlotRequest, StepFailed
@@ -23,10 +26,11 @@ from .step_cache import StepCache
 from ..pipelining.streams import copy_later, to_host
 
 
-class ContinuousBatch(JoinPrefills, MixedJoins):
+class ContinuousBatch:
     """The rows of one continuous batch (made by `continuous_batch`): who holds each row as work is issued, and as
-    tokens come back. Requests join inside the decode steps where every layer is joined (`mixed_joins`), else
-    through prefills of their own between two steps (`join_prefill`)."""
+    tokens come back. Requests join inside the decode steps where every layer is joined and `mixing` says so
+    (`joins` is a `mixed_joins.Riding`), else through prefills of their own between two steps (a
+    `join_prefill.JoinApart`)."""
 
     def __init__(self, run: LaneRunner, first_slot: int, cache_len: int, sampling: Sampling, cache: StepCache,
                  entries: dict[Any, Any], mixing: bool, scores: int | None = None) -> None:
@@ -43,7 +47,8 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
         self.pending: list[list[tuple[int, Any, torch.Tensor, Any]]] = [[] for _ in run.lanes]
         self.steps = 0
         self.mixing = mixing  # joiners ride in the decode steps (every layer joined: `CausalLMStages.mixes`)
-        self.queued: list[tuple[SlotRequest, int, int]] = []  # (request, lane, row) of joiners waiting to ride
+        self.packs = Packs(run, entries, cache, cache_len)
+        self.joins: JoinApart | Riding = Riding(self, self.packs) if mixing else JoinApart(self, self.packs)
         self.stats = {"steps": 0, "joined": 0, "join_seconds": 0.0}
         self.scores = scores  # each token's log-probability and this many alternatives' (None: no scores)
 
@@ -95,28 +100,24 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
         # the rows decoding this step: held, their prompts in place (a rider's first token comes out of the step)
         running = [[r for r, row in enumerate(lane) if row.issued_to is not None and not row.queued]
                    for lane in self.rows]
-        riders: dict[int, list] = {}
         prompts.extend(request.owner for request, _, _ in placed)
-        if self.mixing:
-            self.reserve(placed)
-            riders = self.riders()
-            prompts.extend(request.owner for lane_riders in riders.values() for request, _ in lane_riders)
-        elif placed:
-            self.join(placed, step, slot)
+        riders = self.joins.take(placed, step, slot)  # joined now (apart), or the queued ones this step carries
+        prompts.extend(request.owner for lane_riders in riders.values() for request, _ in lane_riders)
+        if placed and not self.mixing:  # joined apart: their rows decode in this step
             running = [[r for r, row in enumerate(lane) if row.issued_to is not None] for lane in self.rows]
         self.stats["joined"] += len(joining) if step > 1 else 0
         self.stats["join_seconds"] += time.perf_counter() - began
         for k, lane in enumerate(self.run.lanes):
             rows = computed_rows(running[k][-1] if running[k] else -1, lane.ids.shape[0])
             if k in riders:
-                logits, first, first_host = self.ride(k, riders[k], rows, slot)
+                logits, first, first_host = self.joins.ride(k, riders[k], rows, slot)
             else:
                 steps = self.run.first_rows_steps(lane, rows, self.cache) if rows < lane.ids.shape[0] else None
                 logits = self.run.decode_step(lane, steps)
             self.finish(k, logits, step)
             self.count_issued(k, running[k])
             if k in riders:
-                self.hand_in(k, riders[k], first, first_host, step)
+                self.joins.hand_in(k, riders[k], first, first_host, step)
 
     def collect(self, everything: bool = False, scored: bool = False) -> list[tuple]:
         """(owner, token) of every token back from the steps up to the lag (`everything`: all issued steps, waiting
@@ -134,7 +135,7 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
 
     def release(self, owner: Any) -> None:
         """`owner` needs no more tokens (it ended, or went away): its row is free for the next joiner."""
-        self.queued = [item for item in self.queued if item[0].owner is not owner]
+        self.joins.drop(owner)
         for k, lane in enumerate(self.rows):
             for r, row in enumerate(lane):
                 if row.heard_by is owner:
@@ -146,7 +147,7 @@ class ContinuousBatch(JoinPrefills, MixedJoins):
         """The owners still holding rows, or waiting for a step to carry their prompts (to continue elsewhere, from
         their prompt plus the tokens they got)."""
         return [*(row.heard_by for lane in self.rows for row in lane if row.heard_by is not None),
-                *(request.owner for request, _, _ in self.queued)]
+                *self.joins.waiting()]
 
     def count_issued(self, k: int, rows: list[int] | None = None) -> None:
         """One more token issued for lane k's held rows whose prompts ran (or `rows`): a row whose request has all

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..pipelining.streams import hand_off, to_host
 from .four_bit_linear import FourBitLinear
-from .join_prefill import onto
+from .packs import Packs, onto
 from .joins import on_device, pack_width, pack_widths, prompt_columns, to_device
 from .lane_decode import computed_rows
 from .lane_runner import record_event
@@ -65,21 +65,38 @@ def rides_by_default(model: nn.Module) -> bool:
     return decoder_parameters(model.config) >= RIDING_MIN_PARAMETERS
 
 
-class MixedJoins:
-    """The joining half of `ContinuousBatch` when its steps carry prompts (its rows, lanes, captured steps and sampling
-    are the batch's)."""
+class Riding:
+    """How a `ContinuousBatch` whose steps carry prompts takes joiners (`batch`: its rows, lanes and sampling;
+    `packs`: its packed prompts): each takes its row at once and waits in `queued` until a step carries it."""
+
+    def __init__(self, batch: Any, packs: Packs) -> None:
+        self.batch, self.packs = batch, packs
+        self.queued: list[tuple[SlotRequest, int, int]] = []  # (request, lane, row) of joiners waiting to ride
+
+    def take(self, joining: list[tuple[SlotRequest, int, int]], step: int, slot: int) -> dict[int, list[Rider]]:
+        """Reserve the joiners' rows (`reserve`); the queued joiners this step carries, per lane (`riders`)."""
+        self.reserve(joining)
+        return self.riders()
+
+    def waiting(self) -> list[Any]:
+        """Owners holding a row whose prompt waits for a step to carry it."""
+        return [request.owner for request, _, _ in self.queued]
+
+    def drop(self, owner: Any) -> None:
+        """`owner` needs no more tokens: it leaves the queue."""
+        self.queued = [item for item in self.queued if item[0].owner is not owner]
 
     @property
     def riding_tokens(self) -> int:
         """The most prompt tokens one step carries (within a pack's limit; a longer prompt rides alone)."""
-        return min(RIDING_TOKENS, self.pack_limit)
+        return min(RIDING_TOKENS, self.packs.limit)
 
     def reserve(self, joining: list[tuple[SlotRequest, int, int]]) -> None:
         """Each (request, lane, row) takes its row now and waits in the queue for a step to carry its prompt."""
         for request, _, _ in joining:
-            self.check(request)
+            self.batch.check(request)
         for request, k, row in joining:
-            held = self.rows[k][row]
+            held = self.batch.rows[k][row]
             held.issued_to, held.to_issue, held.queued = request.owner, request.max_new_tokens, True
             self.queued.append((request, k, row))
 
@@ -93,7 +110,7 @@ class MixedJoins:
             taken, tokens = taken + 1, tokens + len(request.prompt)
         per_lane: dict[int, list[Rider]] = {}
         for request, k, row in self.queued[:taken]:
-            self.rows[k][row].queued = False
+            self.batch.rows[k][row].queued = False
             per_lane.setdefault(k, []).append((request, row))
         self.queued = self.queued[taken:]
         return per_lane
@@ -104,33 +121,34 @@ class MixedJoins:
         one pack: their keys and values go into their rows' columns before slot + 1, where their rows decode from.
         Returns the rows' float logits, the riders' first tokens and what goes to the host for them (`pick`), on the
         last stage's stream."""
-        run, lane, last = self.run, self.run.lanes[k], len(self.s.stages) - 1
+        run, lane, last = self.batch.run, self.batch.run.lanes[k], len(self.batch.s.stages) - 1
         lengths = torch.tensor([len(request.prompt) for request, _ in riders])
         total = int(lengths.sum())
-        width = pack_width(total, self.pack_limit)
+        width = pack_width(total, self.packs.limit)
         joined = torch.tensor([row for _, row in riders])
-        token_rows, columns = joined.repeat_interleave(lengths), prompt_columns(lengths, slot + 1, self.cache_len)
-        ids, context, ready = self._pack_inputs([request.prompt for request, _ in riders], width)
+        token_rows, columns = joined.repeat_interleave(lengths), prompt_columns(lengths, slot + 1, self.batch.cache_len)
+        ids, context, ready = self.packs.inputs([request.prompt for request, _ in riders], width)
 
         def into_rows(j: int, device: torch.device) -> None:
-            lane.caches[j].take_prompts(self.scratch(j), 0, total, to_device(token_rows, device),
+            lane.caches[j].take_prompts(self.packs.scratch(j), 0, total, to_device(token_rows, device),
                                         to_device(columns, device))
             lane.inputs[j].join(to_device(joined, device), to_device(lengths, device), slot + 1)
 
         logits, packed = self._carrying(k, rows, width, ids, context, ready, into_rows)
         with run.on(last):
             ends = on_device((lengths.cumsum(0) - 1).tolist(), packed.device)  # each prompt's last token
-            first, payload = self.pick(self.s.head(packed.index_select(0, ends)[:, None])[:, -1].float())
+            first, payload = self.batch.pick(self.batch.s.head(packed.index_select(0, ends)[:, None])[:, -1].float())
         return logits, first, payload
 
     def hand_in(self, k: int, riders: list[Rider], first: torch.Tensor, payload: torch.Tensor, step: int) -> None:
         """The riders' first tokens: to the host (`payload`: they reach their owners with the step's), and into their
         rows' inputs for the lane's next step, after the rows' own tokens got there."""
-        run, lane = self.run, self.run.lanes[k]
-        with run.on(len(self.s.stages) - 1) as compute:
+        run, lane = self.batch.run, self.batch.run.lanes[k]
+        with run.on(len(self.batch.s.stages) - 1) as compute:
             host = to_host(payload)
             event = record_event(compute)
-        self.pending[k].append((step, event, host, [(row, request, i) for i, (request, row) in enumerate(riders)]))
+        joined = [(row, request, i) for i, (request, row) in enumerate(riders)]
+        self.batch.pending[k].append((step, event, host, joined))
         target = lane.steps[0].static_in.view(-1)
         with run.on(0) as stream:
             moved = hand_off(first, event, target.device, 0, run.streams, stream) if stream is not None else \
@@ -138,22 +156,22 @@ class MixedJoins:
             if stream is not None and lane.token_ready is not None:
                 stream.wait_event(lane.token_ready)
             target.index_copy_(0, on_device([row for _, row in riders], target.device), moved)
-        self.count_issued(k, [row for _, row in riders])  # the first token
+        self.batch.count_issued(k, [row for _, row in riders])  # the first token
 
-    def capture_mixed(self) -> None:
+    def capture(self) -> None:
         """Capture every lane's steps carrying a pack of each width up to `riding_tokens`, for every row count a step
         computes, before the batch's first step (on GPUs): a shape's first use otherwise costs an eager run and a
         capture in the middle of a burst of requests. The steps run on vacant rows with packs of one token per
         segment; the batch resets its rows and slots afterwards."""
-        for k, lane in enumerate(self.run.lanes):
+        for k, lane in enumerate(self.batch.run.lanes):
             lane_rows = lane.ids.shape[0]
             for rows in sorted({computed_rows(highest, lane_rows) for highest in range(-1, lane_rows)}):
-                for width in pack_widths(self.pack_limit):
+                for width in pack_widths(self.packs.limit):
                     if width > max(self.riding_tokens, 64):
                         break
                     if ("mixed", rows, width) in lane.row_steps:
                         continue
-                    ids, context, ready = self._pack_inputs([[0]] * width, width)
+                    ids, context, ready = self.packs.inputs([[0]] * width, width)
                     for _ in range(2):  # eager, then captured
                         self._carrying(k, rows, width, ids, context, ready)
 
@@ -161,10 +179,10 @@ class MixedJoins:
                   after: Callable[[int, torch.device], None] | None = None) -> Any:
         """Lane k's step over its first `rows` rows carrying a pack of `width` tokens (ids, and its mask and positions
         ready at `ready`) on every stage (`after(j, device)` once stage j's is issued); the last stage's output."""
-        run, lane, last = self.run, self.run.lanes[k], len(self.s.stages) - 1
-        steps = run.mixed_steps(lane, rows, width, [self.scratch(j) for j in range(last + 1)], self.cache)
+        run, lane, last = self.batch.run, self.batch.run.lanes[k], len(self.batch.s.stages) - 1
+        steps = run.mixed_steps(lane, rows, width, [self.packs.scratch(j) for j in range(last + 1)], self.packs.cache)
         out = event = None
-        for j, stage in enumerate(self.s.stages):
+        for j, stage in enumerate(self.batch.s.stages):
             step, positions, mask = steps[j]
             with run.on(j) as compute:
                 move = partial(onto, device=stage.device, j=j, streams=run.streams, compute=compute)

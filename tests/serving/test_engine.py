@@ -167,11 +167,11 @@ def test_waiting_requests_join_a_running_batch_and_answers_stay_those_of_generat
     import torch
 
     import devmap
-    from devmap.generation.mixed_joins import MixedJoins
+    from devmap.generation.mixed_joins import Riding
 
     rides = []
-    ride = MixedJoins.ride
-    monkeypatch.setattr(MixedJoins, "ride", lambda self, *args: rides.append(1) or ride(self, *args))
+    ride = Riding.ride
+    monkeypatch.setattr(Riding, "ride", lambda self, *args: rides.append(1) or ride(self, *args))
     resident = registry.get("tiny")
     eos = list(resident.eos_ids)
     prompts = [[5 + (7 * i + k) % 300 for k in range(3 + i)] for i in range(10)]
