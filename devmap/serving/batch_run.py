@@ -123,8 +123,10 @@ class BatchRunner:
                     break
                 clock.mark("launch")
                 self.metrics.decode_steps.inc()
-                self._hand_back(batch, batch.collect(scored=True), eos, trace)
+                tokens = batch.collect(scored=True)
                 clock.mark("collect")
+                self._hand_back(batch, tokens, eos, trace)
+                clock.mark("hand_back")
                 joining = []
                 if self._unloaded(resident, jobs):
                     break
