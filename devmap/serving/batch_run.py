@@ -34,7 +34,7 @@ from .limits import EngineLimits
 from .metrics import EngineMetrics
 from .outputs import StepOutputs
 from .resident import ResidentModel
-from .scheduler import BatchShape, RunningBatch, Scheduler, grown, key_of
+from .scheduler import Admission, BatchShape, RunningBatch, Scheduler, grown, key_of
 
 log = logging.getLogger("devmap.serving")
 
@@ -130,7 +130,7 @@ class BatchRunner:
                 joining = []
                 if self._unloaded(resident, jobs):
                     break
-                admission = self._admission(batch, running, eos, trace, clock)
+                admission, free = self._admission(batch, running, eos, trace, clock)
                 if admission.stop:
                     stopped = True
                     break
@@ -141,11 +141,11 @@ class BatchRunner:
                     now = time.perf_counter()
                     for job in joining:
                         job.resumed = False
-                        trace.admitted[id(job)] = (now, len(batch.free_rows()))
+                        trace.admitted[id(job)] = (now, free)
                     jobs.extend(joining)
                     joining = [job for job in joining if not job.finished]
                     self.metrics.joined.inc(len(joining))
-                self.metrics.running.set(shape.rows - len(batch.free_rows()) + len(joining))
+                self.metrics.running.set(shape.rows - free + len(joining))
                 clock.mark("schedule")
             if outcome.failure is None:
                 self._hand_back(batch, batch.collect(everything=True, scored=True), eos, trace)
@@ -165,14 +165,15 @@ class BatchRunner:
         return outcome
 
     def _admission(self, batch: ContinuousBatch, running: RunningBatch, eos: frozenset[int], trace: BatchTrace,
-                   clock: PhaseClock) -> Any:
-        """The scheduler's word before the next step; while every row is free, the batch waits (a little) for
-        clients coming back instead of ending."""
+                   clock: PhaseClock) -> tuple[Admission, int]:
+        """The scheduler's word before the next step, and the batch's free rows it was given; while every row is
+        free, the batch waits (a little) for clients coming back instead of ending."""
         while True:
             self.pull(0.0)
-            admission = self.scheduler.admit(running, len(batch.free_rows()), time.perf_counter())
+            free = len(batch.free_rows())
+            admission = self.scheduler.admit(running, free, time.perf_counter())
             if admission.wait_until is None:
-                return admission
+                return admission, free
             # every row is free: their clients get their last tokens, and are likely on their way back; waiting a
             # little for them keeps the batch and its captured steps instead of starting anew
             self._hand_back(batch, batch.collect(everything=True, scored=True), eos, trace)

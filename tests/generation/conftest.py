@@ -135,3 +135,30 @@ def tritons_interpreter():
                               capture_output=True, text=True, timeout=600)
 
     return run
+
+
+def _scored_run(model: torch.nn.Module, reqs: list, *, rows: int, first_slot: int, cache_len: int, top: int | None,
+                split_layers: list[int] | None = None) -> dict:
+    """Each request's (token, score) pairs from a continuous batch that scores its tokens (`top` alternatives; None:
+    no scores), the requests joining as rows free up."""
+    from devmap.generation.continuous import continuous_batch
+
+    got = {r.owner: [] for r in reqs}
+    waiting = list(reqs)
+    with continuous_batch(model, rows=rows, first_slot=first_slot, cache_len=cache_len, split_layers=split_layers,
+                          scores=top) as batch:
+        joining, waiting = waiting[:rows], waiting[rows:]
+        while batch.step(joining):
+            for owner, token, score in batch.collect(scored=True):
+                got[owner].append((token, score))
+            free = len(batch.free_rows())
+            joining, waiting = waiting[:free], waiting[free:]
+        for owner, token, score in batch.collect(everything=True, scored=True):
+            got[owner].append((token, score))
+    return got
+
+
+@pytest.fixture(scope="package")
+def scored_run():
+    """scored_run(model, reqs, rows=, first_slot=, cache_len=, top=, split_layers=) (see `_scored_run`)."""
+    return _scored_run

@@ -405,32 +405,14 @@ def test_steps_carry_prompts_by_default_where_the_weights_bound_them(monkeypatch
             assert batch.mixing is rides
 
 
-def scored_run(model, reqs, rows, first_slot, cache_len, top, split=2):
-    """Each request's (token, score) pairs from a continuous batch that scores its tokens, the requests joining as
-    rows free up."""
-    got = {r.owner: [] for r in reqs}
-    waiting = list(reqs)
-    with continuous_batch(model, rows=rows, first_slot=first_slot, cache_len=cache_len, split_layers=[split],
-                          scores=top) as batch:
-        joining, waiting = waiting[:rows], waiting[rows:]
-        while batch.step(joining):
-            for owner, token, score in batch.collect(scored=True):
-                got[owner].append((token, score))
-            free = len(batch.free_rows())
-            joining, waiting = waiting[:free], waiting[free:]
-        for owner, token, score in batch.collect(everything=True, scored=True):
-            got[owner].append((token, score))
-    return got
-
-
-def test_scored_tokens_carry_the_log_softmax_of_the_models_logits(model, tiny_llama):
+def test_scored_tokens_carry_the_log_softmax_of_the_models_logits(model, tiny_llama, scored_run):
     """Every token of a scoring batch (joiners' first tokens from their prefills or riding steps, and the decode
     steps') comes with its log-probability and the top 3 alternatives', those of transformers' logits for the
     request's tokens so far; greedy tokens are the most likely."""
     torch.manual_seed(0)
     reference = tiny_llama()  # the same weights, without joined projections: transformers' own forward
     reqs = requests(7, seed=4)
-    got = scored_run(model, reqs, rows=3, first_slot=16, cache_len=40, top=3)
+    got = scored_run(model, reqs, rows=3, first_slot=16, cache_len=40, top=3, split_layers=[2])
     for request in reqs:
         pairs = got[request.owner]
         assert len(pairs) == request.max_new_tokens
@@ -444,6 +426,6 @@ def test_scored_tokens_carry_the_log_softmax_of_the_models_logits(model, tiny_ll
             assert abs(value - row[token].item()) < 1e-4
             assert [t for t, _ in top] == best.indices.tolist()
             assert max(abs(v - b) for (_, v), b in zip(top, best.values.tolist())) < 1e-4
-    plain = scored_run(model, reqs, rows=3, first_slot=16, cache_len=40, top=None)
+    plain = scored_run(model, reqs, rows=3, first_slot=16, cache_len=40, top=None, split_layers=[2])
     assert all(score is None for pairs in plain.values() for _, score in pairs)
     assert {o: [t for t, _ in p] for o, p in plain.items()} == {o: [t for t, _ in p] for o, p in got.items()}

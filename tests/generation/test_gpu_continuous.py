@@ -115,11 +115,9 @@ def test_compiled_steps_over_a_batchs_first_rows_compile_nothing_more_and_give_t
 
 
 @JOINS
-def test_scored_steps_on_one_gpu_carry_the_log_softmax_of_transformers_logits(riding):
+def test_scored_steps_on_one_gpu_carry_the_log_softmax_of_transformers_logits(riding, scored_run):
     """A scoring batch on a GPU (captured steps, joiners prefilled or riding): every token's log-probability and top
     3 alternatives are those of transformers' logits for the request's tokens so far (fp32)."""
-    from devmap.generation.continuous import continuous_batch
-
     torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
     torch.manual_seed(11)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to("cuda:0").eval()
@@ -127,17 +125,7 @@ def test_scored_steps_on_one_gpu_carry_the_log_softmax_of_transformers_logits(ri
     g = torch.Generator().manual_seed(3)
     reqs = [SlotRequest(torch.randint(3, 1000, (int(n),), generator=g).tolist(), 7, i)
             for i, n in enumerate(torch.randint(3, 30, (7,), generator=g))]
-    got = {r.owner: [] for r in reqs}
-    waiting = list(reqs)
-    with continuous_batch(placed, rows=4, first_slot=32, cache_len=48, scores=3) as batch:
-        joining, waiting = waiting[:4], waiting[4:]
-        while batch.step(joining):
-            for owner, token, score in batch.collect(scored=True):
-                got[owner].append((token, score))
-            free = len(batch.free_rows())
-            joining, waiting = waiting[:free], waiting[free:]
-        for owner, token, score in batch.collect(everything=True, scored=True):
-            got[owner].append((token, score))
+    got = scored_run(placed, reqs, rows=4, first_slot=32, cache_len=48, top=3)
     for request in reqs:
         pairs = got[request.owner]
         ids = torch.tensor([request.prompt + [token for token, _ in pairs]], device="cuda:0")
