@@ -18,8 +18,9 @@ in the same run).
 `--gpus 1,2,4` serves each devmap system on the machine's first 1, 2 and 4 GPUs in turn (CUDA_VISIBLE_DEVICES, the
 same checkpoint), rows named `SYSTEM/NgpuS`, each with its ratio to the same system on one GPU at the same client count;
 such a row's floor knows the pipeline: per round every stage reads its weights once per lane and its lanes' KV cache,
-so a round of S stages and L lanes takes at least (L × W / S + KV / S) / bandwidth for weights W and the running
-requests' cache KV (L = S unless `--devmap-args` sets `--lanes`).
+and each lane goes through the stages one after the other, so a round of S stages and L lanes holding requests takes at
+least max(L × W / S + KV / S, W + KV / L) / bandwidth for weights W and the running requests' cache KV (L: the lanes
+the clients fill at `--max-batch` rows each, at most S unless `--devmap-args` sets `--lanes`).
 Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each devmap server once
 more after its runs, for a restart's time with the compile caches on disk that its first start filled.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its release does
@@ -317,13 +318,14 @@ def quantized_copy(model: str, path: Path, scheme: str) -> Path:
 
 def floor_seconds(row: dict[str, Any], weights: int, kv_per_token: int, bandwidth: float, new: int, stages: int = 1,
                   lanes: int = 1) -> float | None:
-    """The least time a decode step (a round of every lane) of this load can take: on each of `stages` GPUs, its share
-    of the weights read once per lane and its share of every running request's KV cache (mean prompt + half the new
-    tokens) read once, from HBM."""
+    """The least time a decode step (a round of every lane) of this load can take, from HBM: each of `stages` GPUs
+    reads its share of the weights once per lane that holds requests and its share of every running request's KV
+    cache (mean prompt + half the new tokens); and a lane's step goes through every stage one after the other, reading
+    all the weights and its own requests' KV cache."""
     if row.get("mean_prompt_tokens") is None:
         return None
     kv = row["clients"] * (row["mean_prompt_tokens"] + new / 2) * kv_per_token
-    return (lanes * weights / stages + kv / stages) / bandwidth
+    return max(lanes * weights / stages + kv / stages, weights + kv / lanes) / bandwidth
 
 
 def gpu_counts(system: str, counts: list[int] | None) -> list[int | None]:
@@ -331,10 +333,14 @@ def gpu_counts(system: str, counts: list[int] | None) -> list[int | None]:
     return list(counts) if counts and system.startswith("devmap") else [None]
 
 
-def lanes_of(devmap_args: str, gpus: int) -> int:
-    """The lanes devmap serve runs on `gpus` GPUs: `--lanes N` in its flags, else one per stage."""
+def lanes_of(devmap_args: str, gpus: int, clients: int) -> int:
+    """The lanes holding requests when devmap serve runs `clients` clients on `gpus` GPUs: as many as the clients
+    fill at `--max-batch` rows each (joiners fill the first lanes first), of `--lanes N` in its flags, else one per
+    stage."""
     words = devmap_args.split()
-    return int(words[words.index("--lanes") + 1]) if "--lanes" in words else gpus
+    lanes = int(words[words.index("--lanes") + 1]) if "--lanes" in words else gpus
+    per_lane = int(words[words.index("--max-batch") + 1]) if "--max-batch" in words else 64
+    return max(1, min(lanes, -(-clients // per_lane)))
 
 
 def transformers_command(path: Path, port: int) -> list[str]:
@@ -435,7 +441,7 @@ def main() -> None:
                         row["server_ttft_p99"] = server_ttft_p99(before, after)
                     stages = gpus or 1
                     floor = floor_seconds(row, read.get(system, weights), kv_per_token, bandwidth, args.new, stages,
-                                          lanes_of(args.devmap_args, stages) if stages > 1 else 1)
+                                          lanes_of(args.devmap_args, stages, clients) if stages > 1 else 1)
                     rows.setdefault(name, []).append({**row, "cold_start_s": cold, "floor_s": floor,
                                                       "hbm_bytes_per_s": bandwidth, "gpus": gpus})
                     # batch sizes, first-token times: as the server saw them

@@ -22,7 +22,7 @@ from .output import echo_json, table
                    "optimizer state (train), on the devices of the blocks that hold them.")
 @click.option("--batch", default=None, type=click.IntRange(min=1),
               help="With --for: rows per batch (default 1). With --for serve: the most rows a batch may have, as "
-                   "devmap serve's --max-batch (default 64); the plan gets as many as fit.")
+                   "devmap serve's --max-batch (default 64) per lane; the plan gets as many as fit.")
 @click.option("--seq-len", default=None, type=click.IntRange(min=1),
               help="With --for on a LLaMA-style model: tokens per row (prompt + new tokens). With --for serve: "
                    "cache tokens per row (default: what devmap serve's default limits need on this model).")
@@ -81,12 +81,14 @@ def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None,
         if rows is not None:
             data["layers"] = [r.to_dict() for r in rows]
         if serving is not None:
-            data["serving"] = {"max_batch": serving.rows, "cache_tokens_per_row": serving.cache_len}
+            data["serving"] = {"max_batch": serving.rows, "lanes": serving.lanes,
+                               "cache_tokens_per_row": serving.cache_len}
         echo_json(data)
         return
     click.echo(render_plan(result))
     if serving is not None:
-        click.echo(f"Serves batches of up to {serving.rows} rows of {serving.cache_len} cache tokens each "
+        lanes = f" in {serving.lanes} lanes" if serving.lanes > 1 else ""
+        click.echo(f"Serves batches of up to {serving.rows} rows{lanes} of {serving.cache_len} cache tokens each "
                    "(devmap serve plans each load so).")
     if rows is not None:
         from devmap.planning.memory import format_bytes

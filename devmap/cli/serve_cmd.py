@@ -21,7 +21,8 @@ from .options import load_options
 @click.option("--api-key", default=None, envvar="DEVMAP_API_KEY",
               help="Bearer key every request must send (or DEVMAP_API_KEY).")
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Most requests in one continuous batch (its rows).")
+              help="Most requests in one lane of a continuous batch: a batch over S pipeline stages runs S lanes, "
+                   "up to S times this many rows.")
 @click.option("--batch-wait-ms", default=5.0, show_default=True, type=click.FloatRange(min=0),
               help="A batch takes requests until none has come for this long.")
 @click.option("--max-batch-wait-ms", default=50.0, show_default=True, type=click.FloatRange(min=0),
@@ -58,7 +59,9 @@ from .options import load_options
 @click.option("--unload-drain", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds an unloaded model's running requests may still take (DELETE /v1/models/{id} refuses new "
                    "ones at once); those left then end with a 503.")
-@click.option("--lanes", default=None, type=click.IntRange(min=1), help="Micro-batches in flight (default: stages).")
+@click.option("--lanes", default=None, type=click.IntRange(min=1),
+              help="Lanes (micro-batches) of each batch, each of up to --max-batch rows (default: the model's "
+                   "pipeline stages).")
 @click.option("--compile/--no-compile", "compile_steps", default=None,
               help="torch.compile each model's decode and prefill steps (fused kernels, one compile for all shapes, at "
                    "load: see docs/serving.md). Default: on where every block is on a GPU and the weights are "
@@ -110,10 +113,12 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
             click.echo(f"loading {path.name} (on GPUs its decode and prefill steps compile once now: a minute or "
                        "more, less with inductor's on-disk cache; --no-compile skips it)", err=True)
             described = engine.load(str(path), under_root=False)
+            lanes = f" in {described['lanes']} lanes" if described["lanes"] > 1 else ""
             click.echo(f"loaded {described['id']} from {path} onto "
                        f"{', '.join(sorted(set(described['device_map'].values())))}: batches of up to "
-                       f"{described['max_batch']} rows of {described['cache_tokens_per_row']} cache tokens (more rows "
-                       f"of shorter caches), steps {'compiled' if described['compiled'] else 'captured eagerly'}; "
+                       f"{described['max_batch']} rows{lanes} of {described['cache_tokens_per_row']} cache tokens "
+                       f"(more rows of shorter caches), steps "
+                       f"{'compiled' if described['compiled'] else 'captured eagerly'}; "
                        + ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in described["load_seconds"].items()),
                        err=True)
     except ServiceError as exc:

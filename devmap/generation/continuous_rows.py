@@ -7,7 +7,6 @@ between the lanes' steps.
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Any
 
@@ -46,6 +45,7 @@ class ContinuousBatch:
         # (step, event, host tokens, [(row, request, index in the tokens)]) for joining requests' first tokens
         self.pending: list[list[tuple[int, Any, torch.Tensor, Any]]] = [[] for _ in run.lanes]
         self.steps = 0
+        self.last_step = [0 for _ in run.lanes]  # per lane, the last step it ran in (a lane nobody holds sits out)
         self.mixing = mixing  # joiners ride in the decode steps (every layer joined: `CausalLMStages.mixes`)
         self.packs = Packs(run, entries, cache, cache_len)
         self.joins: JoinApart | Riding = Riding(self, self.packs) if mixing else JoinApart(self, self.packs)
@@ -71,8 +71,9 @@ class ContinuousBatch:
 
     @torch.no_grad()
     def step(self, joining: list[SlotRequest] | None = None) -> bool:
-        """Start `joining` in free rows (each fitting: see `check`), then issue one decode step of every lane. False,
-        and nothing issued, when no row is held and none joins: the batch has drained.
+        """Start `joining` in free rows (each fitting: see `check`), then issue one decode step of every lane with rows
+        to decode (a lane nobody holds sits the step out). False, and nothing issued, when no row is held and none
+        joins: the batch has drained.
 
         A step that fails raises `StepFailed` naming the owners whose prompts ran in it (its suspects); the batch is
         not to be stepped again (its rows may be half joined), but `collect(everything=True)` still hands back
@@ -108,6 +109,13 @@ class ContinuousBatch:
         self.stats["joined"] += len(joining) if step > 1 else 0
         self.stats["join_seconds"] += time.perf_counter() - began
         for k, lane in enumerate(self.run.lanes):
+            if not running[k] and k not in riders:
+                continue  # nobody's rows: the lane sits the step out (its slot catches up when a request joins it)
+            if self.last_step[k] != step - 1:
+                for j, lane_cache in enumerate(lane.caches):
+                    with self.run.on(j):
+                        lane_cache.place_at(slot)
+            self.last_step[k] = step
             rows = computed_rows(running[k][-1] if running[k] else -1, lane.ids.shape[0])
             if k in riders:
                 logits, first, first_host = self.joins.ride(k, riders[k], rows, slot)
@@ -168,9 +176,11 @@ class ContinuousBatch:
                 inputs.vacate(r)
 
     def free_rows(self) -> list[tuple[int, int]]:
-        """(lane, row) of every free row, the lanes taking turns (joiners spread over the lanes)."""
-        free = [[(k, r) for r, row in enumerate(lane) if row.issued_to is None] for k, lane in enumerate(self.rows)]
-        return [item for turn in itertools.zip_longest(*free) for item in turn if item is not None]
+        """(lane, row) of every free row, lane after lane: joiners fill the first lanes first. A decode step is bound by
+        reading its stage's weights, so a lane's step over few rows costs about what one over many costs: at equal rows
+        in flight, a lane of all of them issues half the steps of two half-full lanes (which gain nothing over it on
+        the GPUs, each reading its weights once per lane), and the lanes nobody holds sit out."""
+        return [(k, r) for k, lane in enumerate(self.rows) for r, row in enumerate(lane) if row.issued_to is None]
 
     def finish(self, k: int, logits: torch.Tensor, step: int) -> None:
         """The lane's next tokens (on the last stage's stream): to the host, and to stage 0 for the next step."""

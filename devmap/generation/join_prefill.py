@@ -1,7 +1,8 @@
 """Requests joining a continuous batch between two decode steps: their prompts are prefilled through every stage
 packed end to end (`joins`: a captured step per pack width), each prompt's keys and values copied into its row's
 columns right before the lanes' shared cache slot, its row's mask and position offset reset on every stage, and
-its first token put in place of the row's input for the next step. Stage j runs pack g while stage j + 1 runs
+its first token put in place of the row's input for the next step (on stage 0's receive stream, so that no stage's
+compute waits for the prefill's last stage but the joiners' lane's next step). Stage j runs pack g while stage j + 1 runs
 g - 1.
 """
 
@@ -16,7 +17,7 @@ from .lane_cache import LaneCache
 from .lane_runner import record_event
 from .packs import Packs
 from .row_types import SlotRequest
-from ..pipelining.streams import hand_off, to_host
+from ..pipelining.streams import scatter_later, to_host
 
 
 class JoinApart:
@@ -58,19 +59,16 @@ class JoinApart:
         with run.on(last) as compute:
             tokens = torch.cat(chosen) if len(chosen) > 1 else chosen[0]
             host = to_host(torch.cat(payloads) if len(payloads) > 1 else payloads[0])
+            firsts = {k: tokens.index_select(0, on_device([place for place, _ in items], tokens.device))
+                      for k, items in per_lane.items()}
             event = record_event(compute)
         for k, items in per_lane.items():
             batch.pending[k].append((step, event, host, [(row, joining[order[place]][0], place)
                                                          for place, row in items]))
-        with run.on(0) as first:  # after each lane's last tokens reached stage 0, its joined rows' are replaced
-            device = batch.s.stages[0].device
-            moved = hand_off(tokens, event, device, 0, run.streams, first) if first is not None else tokens.to(device)
-            for k, items in per_lane.items():
-                if first is not None and lanes[k].token_ready is not None:
-                    first.wait_event(lanes[k].token_ready)
-                index = on_device([place for place, _ in items], device)
-                rows = on_device([row for _, row in items], device)
-                lanes[k].steps[0].static_in.view(-1).index_copy_(0, rows, moved.index_select(0, index))
+            # after the lane's last tokens reached stage 0, its joined rows' replace them, on stage 0's receive stream:
+            # its compute stream goes on with the other lanes' work meanwhile
+            lanes[k].token_ready = scatter_later(lanes[k].steps[0].static_in.view(-1), [row for _, row in items],
+                                                 firsts[k], event, 0, run.streams, after=lanes[k].token_ready)
         for request, k, row in joining:
             batch.rows[k][row].issued_to, batch.rows[k][row].to_issue = request.owner, request.max_new_tokens
             batch.count_issued(k, [row])  # the first token

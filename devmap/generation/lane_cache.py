@@ -50,6 +50,12 @@ class LaneCache:
         self.slot.fill_(prompt_len % self.max_len)
         self.tick.fill_(prompt_len)
 
+    def place_at(self, tick: int) -> None:
+        """The next decode step writes column `tick` (counted without wrapping; issued on the current stream): a lane
+        that sat out steps of its batch catches up with the others' slot."""
+        self.slot.fill_(tick % self.max_len)
+        self.tick.fill_(tick)
+
     def advance(self) -> None:
         """The next slot (the end of a decode step; wraps around)."""
         self.slot.add_(1).remainder_(self.length)

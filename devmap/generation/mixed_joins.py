@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..pipelining.streams import hand_off, to_host
+from ..pipelining.streams import scatter_later, to_host
 from .four_bit_linear import FourBitLinear
 from .packs import Packs, onto
 from .joins import on_device, pack_width, pack_widths, prompt_columns, to_device
@@ -149,13 +149,10 @@ class Riding:
             event = record_event(compute)
         joined = [(row, request, i) for i, (request, row) in enumerate(riders)]
         self.batch.pending[k].append((step, event, host, joined))
-        target = lane.steps[0].static_in.view(-1)
-        with run.on(0) as stream:
-            moved = hand_off(first, event, target.device, 0, run.streams, stream) if stream is not None else \
-                first.to(target.device)
-            if stream is not None and lane.token_ready is not None:
-                stream.wait_event(lane.token_ready)
-            target.index_copy_(0, on_device([row for _, row in riders], target.device), moved)
+        # on stage 0's receive stream after the rows' own tokens: its compute stream goes on with the other lanes'
+        # steps meanwhile (waiting there for this lane's last stage serialized the GPUs)
+        lane.token_ready = scatter_later(lane.steps[0].static_in.view(-1), [row for _, row in riders], first, event,
+                                         0, run.streams, after=lane.token_ready)
         self.batch.count_issued(k, [row for _, row in riders])  # the first token
 
     def capture(self) -> None:

@@ -12,6 +12,7 @@ Ownership of what crosses streams (who writes, who reads, what makes reuse safe)
 | a graph's fixed input (`GraphedStep.static_in`, positions, masks) | the reader's compute stream, or its receive stream after the writer's event | the replay, on the compute stream | the next write for the same (stage, lane) depends, through events, on the token of the step that read it, which needs that replay done |
 | graph pools | replays of one stage's graphs | the same stage's compute stream | one pool per stage (`StepCache.pool`): graphs sharing a pool never run at the same time |
 | a joining pack's scratch cache (one per stage, every width's) | its stage's prefill | `take_prompts`, on the same stream | the packs use it one after another on that stream |
+| a joiner's first token (`scatter_later`) | the last stage's compute stream | stage 0's receive stream, which writes it into the lane's fixed input after the lane's own tokens | the receive stream orders both writes; the lane's next step waits for the returned event |
 | pinned host copies (`to_host`) | a copy on the producer's stream | the host, after the copy's event | the host waits for the event before reading; PyTorch's pinned allocator waits for the copy before reuse |
 
 DEVMAP_STREAM_CHECK=1 (or a number of GPU clock cycles) checks this rule at run time on GPUs: every reader stream
@@ -138,6 +139,31 @@ def copy_later(dst: torch.Tensor, src: torch.Tensor, event: Any, stage: int, str
         return None
     ready = torch.cuda.Event()
     ready.record(_copy_on_side_streams(dst, src, event, stage, streams))
+    return ready
+
+
+def scatter_later(dst: torch.Tensor, rows: list[int], src: torch.Tensor, event: Any, stage: int,
+                  streams: StreamSet, after: Any = None) -> Any:
+    """`dst[rows] = src` once `event` fires (and after `after`, an event of the same receive stream, e.g. an earlier
+    `copy_later` into `dst`), on side streams only: the copy waits for src, never a compute stream for it. Returns
+    an event for the reader to wait on before it reads `dst` (None off GPUs, where the write is done on return).
+
+    A row's first token from a joining prefill goes to stage 0 so: stage 0's compute stream waiting for it would hold
+    up the other lanes' work queued there (the joiners' lane waits for it anyway, right before its next step)."""
+    if not dst.is_cuda:
+        dst.index_copy_(0, torch.tensor(rows, dtype=torch.long), src.to(dst.device))
+        return None
+    recv = streams.get("recv", stage, dst.device)
+    if after is not None:
+        recv.wait_event(after)
+    with torch.cuda.stream(recv):  # the buffers belong to the receive stream, which alone uses them
+        moved = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
+        index = torch.tensor(rows, dtype=torch.long, pin_memory=True).to(dst.device, non_blocking=True)
+    _copy_on_side_streams(moved, src, event, stage, streams)
+    with torch.cuda.stream(recv):
+        dst.index_copy_(0, index, moved)
+    ready = torch.cuda.Event()
+    ready.record(recv)
     return ready
 
 

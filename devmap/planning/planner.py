@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Union
 
+import re
+
 import torch
 from torch import nn
 
@@ -23,6 +25,7 @@ from .workload import Workload
 from .quantization import (Quantization, check_placement, extra_bytes, quantized_weights, resolve_quantization,
                            special_dtypes)
 
+LAYER_ENTRY = re.compile(r"(^|\.)layers\.\d+$")  # a device-map entry placing one decoder layer
 
 
 @dataclass
@@ -110,6 +113,13 @@ class Plan:
             else:
                 runs.append(Run(name, name, label, 1))
         return runs
+
+    @property
+    def stages(self) -> int:
+        """The pipeline stages a causal LM's decoder layers run in (`generation.CausalLMStages` splits them the same
+        way): runs of consecutive `layers.N` entries on one device; 1 where no entry places a decoder layer alone."""
+        devices = [device_label(device) for name, device in self.device_map.items() if LAYER_ENTRY.search(name)]
+        return max(1, sum(1 for i, device in enumerate(devices) if i == 0 or devices[i - 1] != device))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON: device_map (HF style: GPU index, "cpu", "disk") and per-device usage."""

@@ -51,7 +51,7 @@ class Batches(Protocol):
 
 
 class ModelBatches:
-    """The model's own continuous batches, with the engine's limits (lanes, riding, kept shapes)."""
+    """The model's own continuous batches in its lanes, with the engine's limits (riding, kept shapes)."""
 
     def __init__(self, limits: EngineLimits) -> None:
         self.limits = limits
@@ -60,7 +60,7 @@ class ModelBatches:
              scores: int | None) -> ContextManager[ContinuousBatch]:
         keep_shapes(resident.model, self.limits.graph_shapes)
         return continuous_batch(resident.model, rows=shape.rows, first_slot=shape.first_slot,
-                                cache_len=shape.cache_len, lanes=self.limits.lanes, sampling=sampling,
+                                cache_len=shape.cache_len, lanes=resident.lanes, sampling=sampling,
                                 compile=resident.compiled, kv_room=resident.kv_room, riding=self.limits.riding,
                                 scores=scores)
 

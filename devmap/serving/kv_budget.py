@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KVBudget:
-    """`rows` rows of `cache_len` cache tokens each: what a model's serving plan holds in KV caches."""
+    """`rows` rows of `cache_len` cache tokens each: what a model's serving plan holds in KV caches; its batches run
+    in `lanes` lanes (one per pipeline stage), each of up to the service's `max_batch` rows."""
 
     rows: int
     cache_len: int
+    lanes: int = 1
 
     @property
     def tokens(self) -> int:

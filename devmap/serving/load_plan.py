@@ -1,9 +1,11 @@
 """What a service plans for each model it loads: the model's weights plus the KV cache and activations of its
 largest batch, so that a model the service admits never runs out of memory at that batch.
 
-A batch has at most the service's `max_batch` rows, or as many as fit beside the weights (`devmap.planning.rows_fit`:
-the most whose plan keeps as much of the model on the GPUs as its weights alone); each row's cache holds the
-longest cache a request within the limits may need (`scheduler.largest_cache`). Prompts join a running batch in
+A batch runs in lanes, one per pipeline stage of the weights' map (or the service's `--lanes`), so that every stage
+works on a lane of its own at once (as vLLM's pipeline-parallel engine keeps one scheduled batch per stage); each lane
+holds up to the service's `max_batch` rows. A batch has at most lanes × `max_batch` rows, or as many as fit beside the
+weights (`devmap.planning.rows_fit`: the most whose plan keeps as much of the model on the GPUs as its weights alone);
+each row's cache holds the longest cache a request within the limits may need (`scheduler.largest_cache`). Prompts join a running batch in
 packs (`generation.joins`): the plan counts the largest pack's prefill and the scratch cache its keys and values
 pass through, not a prefill of every row at once, and the hidden states every captured pack width keeps.
 `devmap serve` and `devmap plan --for serve` plan through here, so both show the same plan.
@@ -25,11 +27,13 @@ from .scheduler import largest_cache
 
 @dataclass(frozen=True)
 class ServingPlan:
-    """The rows of a model's largest batch, the cache tokens of each row, and the plan that holds them."""
+    """The rows of a model's largest batch, the cache tokens of each row, the plan that holds them, and the lanes its
+    batches run in (each up to the service's `max_batch` rows)."""
 
     rows: int
     cache_len: int
     plan: Plan
+    lanes: int = 1
 
 
 def plan_serving(model_source: Any, limits: EngineLimits, plan_with: Callable[[Workload | None], Plan],
@@ -44,14 +48,19 @@ def plan_serving(model_source: Any, limits: EngineLimits, plan_with: Callable[[W
     if cache_len is None:
         cache_len = largest_cache(limits.scheduling(), limits.max_prompt_tokens, limits.max_new_tokens, context)
 
+    weights: list[Plan] = []
+
     def plan_for(rows: int | None) -> Plan:
         if rows is None:
-            return plan_with(None)
+            if not weights:
+                weights.append(plan_with(None))
+            return weights[0]
         joining = -(-pack_limit(cache_len, rows) // cache_len)  # rows of cache_len tokens holding the largest pack
         captured = sum(pack_widths(pack_limit(cache_len, rows)))
         return plan_with(parse_workload("serve", causal_lm=True, context=context, batch=rows, seq_len=cache_len,
-                                        chunks=min(limits.lanes or 1, rows), prefill_rows=min(joining, rows),
+                                        chunks=min(lanes, rows), prefill_rows=min(joining, rows),
                                         captured_tokens=captured))
 
-    rows, plan = rows_that_fit(plan_for, limits.max_batch)
-    return ServingPlan(rows, cache_len, plan)
+    lanes = limits.lanes or plan_for(None).stages
+    rows, plan = rows_that_fit(plan_for, limits.max_batch * lanes)
+    return ServingPlan(rows, cache_len, plan, lanes)

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from .errors import DoesNotFit, ModelNotFound, ModelUnloading, ServiceError
 from .limits import EngineLimits
 from .load_phases import LoadPhases
 from .resident import ResidentModel
+
+if TYPE_CHECKING:
+    from .load_plan import ServingPlan
 
 log = logging.getLogger("devmap.serving")
 
@@ -83,11 +86,10 @@ class ModelRegistry:
             phases = LoadPhases()
             try:
                 with phases.timed("plan"):
-                    rows, cache_len, workload = self._serving_plan(path, device_map or self.device_map, budget,
-                                                                   dtype or self.dtype)
+                    serving = self._serving_plan(path, device_map or self.device_map, budget, dtype or self.dtype)
                 with phases.timed("weights"):
                     model = load(str(path), device_map or self.device_map, budget, dtype or self.dtype,
-                                 quantization=self.quantization, workload=workload)
+                                 quantization=self.quantization, workload=serving.plan.workload)
             except DoesNotFitError as exc:
                 raise DoesNotFit(f"{model_id} does not fit in what the service's budget has left: {exc}") from None
             except DevmapError as exc:
@@ -100,7 +102,7 @@ class ModelRegistry:
                     tokenizer = load_tokenizer(path)
                 context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
                 with phases.timed("compile"):
-                    compiled = _compiled(model, self.limits, model.devmap_plan.quantization, rows, context)
+                    compiled = _compiled(model, self.limits, model.devmap_plan.quantization, serving.rows, context)
             except BaseException:
                 _free(model)
                 raise
@@ -110,7 +112,8 @@ class ModelRegistry:
                 id=model_id, path=path, model=model, tokenizer=tokenizer, created=int(time.time()),
                 context=context, vocab_size=model.get_input_embeddings().num_embeddings,
                 planned={usage.key: usage.total for usage in model.devmap_plan.devices.values()},
-                report=report, max_rows=rows, cache_len=cache_len, compiled=compiled,
+                report=report, max_rows=serving.rows, cache_len=serving.cache_len, lanes=serving.lanes,
+                compiled=compiled,
                 eos_ids=end_of_sequence_ids(model, tokenizer), load_seconds=phases.seconds,
             )
             self.add(resident)
@@ -125,15 +128,14 @@ class ModelRegistry:
                                    param="id")
             self._models[resident.id] = resident
 
-    def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> tuple[int, int, Any]:
-        """(rows, cache tokens per row, workload) of the largest batch the model will run within `budget`."""
+    def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> ServingPlan:
+        """The largest batch the model will run within `budget`: its rows, lanes, cache tokens per row, and plan."""
         from ..planning.models import resolve_source
         from ..planning.planner import plan
         from .load_plan import plan_serving
 
-        serving = plan_serving(resolve_source(str(path)), self.limits, lambda workload: plan(
+        return plan_serving(resolve_source(str(path)), self.limits, lambda workload: plan(
             str(path), device_map, budget, dtype, quantization=self.quantization, workload=workload))
-        return serving.rows, serving.cache_len, serving.plan.workload
 
     def planned(self) -> dict[DeviceKey, int]:
         """What the resident models' plans hold on each device at their largest batches."""

@@ -29,9 +29,10 @@ class ResidentModel:
     vocab_size: int  # token ids its embedding has rows for: a prompt's ids are below it
     planned: dict[DeviceKey, int]  # bytes per device (weights, KV cache, activations) at its largest batch
     report: dict[str, Any]
-    max_rows: int = 1  # rows its memory plan fits at `cache_len` (the service's max_batch at most); batches of
+    max_rows: int = 1  # rows its memory plan fits at `cache_len` (lanes × the service's max_batch at most); batches of
     # shorter caches hold more rows in the same KV tokens (`kv_budget`)
     cache_len: int = 0  # cache tokens per row its plan made room for
+    lanes: int = 1  # the lanes its batches run in, each up to the service's max_batch rows (`load_plan`)
     compiled: bool = False  # its decode steps run as torch.compile code (devmap.serving.warm_up)
     eos_ids: tuple[int, ...] = ()  # tokens that end a request (the model's generation config and its tokenizer)
     last_used: float = field(default_factory=time.monotonic)
@@ -48,8 +49,8 @@ class ResidentModel:
     @property
     def kv_budget(self) -> KVBudget:
         """The KV cache its plan made room for: `max_rows` rows of `cache_len` tokens, or more rows of shorter
-        caches."""
-        return KVBudget(self.max_rows, self.cache_len)
+        caches, in `lanes` lanes."""
+        return KVBudget(self.max_rows, self.cache_len, self.lanes)
 
     @property
     def kv_room(self) -> int:
@@ -63,7 +64,7 @@ class ResidentModel:
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "object": "model", "created": self.created, "owned_by": "devmap",
                 "path": str(self.path), "context_length": self.context, "vocab_size": self.vocab_size,
-                "max_batch": self.max_rows,
+                "max_batch": self.max_rows, "lanes": self.lanes,
                 "cache_tokens_per_row": self.cache_len, "kv_cache_tokens": self.kv_budget.tokens,
                 "compiled": self.compiled, "load_seconds": self.load_seconds,
                 "device_map": {k: str(v) for k, v in self.model.hf_device_map.items()}}

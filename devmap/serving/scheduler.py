@@ -103,12 +103,13 @@ def takes_joiners(job: Job) -> bool:
 
 
 def most_rows(job: Job, limits: SchedulerLimits, cache_len: int | None = None) -> int:
-    """The most rows a batch of the job's model takes: the service's `max_batch`, or fewer where the model's KV
-    budget holds fewer rows of `cache_len` tokens (None: of the longest cache its plan made room for)."""
+    """The most rows a batch of the job's model takes: the service's `max_batch` per lane of the model's batches, or
+    fewer where its KV budget holds fewer rows of `cache_len` tokens (None: of the longest cache its plan made room
+    for)."""
     if job.kv_budget is None:
         return limits.max_batch
     rows = job.kv_budget.rows if cache_len is None else job.kv_budget.rows_at(cache_len)
-    return min(limits.max_batch, rows)
+    return min(limits.max_batch * job.kv_budget.lanes, rows)
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -120,7 +121,9 @@ def batch_shape(jobs: list[Job], limits: SchedulerLimits, context: int, kept: Ba
                 takes_joiners: bool = True) -> BatchShape:
     """The shape of a batch starting with `jobs` on a model of `context` tokens (0: unbounded) whose largest shape so
     far is `kept`: rows a power of two (at least MIN_ROWS when it takes joiners), as many as the model's KV budget holds
-    at that cache length at most (the engine starts the first `rows` of `jobs`).
+    at that cache length at most (the engine starts the first `rows` of `jobs`). A batch that takes joiners has that
+    many rows in each of its model's lanes: the requests fill the first lane first (`ContinuousBatch.free_rows`), and
+    the others take the joiners that come beyond it.
 
     A row holds its request's tokens so far and the tokens it may still generate: `columns(job)` cache columns. The
     cache holds every starting row's columns, and is never longer than the context (a request admitted with prompt +
@@ -143,8 +146,10 @@ def batch_shape(jobs: list[Job], limits: SchedulerLimits, context: int, kept: Ba
         slot = max(longest, min(slot, cache - longest_budget + 1))
     fewest = 1 << (len(jobs) - 1).bit_length()
     most = most_rows(jobs[0], limits, cache)
-    rows = min(most, max(MIN_ROWS, fewest, kept.rows)) if takes_joiners else min(fewest, most)
-    return BatchShape(rows, slot, cache)
+    if not takes_joiners:
+        return BatchShape(min(fewest, most), slot, cache)
+    lanes = jobs[0].kv_budget.lanes if jobs[0].kv_budget is not None else 1
+    return BatchShape(min(most, lanes * max(MIN_ROWS, fewest, kept.rows // lanes)), slot, cache)
 
 
 def columns(job: Job) -> int:

@@ -54,6 +54,35 @@ def test_joined_requests_get_the_tokens_of_generating_alone(model, run, together
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
+def test_a_lane_nobody_holds_sits_out_and_catches_up_when_a_request_joins_it(model):
+    """Two lanes over two stages: while one request holds a row of lane 0, lane 1 issues nothing (its stage 0 step
+    would delay lane 0's next one); a request joining lane 1 ten steps later decodes from the batch's slot, with the
+    tokens of generating alone."""
+    first, late = SlotRequest(list(range(3, 10)), 16, "first"), SlotRequest(list(range(20, 29)), 5, "late")
+    got = {"first": [], "late": []}
+    with continuous_batch(model, rows=2, first_slot=12, cache_len=40, lanes=2, split_layers=[2],
+                          graphs=False) as batch:
+        issued = []
+        decode_step = batch.run.decode_step
+        batch.run.decode_step = lambda lane, steps=None: issued.append(batch.run.lanes.index(lane)) or \
+            decode_step(lane, steps)
+        batch.step([first])
+        for _ in range(9):
+            batch.step([])
+        assert issued[-9:] == [0] * 9 and batch.free_rows() == [(1, 0)]  # lane 1 sat out
+        batch.step([late])
+        while batch.step([]):
+            for owner, token in batch.collect():
+                got[owner].append(token)
+                if len(got[owner]) == (16 if owner == "first" else 5):
+                    batch.release(owner)
+        for owner, token in batch.collect(everything=True):
+            got[owner].append(token)
+    assert 1 in issued
+    for r in (first, late):
+        assert got[r.owner][:r.max_new_tokens] == alone(model, r.prompt, r.max_new_tokens), r.owner
+
+
 def test_a_request_joins_while_others_still_decode(model, run):
     long = SlotRequest(list(range(3, 10)), 20, "long")
     short = SlotRequest(list(range(20, 24)), 2, "short")

@@ -97,3 +97,22 @@ def test_batches_stay_within_the_rows_and_kv_room_the_plan_made(model_root):
     assert kept.kept_bytes <= resident.kv_room
     planned = next(line for line in metrics.splitlines() if line.startswith('devmap_device_memory_planned_bytes{'))
     assert 'device="cpu"' in planned and float(planned.split()[-1]) == resident.planned["cpu"]
+
+
+def test_a_service_plans_max_batch_rows_per_pipeline_stage_and_their_kv_on_every_gpu(model_root):
+    """Over two (simulated) GPUs a model's batches run in two lanes, each of up to max_batch rows: the plan holds
+    2 × max_batch rows, each GPU the KV cache of its own layers for all of them."""
+    path = model_root / "tiny"
+
+    def plan_with(workload, gpus=2):
+        return devmap.plan(str(path), "balanced", gpus=gpus, gpu_memory="1GiB", workload=workload)
+
+    two = plan_serving(resolve_source(str(path)), LIMITS, plan_with)
+    assert two.plan.stages == 2 and two.lanes == 2 and two.rows == 2 * LIMITS.max_batch
+    assert two.plan.workload.chunks == 2 and two.plan.workload.batch == two.rows
+    kv = {name: usage.kv_cache_bytes for name, usage in two.plan.devices.items()}
+    assert all(kv[name] > 0 for name in ("cuda:0", "cuda:1"))
+    one = plan_serving(resolve_source(str(path)), LIMITS, lambda workload: plan_with(workload, gpus=1))
+    assert one.plan.stages == 1 and one.lanes == 1 and one.rows == LIMITS.max_batch
+    told = plan_serving(resolve_source(str(path)), replace(LIMITS, lanes=3), plan_with)
+    assert told.lanes == 3 and told.rows == 3 * LIMITS.max_batch  # --lanes decides where given

@@ -191,6 +191,25 @@ def test_a_kv_budget_holds_more_rows_of_shorter_caches():
     assert s.admit(RunningBatch(key_of(many[0]), BatchShape(4, 32, 128), True), free=0, now=1.0).stop
 
 
+def test_a_batch_in_lanes_holds_max_batch_rows_per_lane():
+    """A model whose batches run in 2 lanes (two pipeline stages) takes 2 × max_batch rows: each stage works on a
+    lane as full as a one-GPU batch; the KV budget still bounds them."""
+    many = [job(0.0, prompt=4) for _ in range(20)]
+    for j in many:
+        j.kv_budget = KVBudget(rows=16, cache_len=128, lanes=2)
+    assert batch_shape(many, LIMITS, context=0, kept=BatchShape()).rows == 16  # 2 lanes × max_batch 8
+    assert batch_shape(many[:5], LIMITS, context=0, kept=BatchShape()).rows == 16  # a lane of 8 for them, one for joiners
+    assert batch_shape(many[:5], LIMITS, context=0, kept=BatchShape(), takes_joiners=False).rows == 8
+    started = scheduler(*many).start(1.0, last_done=0.0)
+    assert isinstance(started, Start) and len(started.jobs) == 16
+    for j in many:
+        j.kv_budget = KVBudget(rows=12, cache_len=128, lanes=2)
+    assert batch_shape(many, LIMITS, context=0, kept=BatchShape()).rows == 12  # the budget's rows at most
+    for j in many:
+        j.kv_budget = KVBudget(rows=64, cache_len=128, lanes=1)
+    assert batch_shape(many, LIMITS, context=0, kept=BatchShape()).rows == 8  # one lane: max_batch
+
+
 def test_the_join_token_limit_holds_at_its_boundary():
     """join_tokens=20: a first joiner of 8 tokens and a second of 12 make exactly 20 and join together; a second of
     13 waits for the next step."""
