@@ -5,8 +5,8 @@ are read once for both, and the rows never stop for a prefill of their own.
 A decode step of a large model's few dozen rows is bound by reading its weights: its products run far below the GPU's
 arithmetic pace, and a few hundred prompt tokens more cost little beside them. A prefill of its own reads every
 weight again and holds up every row while it runs. Joiners take their rows at once (no one else gets them) and wait
-in the batch's queue; each step carries queued prompts, oldest first, up to `riding_tokens` tokens (one prompt at
-least), each lane's in a pack of its own. A prompt's keys and values go into its row's columns right before the
+in the batch's queue; each lane's step carries its queued prompts, oldest first, up to `riding_tokens` tokens (one
+prompt at least), in a pack of its own. A prompt's keys and values go into its row's columns right before the
 next step's slot, and its first token comes out of the step beside the rows' next ones.
 
 Used when every decoder layer is joined (`joined_projections`: devmap runs those layers itself) and the model is large
@@ -30,7 +30,7 @@ from .lane_decode import computed_rows
 from .lane_runner import record_event
 from .row_types import SlotRequest
 
-RIDING_TOKENS = 512  # prompt tokens one step carries at most (one prompt at least): at 13B on an H200 the products
+RIDING_TOKENS = 512  # prompt tokens one lane's step carries at most (one prompt at least): at 13B on an H200 the products
 # of 32 rows plus 512 prompt tokens are bound by arithmetic (19 ms against 6.7 ms for the rows alone,
 # benchmarks/probes/product_rows.py); more would only lengthen the rows' steps while a wave of joiners comes in
 
@@ -101,18 +101,23 @@ class Riding:
             self.queued.append((request, k, row))
 
     def riders(self) -> dict[int, list[Rider]]:
-        """The queued joiners this step carries, per lane: the oldest, and the next ones while their prompts add up to
-        at most `riding_tokens`."""
-        taken, tokens = 0, 0
-        for request, _, _ in self.queued:
-            if taken and tokens + len(request.prompt) > self.riding_tokens:
-                break
-            taken, tokens = taken + 1, tokens + len(request.prompt)
+        """The queued joiners this step carries, per lane: each lane's oldest, and its next ones while their prompts
+        add up to at most `riding_tokens`. Each lane's step carries its own pack: a batch of S lanes over S stages takes
+        in S times the prompt tokens of one lane per step, as its rows are S times one lane's."""
+        tokens: dict[int, int] = {}
+        full: set[int] = set()
         per_lane: dict[int, list[Rider]] = {}
-        for request, k, row in self.queued[:taken]:
+        left = []
+        for request, k, row in self.queued:
+            length = len(request.prompt)
+            if k in full or (k in tokens and tokens[k] + length > self.riding_tokens):
+                full.add(k)  # its later joiners wait for the next step, behind this one
+                left.append((request, k, row))
+                continue
+            tokens[k] = tokens.get(k, 0) + length
             self.batch.rows[k][row].queued = False
             per_lane.setdefault(k, []).append((request, row))
-        self.queued = self.queued[taken:]
+        self.queued = left
         return per_lane
 
     def ride(self, k: int, riders: list[Rider], rows: int,

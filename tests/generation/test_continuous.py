@@ -371,6 +371,33 @@ def test_joiners_beyond_a_steps_prompt_tokens_wait_in_their_rows(model, run, mon
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens)[:len(got[r.owner])]
 
 
+def test_each_lanes_step_carries_its_own_joiners_prompt_tokens(model, monkeypatch):
+    """Two lanes, RIDING_TOKENS=12: one step carries a 10-token prompt in each lane (each lane's pack its own budget),
+    while a lane's second joiner waits for its next step; every request gets the tokens of generating alone."""
+    if not every_layer_joined(model):
+        pytest.skip("joiners ride decode steps where every layer is joined")
+    monkeypatch.setattr(mixed_joins, "RIDING_TOKENS", 12)
+    reqs = [SlotRequest(list(range(7 + i, 17 + i)), 4, f"r{i}") for i in range(4)]
+    got = {r.owner: [] for r in reqs}
+    with continuous_batch(model, rows=4, first_slot=12, cache_len=40, lanes=2, split_layers=[2],
+                          graphs=False) as batch:
+        seen, riders = [], batch.joins.riders
+        batch.joins.riders = lambda: seen.append(taken := riders()) or taken
+        batch.step(reqs)  # lane 0 takes r0 and r1, lane 1 r2 and r3 (the first lanes first)
+        assert {k: [request.owner for request, _ in riding] for k, riding in seen[0].items()} == \
+            {0: ["r0"], 1: ["r2"]}
+        assert batch.joins.waiting() == ["r1", "r3"]
+        while batch.step([]):
+            for owner, token in batch.collect():
+                got[owner].append(token)
+                if len(got[owner]) == 4:
+                    batch.release(owner)
+        for owner, token in batch.collect(everything=True):
+            got[owner].append(token)
+    for r in reqs:
+        assert got[r.owner][:4] == alone(model, r.prompt, 4), r.owner
+
+
 def test_owners_dropped_after_their_last_token_never_hide_a_later_owners_tokens(model):
     """Owners made as requests come and dropped once they have their tokens may be freed, and a later owner may then
     get the same id(): every request still gets all its tokens."""
