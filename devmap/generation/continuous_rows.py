@@ -96,6 +96,7 @@ class ContinuousBatch:
         self.steps += 1
         step, slot = self.steps, self.first_slot + self.steps - 1  # the slot this step writes its input token to
         self.stats["steps"] = step
+        self.run.clock.begin_step(step)
         began = time.perf_counter()
         placed = [(request, k, row) for request, (k, row) in zip(joining, free)]
         # the rows decoding this step: held, their prompts in place (a rider's first token comes out of the step)
@@ -134,6 +135,11 @@ class ContinuousBatch:
         out: list[tuple[Any, int, Any]] = []
         self.deliver(None if everything else self.steps - self.lag, out)
         return out if scored else [(owner, token) for owner, token, _ in out]
+
+    def busy(self) -> list[tuple[int, torch.device, float, float]]:
+        """(stage, its device, busy seconds, span seconds) of each stage in the sampled windows of steps timed since
+        the last call whose work has happened (`busy.BusyClock`; nothing on CPUs)."""
+        return [(j, self.s.stages[j].device, busy, span) for j, busy, span in self.run.clock.harvest()]
 
     def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the rows' next tokens, what goes to the host for them: the tokens, or with their scores `packed`) from

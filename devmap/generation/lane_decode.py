@@ -203,7 +203,8 @@ class LaneDecode(LaneStreams):
                     copy_into(steps[j].static_in, out, event, j, self.streams, compute)
                 elif lane.token_ready is not None:
                     compute.wait_event(lane.token_ready)
-                out = steps[j].handed_on(steps[j](), j < len(self.s.stages) - 1)
+                with self.clock.around(j, compute):
+                    out = steps[j].handed_on(steps[j](), j < len(self.s.stages) - 1)
                 event = record_event(compute)
         return out
 

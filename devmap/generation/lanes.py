@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .busy import BusyClock
 from .causal_lm import CausalLMStages
 from ..errors import UsageError
 from .graphed_step import GraphedStep
@@ -59,6 +60,7 @@ class LaneStreams:
         # prefill's prompt width
         self.dynamic = dynamic
         self._plain: dict[tuple[int, int], dict[str, Any]] = {}
+        self.clock = BusyClock(len(stages.stages))  # how busy each stage is (timed where a caller samples steps)
 
     def _capture_stream(self, j: int) -> Any:
         device = self.s.stages[j].device

@@ -196,8 +196,9 @@ class Riding:
                     step.static_in.copy_(move(out, event))
                 positions.copy_(move(context["position_ids"], ready))
                 mask.copy_(move(context["attention_mask"], ready))
-                out = step.handed_on(step(), j < last)
-                if after is not None:
-                    after(j, stage.device)
+                with run.clock.around(j, compute):
+                    out = step.handed_on(step(), j < last)
+                    if after is not None:
+                        after(j, stage.device)
                 event = record_event(compute)
         return out

@@ -62,9 +62,10 @@ class Packs:
                 prefill.static_in.copy_(ids if j == 0 else move(out, event))
                 positions.copy_(move(context["position_ids"], ready))
                 static_mask.copy_(move(context["attention_mask"], ready))
-                out = prefill.handed_on(prefill(), j < last)
-                if after is not None:
-                    after(j, stage.device, scratch)
+                with run.clock.around(j, compute):
+                    out = prefill.handed_on(prefill(), j < last)
+                    if after is not None:
+                        after(j, stage.device, scratch)
                 event = record_event(compute)
         return out
 

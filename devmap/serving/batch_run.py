@@ -125,6 +125,7 @@ class BatchRunner:
                 self.metrics.decode_steps.inc()
                 tokens = batch.collect(scored=True)
                 clock.mark("collect")
+                self._busy(batch)
                 self._hand_back(batch, tokens, eos, trace)
                 clock.mark("hand_back")
                 joining = []
@@ -180,6 +181,14 @@ class BatchRunner:
             clock.mark("hand_back")
             self.pull(admission.wait_until - time.perf_counter())
             clock.mark("idle")
+
+    def _busy(self, batch: ContinuousBatch) -> None:
+        """How busy each stage's GPU was in the batch's sampled windows of steps, into /metrics."""
+        for stage, device, busy, span in batch.busy():
+            labels = {"stage": str(stage), "device": str(device)}
+            self.metrics.stage_busy.labels(**labels).set(busy / span if span else 0.0)
+            self.metrics.stage_busy_seconds.labels(**labels).inc(busy)
+            self.metrics.stage_sampled_seconds.labels(**labels).inc(span)
 
     def _unloaded(self, resident: ResidentModel, jobs: list[Job]) -> bool:
         """Whether the model's unload has waited its drain bound: then every request of the batch ends with the

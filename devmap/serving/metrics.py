@@ -62,6 +62,15 @@ class EngineMetrics:
         self.gc_pauses = Histogram("devmap_gc_pause_seconds", "Python garbage collections in the engine core's "
                                    "process (each holds every thread of it)",
                                    buckets=GC_BUCKETS, registry=r)
+        self.stage_busy = Gauge("devmap_stage_busy_share", "How busy each pipeline stage's GPU was in the last "
+                                "sampled window of a batch's steps: its work's time over the span from its first work "
+                                "to its last (near 1 where the stages overlap and the host keeps up)",
+                                ["stage", "device"], registry=r)
+        self.stage_busy_seconds = Counter("devmap_stage_busy_seconds", "Time each pipeline stage's GPU ran work in "
+                                          "sampled windows of steps (beside devmap_stage_sampled_seconds)",
+                                          ["stage", "device"], registry=r)
+        self.stage_sampled_seconds = Counter("devmap_stage_sampled_seconds", "The spans of the sampled windows of "
+                                             "steps, per pipeline stage", ["stage", "device"], registry=r)
         self.models = Gauge("devmap_resident_models", "Models loaded", registry=r)
         self.startup = Gauge("devmap_startup_seconds", "Seconds the service's start took by phase: core_process "
                              "(the engine core's process from its spawn to ready: interpreter and imports); each "

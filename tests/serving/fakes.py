@@ -95,6 +95,10 @@ class FakeBatch:
     def unfinished(self) -> list[Any]:
         return [row["owner"] for row in self.held if row is not None]
 
+    def busy(self) -> list[tuple]:
+        """One stage on one device, busy half of each step's time (a stand-in for the sampled GPU windows)."""
+        return [(0, "cuda:0", 0.5, 1.0)] if self.stats["steps"] % 4 == 0 else []
+
 
 class FakeBatches:
     """`Batches` over the stand-in model; `shapes` records every batch's (rows, first slot, cache length), `delay`

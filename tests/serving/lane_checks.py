@@ -9,9 +9,11 @@ import devmap
 from devmap.serving import Engine, EngineLimits, GenerationParams, ModelRegistry
 
 
-def served_and_alone(registry: ModelRegistry, limits: EngineLimits, model_id: str, count: int) -> list:
+def served_and_alone(registry: ModelRegistry, limits: EngineLimits, model_id: str, count: int,
+                     metrics: dict | None = None) -> list:
     """(served answer, answer alone) of `count` greedy requests of mixed prompts and budgets sent at once, then
-    `count` more sent while those run (they join the running batch's free rows, the first lanes first)."""
+    `count` more sent while those run (they join the running batch's free rows, the first lanes first). `metrics`,
+    when given, gets the engine's metrics (`EngineMetrics`)."""
     resident = registry.get(model_id)
     eos = list(resident.eos_ids)
     prompts = [[5 + (13 * i + 7 * k) % 400 for k in range(3 + (5 * i) % 23)] for i in range(2 * count)]
@@ -40,6 +42,8 @@ def served_and_alone(registry: ModelRegistry, limits: EngineLimits, model_id: st
         served = asyncio.run(crowd())
     finally:
         engine.close(timeout=120)
+    if metrics is not None:
+        metrics["engine"] = engine.core.core.metrics
     return list(zip(served, [alone(p, n) for p, n in zip(prompts, budgets)]))
 
 

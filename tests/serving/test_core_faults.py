@@ -56,6 +56,9 @@ def test_two_waves_of_requests_within_the_context_all_finish():
         assert collected.tokens[job.id] == alone(job.prompt_ids, 200)
     assert max(cache for _, _, cache in batches.shapes) <= 256
     assert core.metrics.preemptions._value.get() >= 1  # the first batch did stop and resume
+    labels = {"stage": "0", "device": "cuda:0"}  # the stand-in's sampled windows reach /metrics
+    assert core.metrics.stage_busy.labels(**labels)._value.get() == 0.5
+    assert core.metrics.stage_sampled_seconds.labels(**labels)._value.get() >= 1.0
 
 
 def test_any_arrival_pattern_gives_every_request_its_own_tokens():
