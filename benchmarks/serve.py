@@ -3,7 +3,9 @@
 Run on nvidia-h200-x2 (the wheels of fastapi, uvicorn, pydantic and openai travel with the command):
     PYTHONPATH=. python3 benchmarks/serve.py --model tinyllama-1.1b --clients 1,8,32,64 --out $OUT
 The checkpoint is `devmap save MODEL` (random bf16 weights and devmap's offline tokenizer), written once to
-a temporary directory. Each server runs as its own process on 127.0.0.1; each client sends streaming chat
+a temporary directory; with `--load-format dummy` only its configs and tokenizer are written and devmap serves random
+weights made on the GPUs (`devmap serve --load-format dummy`): a 70B model's 138 GB need neither the disk nor the
+minutes of writing them. Each server runs as its own process on 127.0.0.1; each client sends streaming chat
 completions of mixed prompt lengths (greedy, `max_tokens` new tokens) back to back for `--seconds`; the clients
 are spread over `--client-processes` processes (one process's event loop delays its own clocks at thousands of
 streamed chunks a second).
@@ -264,6 +266,11 @@ def model_bytes(path: Path, quantize: str | None = None) -> tuple[int, int]:
 
     quantization = parse_quantization(quantize)
     weights = 0
+    if not any(path.glob("*.safetensors")):  # a config-only directory (--load-format dummy): bf16, from the sizes
+        from devmap.generation.mixed_joins import decoder_parameters
+        from transformers import AutoConfig
+
+        weights = 2 * decoder_parameters(AutoConfig.from_pretrained(str(path), local_files_only=True))
     for file in path.glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:
             for name in f.keys():
@@ -385,16 +392,24 @@ def main() -> None:
     parser.add_argument("--gpus", default=None,
                         help="GPU counts to serve each devmap system on, e.g. 1,2,4 (the first N GPUs of the machine); "
                              "default: every visible GPU, one row per system")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: write the configs and tokenizer only (devmap save --config-only) and serve random "
+                             "bf16 weights made on the GPUs (devmap serve --load-format dummy): a model whose "
+                             "checkpoint would not fit the disk or take minutes to write; devmap systems only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    dummy = args.load_format == "dummy"
+    if dummy and any(not system.startswith("devmap") or devmap_variant(system)[1]
+                     for system in args.systems.split(",")):
+        parser.error("--load-format dummy serves devmap's own bf16 systems only (no transformers, no quantization)")
     counts = [int(c) for c in args.clients.split(",")]
     gpus_list = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     rows: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("DEVMAP_BENCH_TMP")) as folder:
         path = Path(args.checkpoint).resolve() if args.checkpoint else Path(folder) / args.model
         if not (path / "config.json").exists():
-            subprocess.run([sys.executable, "-m", "devmap", "save", args.model, str(path), "--dtype", "bfloat16"],
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([sys.executable, "-m", "devmap", "save", args.model, str(path), "--dtype", "bfloat16",
+                            *(["--config-only"] if dummy else [])], check=True, stdout=subprocess.DEVNULL)
         bandwidth = hbm_bandwidth()
         weights, kv_per_token = model_bytes(path)
         print(f"HBM {bandwidth / 1e12:.2f} TB/s (copy, this GPU); weights read per step {weights / 1e9:.2f} GB; "
@@ -418,7 +433,8 @@ def main() -> None:
             if system.startswith("devmap"):
                 command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype",
                            "bfloat16", "--log-level", "debug", "--max-queue", "4096",
-                           *args.devmap_args.split(), *variants[system][0]]
+                           *args.devmap_args.split(), *variants[system][0],
+                           *(["--load-format", "dummy"] if dummy else [])]
                 model = path.name
             else:
                 served = quantized_copy(args.model, path, schemes[system]) if schemes[system] else path

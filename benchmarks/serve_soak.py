@@ -183,18 +183,22 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--devmap-args", default="--device-map balanced", help="more flags of devmap serve")
     parser.add_argument("--checkpoint", default=None, help="folder of the checkpoint: used if there, else written")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: write the configs and tokenizer only and serve random weights made on the GPUs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    dummy = args.load_format == "dummy"
     with tempfile.TemporaryDirectory(dir=os.environ.get("DEVMAP_BENCH_TMP")) as folder:
         path = Path(args.checkpoint).resolve() if args.checkpoint else Path(folder) / args.model
         if not (path / "config.json").exists():
-            subprocess.run([sys.executable, "-m", "devmap", "save", args.model, str(path), "--dtype", args.dtype],
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([sys.executable, "-m", "devmap", "save", args.model, str(path), "--dtype", args.dtype,
+                            *(["--config-only"] if dummy else [])], check=True, stdout=subprocess.DEVNULL)
         port = free_port()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(args.gpus))}
         command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype", args.dtype,
                    "--max-prompt-tokens", "512", "--max-tokens", str(args.new), "--max-queue", "4096",
-                   "--log-level", "warning", *args.devmap_args.split()]
+                   "--log-level", "warning", *args.devmap_args.split(),
+                   *(["--load-format", "dummy"] if dummy else [])]
         processes: list[Any] = []
         with server(command, port, f"soak-{args.gpus}gpu", env=env, started=processes) as (url, cold):
             seconds = 60 * args.minutes

@@ -23,10 +23,13 @@ from .output import echo_json
                    "from_pretrained reads back; quantized on the devices of --device-map (4-bit needs GPUs).")
 @click.option("--device-map", default="auto", show_default=True,
               help="Where the weights are quantized with --quantize (a strategy or one device, as for load).")
+@click.option("--config-only", is_flag=True,
+              help="Write the configs and tokenizer, no weights: a directory devmap serve --load-format dummy serves "
+                   "with random weights made on its devices.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists and is not empty.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a summary.")
 def save(source: str, out_dir: str, dtype: str | None, max_shard_size: str, seed: int, weights: str | None,
-         quantize: str | None, device_map: str, overwrite: bool, as_json: bool) -> None:
+         quantize: str | None, device_map: str, config_only: bool, overwrite: bool, as_json: bool) -> None:
     """Write a checkpoint of SOURCE into OUT_DIR.
 
     SOURCE is a preset (resnet18..resnet152, llama-tiny, tinyllama-1.1b, llama-2-7b/13b/70b,
@@ -51,7 +54,7 @@ def save(source: str, out_dir: str, dtype: str | None, max_shard_size: str, seed
     try:
         result = save_checkpoint(source, out_dir, dtype=dtype, max_shard_size=max_shard_size, seed=seed,
                                  weights=weights, overwrite=overwrite, progress=progress, quantization=quantize,
-                                 device_map=device_map)
+                                 device_map=device_map, config_only=config_only)
     finally:
         for bar in bars:
             bar.close()

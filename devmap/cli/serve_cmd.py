@@ -67,6 +67,11 @@ from .options import load_options
                    "load: see docs/serving.md). Default: on where every block is on a GPU and the weights are "
                    "floating point, int8, int4 or nf4 (LLaMA layers read by devmap's kernels); --compile compiles "
                    "other quantized models' steps too.")
+@click.option("--load-format", default="auto", show_default=True,
+              type=click.Choice(["auto", "dummy"], case_sensitive=False),
+              help="auto: the weights in each model directory; dummy: random weights made on their devices from the "
+                   "directory's config (as vLLM's), to measure a model whose weights are not at hand "
+                   "(devmap save MODEL DIR --config-only writes such a directory).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
@@ -75,7 +80,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
           max_batch_wait_ms: float, join_wait_ms: float, join_tokens: int, riding: bool | None,
           preempt_after_ms: float, max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
-          unload_drain: float, lanes: int | None, compile_steps: bool | None, log_level: str) -> None:
+          unload_drain: float, lanes: int | None, compile_steps: bool | None, load_format: str,
+          log_level: str) -> None:
     """Serve models on their devices over an OpenAI-compatible HTTP API.
 
     Loads MODEL_DIR... (ids: their directory names) and serves them until SIGTERM or Ctrl-C.
@@ -105,8 +111,9 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
                           unload_drain=unload_drain, lanes=lanes, compile=compile_steps)
     # the models and the loop that batches them run in a process of their own (the engine core); this one answers
     # HTTP, tokenizes and detokenizes, so that no request's Python work holds the loop that issues the GPUs' work
-    engine = Engine.spawned(RegistrySettings(model_root, device_map, max_memory, dtype, quantize), limits,
-                            log_level=log_level)
+    settings = RegistrySettings(model_root, device_map, max_memory, dtype, quantize,
+                                random_weights=load_format.lower() == "dummy")
+    engine = Engine.spawned(settings, limits, log_level=log_level)
     try:
         for directory in model_dirs:
             path = Path(directory).expanduser().resolve()

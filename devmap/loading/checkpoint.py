@@ -190,7 +190,8 @@ def index_checkpoint(path: Path, allow_pickle: bool = False) -> dict[str, Tensor
             raise CheckpointError(f"{path} holds several pickle files ({', '.join(pickles[:3])}) and no index")
         return index_checkpoint(path / pickles[0], allow_pickle)
     raise CheckpointError(
-        f"{path} holds no weights: expected model.safetensors or model.safetensors.index.json with its shards"
+        f"{path} holds no weights: expected model.safetensors or model.safetensors.index.json with its shards (for "
+        "random weights from its config alone: load(..., random_weights=True), devmap serve --load-format dummy)"
     )
 
 

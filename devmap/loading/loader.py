@@ -53,6 +53,7 @@ def load(
     progress: Callable[[int], None] | None = None,
     quantization: Any = None,
     workload: Workload | None = None,
+    random_weights: bool = False,
 ) -> nn.Module:
     """Load `source` (a local HF directory, a directory `devmap save` wrote, or a preset) onto its planned devices.
 
@@ -62,7 +63,9 @@ def load(
     "int4", "nf4" or a transformers BitsAndBytesConfig) quantizes the blocks' Linear layers block by block as they
     arrive on their devices (devmap.loading.quantize); the dtype then defaults to bfloat16. `workload`
     (devmap.planning.workload) plans room for what the model will run, and refuses, before anything is read, a
-    load whose workload would not fit.
+    load whose workload would not fit. `random_weights` reads no weights: every tensor is initialized randomly
+    (seeded) on its device, as for a preset, from the directory's config alone (vLLM's `--load-format dummy`: to
+    measure a model whose weights are not at hand; a directory `devmap save --config-only` wrote has no others).
     """
     start = time.perf_counter()
     cuda_init = hardware.start_gpus_in_background()  # contexts start while transformers' classes import
@@ -72,7 +75,9 @@ def load(
     if model_source.kind == "module":
         raise UsageError("load takes a preset or a local directory; for a model you built, use devmap.dispatch")
     quantized, torch_dtype = resolve_quantization(quantization, parse_dtype(dtype), model_source)
-    checkpoint = Path(weights).expanduser() if weights is not None else model_source.path
+    if random_weights and weights is not None:
+        raise UsageError("random_weights reads no weights: drop weights, or random_weights")
+    checkpoint = None if random_weights else Path(weights).expanduser() if weights is not None else model_source.path
     entries = index_checkpoint(checkpoint, allow_pickle) if checkpoint is not None else None
     folder = str(offload_folder) if offload_folder is not None else None
     budget = resolve_budget(max_memory, offload_folder=folder)

@@ -49,10 +49,12 @@ class SaveResult:
 def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch.dtype | None = None,
          max_shard_size: Size = "5GB", seed: int = 0, weights: Union[str, Path, None] = None,
          overwrite: bool = False, progress: Progress | None = None, quantization: Any = None,
-         device_map: Any = "auto") -> SaveResult:
+         device_map: Any = "auto", config_only: bool = False) -> SaveResult:
     """Write a checkpoint of preset `source` into `out_dir`: config.json plus safetensors, sharded above
     `max_shard_size`. Tensors are random (seeded, never the whole model in memory at once) or read from
-    the `weights` safetensors file; the directory appears only once everything is written.
+    the `weights` safetensors file; the directory appears only once everything is written. `config_only` writes the
+    configs and tokenizer and no tensors: a directory that `load(..., random_weights=True)` and `devmap serve
+    --load-format dummy` read (a 70B model's 138 GB written for random weights only costs minutes and disk).
     With `quantization` ("int8", "int4", "nf4" or a BitsAndBytesConfig) the weights are quantized on the devices
     of `device_map` by the same library as `load(..., quantization=...)` and written pre-quantized, in the layout
     transformers' `from_pretrained` reads back (its `quantization_config` in config.json).
@@ -63,6 +65,8 @@ def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch
         raise UsageError(f"invalid max shard size {max_shard_size!r}: it must be above 0, e.g. 5GB or 500MB")
     out = Path(out_dir).expanduser().absolute()
     check_destination(out, overwrite)
+    if config_only and (weights is not None or quantization is not None):
+        raise UsageError("a config-only directory holds no weights: drop --weights and --quantize")
     if quantization is not None:
         from ..planning.quantization import resolve_quantization
 
@@ -73,6 +77,8 @@ def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch
     target = parse_dtype(dtype) or src.default_dtype
 
     model = src.build("meta")
+    if config_only:
+        return _save_config_only(src, model, target, out)
     entries, aliases = plan_tensors(model, target)
     shards = plan_shards(entries, limit)
     total = sum(e.nbytes for e in entries)
@@ -101,6 +107,23 @@ def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch
             raise
     return SaveResult(source=src.name, out_dir=out, files=files, total_bytes=total, num_tensors=len(entries),
                       dtype=dtype_name(target), sharded=len(shards) > 1)
+
+
+def _save_config_only(src: ModelSource, model: nn.Module, target: torch.dtype, out: Path) -> SaveResult:
+    """The configs and tokenizer of `src` into `out`, no tensors."""
+    tmp = make_temp(out, 0)
+    try:
+        _write_config(src, model, target, tmp)
+        files = sorted(p.name for p in tmp.iterdir())
+        install(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write the configs to {out}: {exc.strerror or exc}") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return SaveResult(source=src.name, out_dir=out, files=files, total_bytes=0, num_tensors=0,
+                      dtype=dtype_name(target), sharded=False)
 
 
 def _save_quantized(src: ModelSource, out: Path, target: torch.dtype, max_shard_size: Size, limit: int, seed: int,

@@ -59,6 +59,7 @@ class RegistrySettings:
     max_memory: Any = None
     dtype: str | None = None
     quantization: Any = None
+    random_weights: bool = False
 
 
 class ThreadCore:
@@ -242,7 +243,8 @@ def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level
             outbox.send(message)
 
     registry = ModelRegistry(settings.model_root, settings.device_map, settings.max_memory, settings.dtype,
-                             quantization=settings.quantization, limits=limits)
+                             quantization=settings.quantization, limits=limits,
+                             random_weights=settings.random_weights)
     core = EngineCore(registry, limits, lambda outputs: send(("out", outputs)),
                       unloaded=lambda model_id: send(("unloaded", model_id)))
     if spawned_at is not None:

@@ -42,9 +42,10 @@ class ModelRegistry:
 
     def __init__(self, model_root: str | Path | None = None, device_map: Any = "balanced",
                  max_memory: str | Mapping[Any, Any] | None = None, dtype: str | None = None,
-                 quantization: Any = None, limits: EngineLimits | None = None) -> None:
+                 quantization: Any = None, limits: EngineLimits | None = None, random_weights: bool = False) -> None:
         self.root = Path(model_root).expanduser().resolve() if model_root is not None else None
         self.device_map, self.dtype, self.quantization = device_map, dtype, quantization
+        self.random_weights = random_weights  # every load made of random weights on its devices (`loader.load`)
         self.limits = limits or EngineLimits()  # the batches its models must have room for
         self.budget = dict(resolve_budget(max_memory).limits) if max_memory is not None else {}
         self._machine: dict[DeviceKey, int] = {}  # without a service budget: the machine's, as the first load found it
@@ -89,7 +90,8 @@ class ModelRegistry:
                     serving = self._serving_plan(path, device_map or self.device_map, budget, dtype or self.dtype)
                 with phases.timed("weights"):
                     model = load(str(path), device_map or self.device_map, budget, dtype or self.dtype,
-                                 quantization=self.quantization, workload=serving.plan.workload)
+                                 quantization=self.quantization, workload=serving.plan.workload,
+                                 random_weights=self.random_weights)
             except DoesNotFitError as exc:
                 raise DoesNotFit(f"{model_id} does not fit in what the service's budget has left: {exc}") from None
             except DevmapError as exc:

@@ -204,3 +204,25 @@ def test_library_usage_errors(tmp_path):
         saver.save("llama-tiny", tmp_path / "file")
     with pytest.raises(UsageError, match="is not a writable directory"):
         saver.save("llama-tiny", tmp_path / "file" / "sub")
+
+
+def test_a_config_only_directory_loads_the_presets_random_weights(tmp_path):
+    """`--config-only` writes the configs and tokenizer, no tensors; loading it with random weights gives what
+    loading the preset gives (same seed, same devices), and loading it for its weights says how to get random ones."""
+    import devmap
+
+    code, out = run("save", "llama-tiny", tmp_path / "m", "--config-only")
+    assert code == 0 and "0 tensors" in out
+    assert not list((tmp_path / "m").glob("*.safetensors")) and (tmp_path / "m" / "tokenizer.json").exists()
+    made = devmap.load(tmp_path / "m", "cpu", random_weights=True, seed=3)
+    preset = devmap.load("llama-tiny", "cpu", seed=3)
+    assert made.devmap_load_report.random_init
+    assert {n: p for n, p in made.state_dict().items()}.keys() == preset.state_dict().keys()
+    for name, tensor in made.state_dict().items():
+        assert torch.equal(tensor, preset.state_dict()[name]), name
+    with pytest.raises(CheckpointError, match="random_weights=True"):
+        devmap.load(tmp_path / "m", "cpu")
+    with pytest.raises(UsageError, match="random_weights reads no weights"):
+        devmap.load(tmp_path / "m", "cpu", weights=tmp_path / "w.safetensors", random_weights=True)
+    code, out = run("save", "llama-tiny", tmp_path / "q", "--config-only", "--weights", tmp_path / "w.safetensors")
+    assert code == 2 and "config-only directory holds no weights" in out

@@ -458,3 +458,23 @@ def test_a_request_whose_step_fails_fails_alone_and_the_batch_keeps_its_answers(
         engine.close(timeout=60)
     assert isinstance(bad, GenerationFailed) and bad.status == 500 and "IndexError" in bad.message
     assert texts == expected
+
+
+def test_a_config_only_directory_is_served_with_random_weights(tmp_path):
+    """`devmap serve --load-format dummy`: a directory of configs and tokenizer alone is served with random weights
+    made on its devices; without it the load says how."""
+    import devmap
+
+    devmap.save("llama-tiny", tmp_path / "bare", config_only=True)
+    with pytest.raises(ServiceError, match="random_weights=True"):
+        ModelRegistry(tmp_path, "auto", "cpu=2GB").load(tmp_path / "bare")
+    registry = ModelRegistry(tmp_path, "auto", "cpu=2GB", random_weights=True)
+    resident = registry.load(tmp_path / "bare")
+    assert resident.report["random_init"]
+    engine = Engine(registry, EngineLimits(compile=False))
+    engine.start()
+    try:
+        answer = asyncio.run(engine.complete("bare", [5, 6, 7], GenerationParams(max_new_tokens=4, temperature=0)))
+    finally:
+        engine.close(timeout=30)
+    assert answer.completion_tokens >= 1
