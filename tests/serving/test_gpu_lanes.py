@@ -2,6 +2,7 @@
 stage), and many requests at once, some joining while others run, get the answers of generating alone (float32);
 /metrics shows how busy each stage's GPU was."""
 
+import pytest
 import torch
 
 from devmap.serving import EngineLimits, ModelRegistry
@@ -12,9 +13,10 @@ from .lane_checks import served_and_alone
 pytestmark = require_gpus(2)
 
 
-def test_requests_served_over_two_gpus_get_the_answers_of_generating_alone(model_root):
+@pytest.mark.parametrize("riding", [False, True], ids=["own prefills", "riding joiners"])
+def test_requests_served_over_two_gpus_get_the_answers_of_generating_alone(model_root, riding):
     torch.backends.cuda.matmul.allow_tf32 = False
-    limits = EngineLimits(max_batch=4, compile=False)
+    limits = EngineLimits(max_batch=4, compile=False, riding=riding)
     registry = ModelRegistry(model_root, "balanced", limits=limits)
     resident = registry.load(model_root / "tiny")
     assert resident.lanes == 2 and resident.max_rows == 8
