@@ -2,8 +2,8 @@
 packed end to end (`joins`: a captured step per pack width), each prompt's keys and values copied into its row's
 columns right before the lanes' shared cache slot, its row's mask and position offset reset on every stage, and
 its first token put in place of the row's input for the next step (on stage 0's receive stream, so that no stage's
-compute waits for the prefill's last stage but the joiners' lane's next step). Stage j runs pack g while stage j + 1 runs
-g - 1.
+compute waits for the prefill's last stage but the joiners' lane's next step). Stage j runs pack g while stage j + 1
+runs g - 1.
 """
 
 from __future__ import annotations

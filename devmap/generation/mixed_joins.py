@@ -30,8 +30,8 @@ from .lane_decode import computed_rows
 from .lane_runner import record_event
 from .row_types import SlotRequest
 
-RIDING_TOKENS = 512  # prompt tokens one lane's step carries at most (one prompt at least): at 13B on an H200 the products
-# of 32 rows plus 512 prompt tokens are bound by arithmetic (19 ms against 6.7 ms for the rows alone,
+RIDING_TOKENS = 512  # prompt tokens one lane's step carries at most (one prompt at least): at 13B on an H200 the
+# products of 32 rows plus 512 prompt tokens are bound by arithmetic (19 ms against 6.7 ms for the rows alone,
 # benchmarks/probes/product_rows.py); more would only lengthen the rows' steps while a wave of joiners comes in
 
 RIDING_MIN_PARAMETERS = 10_000_000_000  # by default steps carry prompts for models this large: where a decode step

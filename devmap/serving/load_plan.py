@@ -5,9 +5,10 @@ A batch runs in lanes, one per pipeline stage of the weights' map (or the servic
 works on a lane of its own at once (as vLLM's pipeline-parallel engine keeps one scheduled batch per stage); each lane
 holds up to the service's `max_batch` rows. A batch has at most lanes × `max_batch` rows, or as many as fit beside the
 weights (`devmap.planning.rows_fit`: the most whose plan keeps as much of the model on the GPUs as its weights alone);
-each row's cache holds the longest cache a request within the limits may need (`scheduler.largest_cache`). Prompts join a running batch in
-packs (`generation.joins`): the plan counts the largest pack's prefill and the scratch cache its keys and values
-pass through, not a prefill of every row at once, and the hidden states every captured pack width keeps.
+each row's cache holds the longest cache a request within the limits may need (`scheduler.largest_cache`). Prompts
+join a running batch in packs (`generation.joins`): the plan counts the largest pack's prefill and the scratch cache
+its keys and values pass through, not a prefill of every row at once, and the hidden states every captured pack width
+keeps.
 `devmap serve` and `devmap plan --for serve` plan through here, so both show the same plan.
 """
 

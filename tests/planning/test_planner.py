@@ -209,3 +209,15 @@ def test_70b_plans_on_meta():
     assert result.total_params > 68e9
     assert set(result.device_map.values()) == {0, 1}
     assert_valid(result)
+
+
+def test_a_plans_stages_are_the_runs_of_decoder_layers_on_one_device():
+    """What a pipelined LM runs as stages (and a service as lanes): consecutive decoder layers on one device."""
+    from dataclasses import replace
+
+    two = plan("llama-tiny", "balanced", gpus=2, gpu_memory="1GiB")
+    assert two.stages == 2
+    layers = [name for name in two.device_map if name.startswith("model.layers.")]
+    back = dict(two.device_map, **{layers[-1]: 0})  # the last layer back on the first GPU: a third stage
+    assert replace(two, device_map=back).stages == 3
+    assert replace(two, device_map={"": 0}).stages == 1  # the whole model on one device

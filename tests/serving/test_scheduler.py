@@ -198,7 +198,7 @@ def test_a_batch_in_lanes_holds_max_batch_rows_per_lane():
     for j in many:
         j.kv_budget = KVBudget(rows=16, cache_len=128, lanes=2)
     assert batch_shape(many, LIMITS, context=0, kept=BatchShape()).rows == 16  # 2 lanes × max_batch 8
-    assert batch_shape(many[:5], LIMITS, context=0, kept=BatchShape()).rows == 16  # a lane of 8 for them, one for joiners
+    assert batch_shape(many[:5], LIMITS, context=0, kept=BatchShape()).rows == 16  # a lane for them, one for joiners
     assert batch_shape(many[:5], LIMITS, context=0, kept=BatchShape(), takes_joiners=False).rows == 8
     started = scheduler(*many).start(1.0, last_done=0.0)
     assert isinstance(started, Start) and len(started.jobs) == 16
