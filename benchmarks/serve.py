@@ -234,7 +234,23 @@ def engine_counters(url: str) -> dict[str, float]:
             out["steps"] = float(line.split()[-1])
         elif line.startswith("devmap_time_to_first_token_seconds_bucket{"):
             out["ttft<=" + line.split('le="')[1].split('"')[0]] = float(line.split()[-1])
+        elif line.startswith(("devmap_stage_busy_seconds_total{", "devmap_stage_sampled_seconds_total{")):
+            kind = "busy" if line.startswith("devmap_stage_busy") else "sampled"
+            stage = line.split('stage="')[1].split('"')[0]
+            out[f"{kind}@{stage}"] = float(line.split()[-1])
     return out
+
+
+def busy_shares(before: dict[str, float], after: dict[str, float]) -> str:
+    """Each pipeline stage's busy share over a window (its GPU's work time over the sampled spans: devmap's
+    `devmap_stage_busy_share`, summed over the window's sampled steps)."""
+    shares = []
+    for key in sorted(k for k in after if k.startswith("busy@")):
+        stage = key[5:]
+        sampled = after.get(f"sampled@{stage}", 0) - before.get(f"sampled@{stage}", 0)
+        if sampled > 0:
+            shares.append(f"stage {stage} {100 * (after[key] - before.get(key, 0)) / sampled:.0f}%")
+    return ", ".join(shares) or "-"
 
 
 def server_ttft_p99(before: dict[str, float], after: dict[str, float]) -> str:
@@ -454,7 +470,9 @@ def main() -> None:
                         after = engine_counters(url)
                         steps = after.get("steps", 0) - before.get("steps", 0)
                         row["engine_ms_per_step"] = {k: 1000 * (v - before.get(k, 0)) / steps for k, v in after.items()
-                                                     if k != "steps" and not k.startswith("ttft")} if steps else {}
+                                                     if k != "steps" and not k.startswith(("ttft", "busy@", "sampled@"))
+                                                     } if steps else {}
+                        row["stages_busy"] = busy_shares(before, after)
                         row["steps"] = steps
                         row["server_ttft_p99"] = server_ttft_p99(before, after)
                     stages = gpus or 1
@@ -502,7 +520,8 @@ def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int],
             if r.get("engine_ms_per_step"):
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["engine_ms_per_step"].items()))
                 print(f"{system} {r['clients']} clients: engine loop ms per decode step ({r['steps']:.0f} steps): "
-                      f"{parts}; the server's own TTFT p99 {r.get('server_ttft_p99', '-')}")
+                      f"{parts}; the server's own TTFT p99 {r.get('server_ttft_p99', '-')}; GPUs busy (sampled "
+                      f"steps): {r.get('stages_busy', '-')}")
     cold = ", ".join(f"{system} {results[0]['cold_start_s']:.1f} s" for system, results in rows.items() if results)
     print(f"cold start (a fresh server process until it answers): {cold}")
     again = ", ".join(f"{system} {results[0]['restart_s']:.1f} s" for system, results in rows.items()
