@@ -89,41 +89,42 @@ def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch
         else:
             std = float(getattr(src.config, "initializer_range", None) or 0.02)
             tensors = _random_tensors(model, entries, std, seed)
-        tmp = make_temp(out, total)
-        try:
+
+        def write(tmp: Path) -> None:
             _write_config(src, model, target, tmp)
             _write_shards(tmp, shards, names, tensors, total, progress)
             if len(shards) > 1:
                 weight_map = {e.name: name for shard, name in zip(shards, names) for e in shard}
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-            files = sorted(p.name for p in tmp.iterdir())
-            install(tmp, out)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"could not write the checkpoint to {out}: {exc.strerror or exc}") from exc
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        files = _installed(out, total, write)
     return SaveResult(source=src.name, out_dir=out, files=files, total_bytes=total, num_tensors=len(entries),
                       dtype=dtype_name(target), sharded=len(shards) > 1)
 
 
 def _save_config_only(src: ModelSource, model: nn.Module, target: torch.dtype, out: Path) -> SaveResult:
     """The configs and tokenizer of `src` into `out`, no tensors."""
-    tmp = make_temp(out, 0)
+    files = _installed(out, 0, lambda tmp: _write_config(src, model, target, tmp))
+    return SaveResult(source=src.name, out_dir=out, files=files, total_bytes=0, num_tensors=0,
+                      dtype=dtype_name(target), sharded=False)
+
+
+def _installed(out: Path, total: int, write: Callable[[Path], None]) -> list[str]:
+    """`write` into a fresh temporary directory beside `out` (room checked for `total` bytes), installed at `out` once
+    complete; nothing is left after a failure. Returns the files written."""
+    tmp = make_temp(out, total)
     try:
-        _write_config(src, model, target, tmp)
+        write(tmp)
         files = sorted(p.name for p in tmp.iterdir())
         install(tmp, out)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write the configs to {out}: {exc.strerror or exc}") from exc
+        raise CheckpointError(f"could not write the checkpoint to {out}: {exc.strerror or exc}") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return SaveResult(source=src.name, out_dir=out, files=files, total_bytes=0, num_tensors=0,
-                      dtype=dtype_name(target), sharded=False)
+    return files
 
 
 def _save_quantized(src: ModelSource, out: Path, target: torch.dtype, max_shard_size: Size, limit: int, seed: int,
