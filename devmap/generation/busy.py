@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 SAMPLE_EVERY = 64  # steps between the starts of two sampled windows
 WINDOW = 8  # steps of a sampled window: long enough to span the host's gaps between steps, short for the events
 KEPT_WINDOWS = 8  # recorded windows kept for `harvest` at most (a batch nobody harvests keeps only the latest)
+NOT_TIMED = contextlib.nullcontext()  # reusable: it holds no state
 
 
 class BusyClock:
@@ -41,17 +42,20 @@ class BusyClock:
             self._close()
         self.active = self._open is not None and position < self.window
 
-    @contextlib.contextmanager
-    def around(self, stage: int, stream: Any) -> Iterator[None]:
-        """Time the work issued inside on `stream` (stage `stage`'s compute stream; None, a CPU: not timed)."""
+    def around(self, stage: int, stream: Any) -> contextlib.AbstractContextManager[None]:
+        """Time the work issued inside on `stream` (stage `stage`'s compute stream; None, a CPU: not timed). Outside
+        the sampled windows this is a no-op context (it wraps every stage's step)."""
         if not self.active or stream is None or self._open is None:
-            yield
-            return
+            return NOT_TIMED
+        return self._timed(self._open[stage], stream)
+
+    @contextlib.contextmanager
+    def _timed(self, pairs: list[tuple[Any, Any]], stream: Any) -> Iterator[None]:
         start, end = self._make(), self._make()
         start.record(stream)
         yield
         end.record(stream)
-        self._open[stage].append((start, end))
+        pairs.append((start, end))
 
     def harvest(self) -> list[tuple[int, float, float]]:
         """(stage, busy seconds, span seconds) of each stage in every recorded window whose events have all happened

@@ -88,7 +88,7 @@ class Riding:
 
     @property
     def riding_tokens(self) -> int:
-        """The most prompt tokens one step carries (within a pack's limit; a longer prompt rides alone)."""
+        """The most prompt tokens one lane's step carries (within a pack's limit; a longer prompt rides alone)."""
         return min(RIDING_TOKENS, self.packs.limit)
 
     def reserve(self, joining: list[tuple[SlotRequest, int, int]]) -> None:

@@ -49,19 +49,17 @@ def plan_serving(model_source: Any, limits: EngineLimits, plan_with: Callable[[W
     if cache_len is None:
         cache_len = largest_cache(limits.scheduling(), limits.max_prompt_tokens, limits.max_new_tokens, context)
 
-    weights: list[Plan] = []
+    weights = plan_with(None)  # the weights alone: its stages give the lanes, and rows_that_fit compares with it
 
     def plan_for(rows: int | None) -> Plan:
         if rows is None:
-            if not weights:
-                weights.append(plan_with(None))
-            return weights[0]
+            return weights
         joining = -(-pack_limit(cache_len, rows) // cache_len)  # rows of cache_len tokens holding the largest pack
         captured = sum(pack_widths(pack_limit(cache_len, rows)))
         return plan_with(parse_workload("serve", causal_lm=True, context=context, batch=rows, seq_len=cache_len,
                                         chunks=min(lanes, rows), prefill_rows=min(joining, rows),
                                         captured_tokens=captured))
 
-    lanes = limits.lanes or plan_for(None).stages
+    lanes = limits.lanes or weights.stages
     rows, plan = rows_that_fit(plan_for, limits.max_batch * lanes)
     return ServingPlan(rows, cache_len, plan, lanes)
