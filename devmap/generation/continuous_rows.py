@@ -182,11 +182,18 @@ class ContinuousBatch:
                 inputs.vacate(r)
 
     def free_rows(self) -> list[tuple[int, int]]:
-        """(lane, row) of every free row, lane after lane: joiners fill the first lanes first. A decode step is bound by
-        reading its stage's weights, so a lane's step over few rows costs about what one over many costs: at equal rows
-        in flight, a lane of all of them issues half the steps of two half-full lanes (which gain nothing over it on
-        the GPUs, each reading its weights once per lane), and the lanes nobody holds sit out."""
-        return [(k, r) for k, lane in enumerate(self.rows) for r, row in enumerate(lane) if row.issued_to is None]
+        """(lane, row) of every free row, in the order joiners take them: each next joiner goes to the lane holding the
+        fewest rows (the first of those), so the lanes stay even. At equal rows in flight the weight read is the same
+        whichever way they split (a pipeline reads each stage's weights once per lane), but even lanes overlap the
+        stages' prefill work (the joiners' prompts each lane's steps carry) and keep every stage's step short; a lane
+        nobody holds sits its steps out."""
+        order = []
+        for k, lane in enumerate(self.rows):
+            held = sum(row.issued_to is not None for row in lane)
+            free = (r for r, row in enumerate(lane) if row.issued_to is None)
+            order.extend((held + i, k, r) for i, r in enumerate(free))
+        order.sort()
+        return [(k, r) for _, k, r in order]
 
     def finish(self, k: int, logits: torch.Tensor, step: int) -> None:
         """The lane's next tokens (on the last stage's stream): to the host, and to stage 0 for the next step."""

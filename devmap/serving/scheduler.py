@@ -122,8 +122,7 @@ def batch_shape(jobs: list[Job], limits: SchedulerLimits, context: int, kept: Ba
     """The shape of a batch starting with `jobs` on a model of `context` tokens (0: unbounded) whose largest shape so
     far is `kept`: rows a power of two (at least MIN_ROWS when it takes joiners), as many as the model's KV budget holds
     at that cache length at most (the engine starts the first `rows` of `jobs`). A batch that takes joiners has that
-    many rows in each of its model's lanes: the requests fill the first lane first (`ContinuousBatch.free_rows`), and
-    the others take the joiners that come beyond it.
+    many rows in each of its model's lanes, and the requests spread evenly over the lanes (`ContinuousBatch.free_rows`).
 
     A row holds its request's tokens so far and the tokens it may still generate: `columns(job)` cache columns. The
     cache holds every starting row's columns, and is never longer than the context (a request admitted with prompt +

@@ -83,6 +83,18 @@ def test_a_lane_nobody_holds_sits_out_and_catches_up_when_a_request_joins_it(mod
         assert got[r.owner][:r.max_new_tokens] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
+def test_joiners_keep_the_lanes_even(model):
+    """Free rows come in the order joiners take them: the lane holding fewest rows first, the first of those on a tie
+    (at equal rows the weight read is the same either way; even lanes overlap the stages' prefill work)."""
+    with continuous_batch(model, rows=6, first_slot=12, cache_len=40, lanes=2, split_layers=[2],
+                          graphs=False) as batch:
+        assert batch.free_rows() == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+        batch.step([SlotRequest(list(range(3, 8)), 8, "a")])
+        assert batch.free_rows() == [(1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+        batch.step([SlotRequest(list(range(3, 8)), 8, "b"), SlotRequest(list(range(9, 12)), 8, "c")])
+        assert batch.free_rows() == [(1, 1), (0, 2), (1, 2)]
+
+
 def test_a_request_joins_while_others_still_decode(model, run):
     long = SlotRequest(list(range(3, 10)), 20, "long")
     short = SlotRequest(list(range(20, 24)), 2, "short")
@@ -383,10 +395,10 @@ def test_each_lanes_step_carries_its_own_joiners_prompt_tokens(model, monkeypatc
                           graphs=False) as batch:
         seen, riders = [], batch.joins.riders
         batch.joins.riders = lambda: seen.append(taken := riders()) or taken
-        batch.step(reqs)  # lane 0 takes r0 and r1, lane 1 r2 and r3 (the first lanes first)
+        batch.step(reqs)  # lane 0 takes r0 and r2, lane 1 r1 and r3 (the lanes kept even)
         assert {k: [request.owner for request, _ in riding] for k, riding in seen[0].items()} == \
-            {0: ["r0"], 1: ["r2"]}
-        assert batch.joins.waiting() == ["r1", "r3"]
+            {0: ["r0"], 1: ["r1"]}
+        assert batch.joins.waiting() == ["r2", "r3"]
         while batch.step([]):
             for owner, token in batch.collect():
                 got[owner].append(token)
