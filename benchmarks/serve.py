@@ -480,6 +480,9 @@ def main() -> None:
                                           lanes_of(args.devmap_args, stages, clients) if stages > 1 else 1)
                     rows.setdefault(name, []).append({**row, "cold_start_s": cold, "floor_s": floor,
                                                       "hbm_bytes_per_s": bandwidth, "gpus": gpus})
+                    if args.out:  # every row as it comes: a run stopped short keeps the rows it made
+                        Path(args.out).mkdir(parents=True, exist_ok=True)
+                        (Path(args.out) / f"serve_{args.model}.json").write_text(json.dumps(rows, indent=2))
                     # batch sizes, first-token times: as the server saw them
                     if args.out and system.startswith("devmap"):
                         Path(args.out).mkdir(parents=True, exist_ok=True)

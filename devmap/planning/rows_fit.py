@@ -20,12 +20,16 @@ PlanFor = Callable[[int | None], Plan]
 
 
 def rows_that_fit(plan_for: PlanFor, most: int) -> tuple[int, Plan]:
-    """The most rows in 1..`most` whose plan fits, with that plan (a binary search: more rows never need less)."""
+    """The most rows in 1..`most` whose plan fits, with that plan: `most` itself where it fits (a service with room
+    to spare plans twice), else a binary search (more rows never need less)."""
     base = _slower(plan_for(None))
-    one = _fitting(plan_for, 1, base)
+    everything = _fitting(plan_for, most, base)
+    if everything is not None:
+        return most, everything
+    one = _fitting(plan_for, 1, base) if most > 1 else None
     if one is None:
         raise DoesNotFitError(_no_room(plan_for, base))
-    low, best, high = 1, one, most
+    low, best, high = 1, one, most - 1
     while low < high:
         middle = (low + high + 1) // 2
         candidate = _fitting(plan_for, middle, base)

@@ -65,6 +65,43 @@ def test_measured_bytes_of_a_small_model_are_its_tensors():
             assert needs["0"].other == (64 * 256 + 256) * 4  # its gradients (sgd keeps no state)
 
 
+@pytest.mark.parametrize("kind", ["generate", "serve", "train"])
+def test_a_layer_like_one_measured_takes_its_bytes_as_running_it_would_give(monkeypatch, kind):
+    """Decoder layers of the same structure are measured once; each unit's bytes equal measuring every layer."""
+    from devmap.planning import runtime_memory
+    from devmap.planning.models import resolve_source
+
+    source = resolve_source("tinyllama-1.1b")
+    model = source.build()
+    work = parse_workload(kind, causal_lm=True, context=2048, batch=8, seq_len=256, chunks=2, optimizer="adamw")
+    reused = runtime_by_unit(model, work, torch.bfloat16, ["LlamaDecoderLayer"], causal_lm=True)
+    monkeypatch.setattr(runtime_memory, "_structure", lambda layer: object())  # every layer its own: all run
+    every = runtime_by_unit(model, work, torch.bfloat16, ["LlamaDecoderLayer"], causal_lm=True)
+    assert reused == every
+    assert reused["model.layers.3"].transient > 0 and (kind != "train" or reused["model.layers.3"].saved > 0)
+
+
+def test_serving_rows_are_the_most_that_fit_whether_all_fit_or_not():
+    """`rows_that_fit` takes the service's most rows where they fit (planning twice), else the largest count that
+    does (a binary search)."""
+    from devmap.planning.rows_fit import rows_that_fit
+
+    asked: list[int | None] = []
+
+    def plan_for(rows):
+        asked.append(rows)
+        return devmap.plan("tinyllama-1.1b", "balanced", gpus=2, gpu_memory="3GiB", dtype="bf16",
+                           workload=None if rows is None else parse_workload(
+                               "generate", causal_lm=True, batch=rows, seq_len=2048, chunks=min(2, rows)))
+
+    most, _ = rows_that_fit(plan_for, 4096)
+    assert 1 < most < 4096 and len(asked) > 3
+    asked.clear()
+    rows, plan = rows_that_fit(plan_for, most)
+    assert rows == most and plan.workload.batch == most and asked == [None, most]
+    assert rows_that_fit(plan_for, most + 1)[0] == most
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(kind="generate", causal_lm=False), "causal LM"),
     (dict(kind="train", causal_lm=True, batch=4), "needs --seq-len"),
