@@ -223,6 +223,25 @@ def _quantile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[min(int(q * 100), 99) - 1]
 
 
+def profile_later(url: str, seconds: float) -> threading.Thread:
+    """A thread that records the engine core for `seconds` now, then prints the head of its op table."""
+
+    def record() -> None:
+        try:
+            httpx.post(url + "/start_profile", timeout=150).raise_for_status()
+            time.sleep(seconds)
+            written = httpx.post(url + "/stop_profile", timeout=600).json()
+        except httpx.HTTPError as exc:
+            print(f"  the profile failed: {exc}", flush=True)
+            return
+        head = Path(written["ops"]).read_text().splitlines()[:40]
+        print(f"  profile {written['trace']}; costliest host ops:\n" + "\n".join(head), flush=True)
+
+    thread = threading.Thread(target=record, daemon=True)
+    thread.start()
+    return thread
+
+
 def engine_counters(url: str) -> dict[str, float]:
     """devmap's engine-loop seconds per phase, its decode steps and its time-to-first-token histogram (as
     "ttft<=BOUND" counts) so far, from /metrics."""
@@ -412,6 +431,11 @@ def main() -> None:
                         help="dummy: write the configs and tokenizer only (devmap save --config-only) and serve random "
                              "bf16 weights made on the GPUs (devmap serve --load-format dummy): a model whose "
                              "checkpoint would not fit the disk or take minutes to write; devmap systems only")
+    parser.add_argument("--profile-seconds", type=float, default=0.0,
+                        help="devmap systems: record the engine core (torch.profiler: host ops, CUDA calls, kernels) "
+                             "for this many seconds at the start of each timed window (POST /start_profile, "
+                             "/stop_profile) and print its costliest host ops; the trace and op table go to "
+                             "OUT/profiles. The profiled rows carry the profiler's overhead.")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     dummy = args.load_format == "dummy"
@@ -449,6 +473,8 @@ def main() -> None:
             if system.startswith("devmap"):
                 command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype",
                            "bfloat16", "--log-level", "debug", "--max-queue", "4096",
+                           *(["--profile-dir", str(Path(args.out or ".").resolve() / "profiles")]
+                             if args.profile_seconds else []),
                            *args.devmap_args.split(), *variants[system][0],
                            *(["--load-format", "dummy"] if dummy else [])]
                 model = path.name
@@ -458,14 +484,19 @@ def main() -> None:
             with server(command, port, name, env=env, cwd=tree) as (url, cold):
                 for clients in counts:
                     before: dict[str, float] = {}
+                    profiling: list[threading.Thread] = []
 
                     def timed(url: str = url) -> None:  # the timed window's counters, without its warm-up's
                         before.update(engine_counters(url))
+                        if args.profile_seconds:
+                            profiling.append(profile_later(url, args.profile_seconds))
 
                     row = load_test(url, model, clients, args.seconds, args.new, seed=clients,
                                     lengths=[int(w) for w in args.prompt_words.split(",")], warmup=args.warmup,
                                     processes=args.client_processes,
                                     timed=timed if system.startswith("devmap") else None)
+                    for thread in profiling:
+                        thread.join()
                     if before:  # where the engine loop's time went in the timed window, per decode step
                         after = engine_counters(url)
                         steps = after.get("steps", 0) - before.get("steps", 0)

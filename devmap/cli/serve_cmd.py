@@ -72,6 +72,10 @@ from .options import load_options
               help="auto: the weights in each model directory; dummy: random weights made on their devices from the "
                    "directory's config (as vLLM's), to measure a model whose weights are not at hand "
                    "(devmap save MODEL DIR --config-only writes such a directory).")
+@click.option("--profile-dir", default=None, type=click.Path(file_okay=False),
+              help="Let POST /start_profile and /stop_profile record the engine core's steps with torch.profiler "
+                   "(host ops, CUDA calls, kernels) and write a Chrome trace and an op table here (vLLM's profiler "
+                   "endpoints); without it those answer 404.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
@@ -81,13 +85,14 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
           preempt_after_ms: float, max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
           unload_drain: float, lanes: int | None, compile_steps: bool | None, load_format: str,
-          log_level: str) -> None:
+          profile_dir: str | None, log_level: str) -> None:
     """Serve models on their devices over an OpenAI-compatible HTTP API.
 
     Loads MODEL_DIR... (ids: their directory names) and serves them until SIGTERM or Ctrl-C.
 
     POST /v1/completions and /v1/chat/completions (streaming with stream=true), GET /v1/models,
-    POST /v1/models/load and DELETE /v1/models/{id}, GET /health and /metrics (Prometheus).
+    POST /v1/models/load and DELETE /v1/models/{id}, GET /health and /metrics (Prometheus);
+    with --profile-dir, POST /start_profile and /stop_profile.
     """
     if not _loopback(host) and not api_key:
         raise click.UsageError(f"binding {host} exposes the service beyond this machine: pass --api-key KEY "
@@ -108,7 +113,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
                           join_wait=join_wait_ms / 1000, join_tokens=join_tokens, riding=riding,
                           preempt_after=preempt_after_ms / 1000, max_prompt_tokens=max_prompt_tokens,
                           max_new_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
-                          unload_drain=unload_drain, lanes=lanes, compile=compile_steps)
+                          unload_drain=unload_drain, lanes=lanes, compile=compile_steps,
+                          profile_dir=str(Path(profile_dir).expanduser().resolve()) if profile_dir else None)
     # the models and the loop that batches them run in a process of their own (the engine core); this one answers
     # HTTP, tokenizes and detokenizes, so that no request's Python work holds the loop that issues the GPUs' work
     settings = RegistrySettings(model_root, device_map, max_memory, dtype, quantize,

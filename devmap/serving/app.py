@@ -85,6 +85,14 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
         await run_in_threadpool(engine.unload, model_id)
         return {"id": model_id, "object": "model", "deleted": True}
 
+    @app.post("/start_profile")
+    async def start_profile() -> dict[str, Any]:
+        return await run_in_threadpool(engine.start_profile)
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> dict[str, Any]:
+        return await run_in_threadpool(engine.stop_profile)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
         card = engine.card(body.model)

@@ -26,12 +26,14 @@ from .limits import EngineLimits
 from .load_phases import PHASES
 from .metrics import EngineMetrics
 from .outputs import Deliver, StepOutputs
+from .profiling import CoreProfiler
 from .registry import ModelRegistry
 from .scheduler import Scheduler, Start, batch_shape
 
 log = logging.getLogger("devmap.serving")
 
-CONTROL = ("models", "describe", "load", "unload", "render_metrics")  # the core's methods the API may call
+# the core's methods the API may call
+CONTROL = ("models", "describe", "load", "unload", "render_metrics", "start_profile", "stop_profile")
 
 
 class EngineCore:
@@ -45,6 +47,7 @@ class EngineCore:
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(limits.scheduling())  # the worker's: requests taken off the queue
         self.outputs = StepOutputs(deliver)  # its `live` index: every request not yet ended (abort finds them)
+        self.profiler = CoreProfiler(limits.profile_dir)  # started and stopped by the worker, between steps
         self.runner = BatchRunner(self.scheduler, limits, self.metrics, self.outputs, self._pull,
                                   batches or ModelBatches(limits))
         self._queue: queue.Queue[Job] = queue.Queue()
@@ -114,6 +117,14 @@ class EngineCore:
     def render_metrics(self) -> bytes:
         return self.metrics.render(self.registry.planned())
 
+    def start_profile(self) -> dict[str, Any]:
+        """Record the worker's steps (torch.profiler, `--profile-dir`) from its next step on."""
+        return self.profiler.start()
+
+    def stop_profile(self) -> dict[str, Any]:
+        """Stop recording; the trace and op table written."""
+        return self.profiler.stop()
+
     # -- the worker ---------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -124,6 +135,7 @@ class EngineCore:
             if isinstance(decision, Start):
                 self._serve(decision)
             elif self._closing.is_set() and not self.scheduler.waiting and self._queue.empty():
+                self.profiler.close()
                 return
             else:
                 until = decision.until if decision.until is not None else time.perf_counter() + 0.05
@@ -148,6 +160,7 @@ class EngineCore:
             self.scheduler.take(gone)
             for job in gone:
                 self.outputs.end(job)
+        self.profiler.poll()  # between two steps (the batch runner pulls before each)
 
     def _serve(self, start: Start) -> None:
         jobs = start.jobs

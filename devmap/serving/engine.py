@@ -110,6 +110,14 @@ class Engine:
         """The API's metrics and the core's (blocks: run it off the event loop)."""
         return self.metrics.render() + self.core.call("render_metrics")
 
+    def start_profile(self) -> dict[str, Any]:
+        """Start recording the engine core's steps (blocks until it records: run it off the event loop)."""
+        return self.core.call("start_profile")
+
+    def stop_profile(self) -> dict[str, Any]:
+        """Stop recording; the files written (blocks: run it off the event loop)."""
+        return self.core.call("stop_profile")
+
     # -- requests -----------------------------------------------------------------------------------------------
 
     def check(self, model: HasContext, prompt_ids: list[int], params: GenerationParams) -> None:

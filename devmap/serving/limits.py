@@ -34,6 +34,7 @@ class EngineLimits:
     join_wait: float = 0.01
     join_tokens: int = 2048
     preempt_after: float = 0.25
+    profile_dir: str | None = None  # where POST /stop_profile writes the engine core's trace (None: profiling off)
 
     @property
     def max_body_bytes(self) -> int:

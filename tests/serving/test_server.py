@@ -235,3 +235,20 @@ def test_the_engine_core_runs_in_its_own_process_and_its_death_gives_503_not_a_h
         assert answer.status_code == 503 and "engine core" in answer.json()["error"]["message"]
         assert httpx.get(url + "/health", timeout=30).status_code == 503
         assert process.poll() is None  # the API itself still answers
+
+
+def test_profile_endpoints_record_the_engine_cores_steps(server, model_root, tmp_path):
+    """Without --profile-dir they answer 404 saying how to turn them on; with it, a profile around a request writes
+    a Chrome trace and an op table of the core's steps; a second stop, or a start while recording, is a 400."""
+    off = httpx.post(server + "/start_profile", timeout=30)
+    assert off.status_code == 404 and "--profile-dir" in off.json()["error"]["message"]
+    with running_server(model_root, "--profile-dir", str(tmp_path / "traces")) as (url, _):
+        assert httpx.post(url + "/stop_profile", timeout=30).status_code == 400
+        assert httpx.post(url + "/start_profile", timeout=60).json()["profiling"] is True
+        assert httpx.post(url + "/start_profile", timeout=60).status_code == 400
+        answer = client(url).completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
+        assert answer.choices[0].text is not None
+        written = httpx.post(url + "/stop_profile", timeout=120).json()
+        assert written["profiling"] is False
+        assert '"traceEvents"' in open(written["trace"]).read(4096)
+        assert "aten::" in open(written["ops"]).read()
