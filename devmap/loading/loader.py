@@ -54,6 +54,7 @@ def load(
     quantization: Any = None,
     workload: Workload | None = None,
     random_weights: bool = False,
+    plan: Plan | None = None,
 ) -> nn.Module:
     """Load `source` (a local HF directory, a directory `devmap save` wrote, or a preset) onto its planned devices.
 
@@ -66,6 +67,8 @@ def load(
     load whose workload would not fit. `random_weights` reads no weights: every tensor is initialized randomly
     (seeded) on its device, as for a preset, from the directory's config alone (vLLM's `--load-format dummy`: to
     measure a model whose weights are not at hand; a directory `devmap save --config-only` wrote has no others).
+    `plan`, a finished `devmap.plan(source, ...)`, is loaded as it is (its map, dtype, quantization and workload),
+    without planning again; the options it already settled are then left out.
     """
     start = time.perf_counter()
     cuda_init = hardware.start_gpus_in_background()  # contexts start while transformers' classes import
@@ -74,17 +77,23 @@ def load(
         cuda_init.join()
     if model_source.kind == "module":
         raise UsageError("load takes a preset or a local directory; for a model you built, use devmap.dispatch")
-    quantized, torch_dtype = resolve_quantization(quantization, parse_dtype(dtype), model_source)
+    if plan is not None:
+        _check_plan_alone(plan, model_source.name, device_map, max_memory, dtype, quantization, workload,
+                          no_split_module_classes)
+        quantized, torch_dtype = plan.quantization, plan.dtype
+    else:
+        quantized, torch_dtype = resolve_quantization(quantization, parse_dtype(dtype), model_source)
     if random_weights and weights is not None:
         raise UsageError("random_weights reads no weights: drop weights, or random_weights")
     checkpoint = None if random_weights else Path(weights).expanduser() if weights is not None else model_source.path
     entries = index_checkpoint(checkpoint, allow_pickle) if checkpoint is not None else None
     folder = str(offload_folder) if offload_folder is not None else None
-    budget = resolve_budget(max_memory, offload_folder=folder)
-    check_could_fit(model_source, budget, torch_dtype, quantized)
     model = model_source.build(cpu_buffers=True)
-    plan = plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized,
-                      workload)
+    if plan is None:
+        budget = resolve_budget(max_memory, offload_folder=folder)
+        check_could_fit(model_source, budget, torch_dtype, quantized)
+        plan = plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized,
+                          workload)
     shrink = set(quantized_weights(model, quantized)) if quantized is not None else set()
     if quantized is not None:
         check_library(quantized)
@@ -134,6 +143,19 @@ def dispatch(
         _check_devices(plan, folder)
         _attach_hooks(model, plan, folder)
     return model
+
+
+def _check_plan_alone(plan: Plan, source: str, device_map: Any, max_memory: Any, dtype: Any, quantization: Any,
+                      workload: Any, no_split: Any) -> None:
+    """A finished plan is loaded as it is: refuse one made for another model, or options it already settled."""
+    if plan.source != source:
+        raise UsageError(f"the plan was made for {plan.source}, not {source}: plan this source, or load the plan's")
+    given = [name for name, value, default in (("device_map", device_map, "auto"), ("max_memory", max_memory, None),
+                                               ("dtype", dtype, None), ("quantization", quantization, None),
+                                               ("workload", workload, None), ("no_split_module_classes", no_split,
+                                                                              None)) if value != default]
+    if given:
+        raise UsageError(f"a finished plan already settles {', '.join(given)}: leave them out, or plan again with them")
 
 
 def _check_devices(plan: Plan, folder: str | None) -> None:

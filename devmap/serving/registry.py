@@ -89,9 +89,7 @@ class ModelRegistry:
                 with phases.timed("plan"):
                     serving = self._serving_plan(path, device_map or self.device_map, budget, dtype or self.dtype)
                 with phases.timed("weights"):
-                    model = load(str(path), device_map or self.device_map, budget, dtype or self.dtype,
-                                 quantization=self.quantization, workload=serving.plan.workload,
-                                 random_weights=self.random_weights)
+                    model = load(str(path), plan=serving.plan, random_weights=self.random_weights)
             except DoesNotFitError as exc:
                 raise DoesNotFit(f"{model_id} does not fit in what the service's budget has left: {exc}") from None
             except DevmapError as exc:

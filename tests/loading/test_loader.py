@@ -58,6 +58,26 @@ def test_disk_offload_same_logits(llama_dir, reference, tmp_path):
     assert any(f.startswith(disk_modules[0]) for f in files)
 
 
+def test_a_finished_plan_loads_as_planned_without_planning_again(llama_dir, reference, tmp_path, monkeypatch):
+    """`load(source, plan=devmap.plan(...))` places, casts and offloads as the plan says and never plans again; a plan
+    of another model, or options the plan already settled, are refused with one line."""
+    import devmap
+    from devmap.loading import loader
+
+    folder = tmp_path / "offload"
+    plan = devmap.plan(str(llama_dir), "sequential", {"cpu": "400KB", "disk": "1GiB"}, "bf16", offload_folder=folder)
+    monkeypatch.setattr(loader, "plan_model", lambda *args, **kwargs: pytest.fail("planned again"))
+    model = load(str(llama_dir), plan=plan, offload_folder=folder)
+    assert model.devmap_plan is plan and model.hf_device_map == plan.device_map
+    assert set(model.hf_device_map.values()) == {"cpu", "disk"} and model.lm_head.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()).logits.float(), reference(tokens()).logits, atol=0.1, rtol=0.1)
+    with pytest.raises(UsageError, match="settles device_map, dtype"):
+        load(str(llama_dir), "balanced", dtype="fp16", plan=plan)
+    with pytest.raises(UsageError, match="made for"):
+        load("llama-tiny", plan=plan)
+
+
 def test_dtype_casts_on_load(llama_dir, reference):
     model = load(str(llama_dir), max_memory={"cpu": "1GiB"}, dtype="bf16")
     assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
