@@ -295,34 +295,41 @@ def model_bytes(path: Path, quantize: str | None = None) -> tuple[int, int]:
     """(bytes a decode step reads of the weights: all but the input embedding, of which it reads a row each; KV
     cache bytes per token of context) of a saved bf16 checkpoint, served as it is or with `--quantize`: the blocks'
     Linear weights then at the scheme's bytes per weight plus the scales its library keeps beside them."""
-    from safetensors import safe_open
-
     from devmap.planning.quantization import parse_quantization, weight_extra_bytes
 
     quantization = parse_quantization(quantize)
     weights = 0
-    if not any(path.glob("*.safetensors")):  # a config-only directory (--load-format dummy): bf16, from the sizes
-        from devmap.generation.mixed_joins import decoder_parameters
-        from transformers import AutoConfig
-
-        weights = 2 * decoder_parameters(AutoConfig.from_pretrained(str(path), local_files_only=True))
-    for file in path.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():
-                if "embed_tokens" not in name:
-                    shape = f.get_slice(name).get_shape()
-                    count = 1
-                    for n in shape:
-                        count *= n
-                    if quantization is not None and ".layers." in name and name.endswith(".weight") and len(shape) == 2:
-                        weights += count * quantization.bits // 8 + weight_extra_bytes(quantization, *shape)
-                    else:
-                        weights += count * 2  # bf16
+    for name, shape in tensor_shapes(path):
+        if "embed_tokens" not in name:
+            count = 1
+            for n in shape:
+                count *= n
+            if quantization is not None and ".layers." in name and name.endswith(".weight") and len(shape) == 2:
+                weights += count * quantization.bits // 8 + weight_extra_bytes(quantization, *shape)
+            else:
+                weights += count * 2  # bf16
     config = json.loads((path / "config.json").read_text())
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 2
     return weights, kv
+
+
+def tensor_shapes(path: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor of the checkpoint, or, for a config-only directory (--load-format dummy), of
+    every parameter of the model its config describes (built on the meta device)."""
+    from safetensors import safe_open
+
+    files = list(path.glob("*.safetensors"))
+    if not files:
+        from devmap.planning.models import resolve_source
+
+        for name, parameter in resolve_source(str(path)).build("meta").named_parameters():
+            yield name, tuple(parameter.shape)
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                yield name, tuple(f.get_slice(name).get_shape())
 
 
 def devmap_variant(system: str) -> tuple[list[str], str | None]:
@@ -429,8 +436,9 @@ def main() -> None:
                              "default: every visible GPU, one row per system")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: write the configs and tokenizer only (devmap save --config-only) and serve random "
-                             "bf16 weights made on the GPUs (devmap serve --load-format dummy): a model whose "
-                             "checkpoint would not fit the disk or take minutes to write; devmap systems only")
+                             "weights made on the GPUs (devmap serve --load-format dummy; quantized there for "
+                             "devmap+int8 and the like): a model whose checkpoint would not fit the disk or take "
+                             "minutes to write; devmap systems only")
     parser.add_argument("--profile-seconds", type=float, default=0.0,
                         help="devmap systems: record the engine core (torch.profiler: host ops, CUDA calls, kernels) "
                              "for this many seconds at the start of each timed window (POST /start_profile, "
@@ -439,9 +447,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     dummy = args.load_format == "dummy"
-    if dummy and any(not system.startswith("devmap") or devmap_variant(system)[1]
-                     for system in args.systems.split(",")):
-        parser.error("--load-format dummy serves devmap's own bf16 systems only (no transformers, no quantization)")
+    if dummy and any(not system.startswith("devmap") for system in args.systems.split(",")):
+        parser.error("--load-format dummy serves devmap's own systems only (transformers serve reads a checkpoint)")
     counts = [int(c) for c in args.clients.split(",")]
     gpus_list = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     rows: dict[str, list[dict[str, Any]]] = {}
