@@ -24,6 +24,7 @@ from torch import nn
 from ..generation.continuous import SlotRequest, continuous_batch
 from ..generation.joined_projections import every_layer_joined
 from ..generation.step_cache import release_graphs
+from ..planning.devices import is_gpu, parse_device_key
 from ..planning.quantization import Quantization
 from .scheduler import CACHE_BUCKET, MIN_ROWS
 
@@ -38,7 +39,7 @@ def compiles(model: nn.Module, wanted: bool | None, quantization: Quantization |
     if wanted is False or (not read_by_devmap and not wanted):
         return False
     devices = set(getattr(model, "hf_device_map", {"": "cpu"}).values())
-    return torch.cuda.is_available() and all(isinstance(d, int) or str(d).startswith("cuda") for d in devices)
+    return torch.cuda.is_available() and all(is_gpu(parse_device_key(d)) for d in devices)
 
 
 def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None = None) -> None:
