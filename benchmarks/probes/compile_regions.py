@@ -33,7 +33,7 @@ def run_one(model_name: str, mode: str, backend: str, rows: int, steps: int) -> 
         def whole(runner: lanes.LaneStreams, body):
             return compiled.compile_region(body, runner.dynamic) if runner.compile else body
 
-        lanes.LaneStreams._compiled = whole
+        lanes.LaneStreams.compiled_body = whole
     model = _model(model_name)
     device = next(model.parameters()).device
     vocab = model.config.vocab_size

@@ -29,13 +29,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     args = parser.parse_args()
     if args.dynamic == "off":
-        compiled = lanes.LaneStreams._compiled
+        compiled = lanes.LaneStreams.compiled_body
 
         def fixed_shapes(runner: lanes.LaneStreams, body):  # regions compiled for each shape
             runner.dynamic = False
             return compiled(runner, body)
 
-        lanes.LaneStreams._compiled = fixed_shapes
+        lanes.LaneStreams.compiled_body = fixed_shapes
     from torch._dynamo.utils import counters
 
     model = devmap.load(args.model, device_map={"": 0}, dtype="bfloat16")

@@ -89,8 +89,8 @@ def generate(
     place_lanes(stages, lane_list)  # after the check: a refused call leaves nothing on the GPUs
     with stages.hooks_bypassed():
         for k, lane in enumerate(lane_list):
-            run.prepare_decode(k, lane, max_len, entries, cache)
-        run.generate(max_new_tokens, sampling, eos_list, pad, entries if keep_graphs else None, cache, on_tokens)
+            run.decode.prepare_decode(k, lane, max_len, entries, cache)
+        run.decode.generate(max_new_tokens, sampling, eos_list, pad, entries if keep_graphs else None, cache, on_tokens)
         run.streams.join([t for lane in lane_list for t in lane.tokens + lane.unfinished])
     lengths = []
     for lane in lane_list:  # a lane's tokens after all its rows ended are padding: trim to where it ended
@@ -142,7 +142,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     dtype = getattr(stages.model.lm_head, "weight", torch.empty(0, dtype=stages.dtype)).dtype
     out = torch.empty(*input_ids.shape, vocab, dtype=dtype, device=stages.head_device)
     with stages.hooks_bypassed():
-        run.forward(step_cache(model, "forward") if run.graphs and keep_graphs else None, out)
+        run.prefill.forward(step_cache(model, "forward") if run.graphs and keep_graphs else None, out)
         run.streams.join([out])
     return out
 

@@ -99,7 +99,7 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
 
     with stages.hooks_bypassed():
         for k, lane in enumerate(lane_list):
-            run.prepare_decode(k, lane, cache_len, entries, cache)
+            run.decode.prepare_decode(k, lane, cache_len, entries, cache)
         vacant()
         if run.graphs:  # every join shape captured up front (steps carrying packs run on the vacant rows: so again)
             run.start()

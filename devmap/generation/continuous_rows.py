@@ -121,8 +121,8 @@ class ContinuousBatch:
             if k in riders:
                 logits, first, first_host = self.joins.ride(k, riders[k], rows, slot)
             else:
-                steps = self.run.first_rows_steps(lane, rows, self.cache) if rows < lane.ids.shape[0] else None
-                logits = self.run.decode_step(lane, steps)
+                steps = self.run.decode.first_rows_steps(lane, rows, self.cache) if rows < lane.ids.shape[0] else None
+                logits = self.run.decode.decode_step(lane, steps)
             self.finish(k, logits, step)
             self.count_issued(k, running[k])
             if k in riders:

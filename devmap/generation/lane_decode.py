@@ -11,6 +11,7 @@ import torch
 from ..compat import dynamic_dims, with_decode_attention
 from .decode_attention import decode_step_attention
 from .lane_cache import DecodeInputs, LaneCache
+from .lane_prefill import LanePrefill
 from .graphed_step import GraphedStep
 from .lanes import EOS_CHECK_LAG, Lane, LaneStreams, OnTokens, record_event
 from .sampling import Sampling, choose
@@ -31,8 +32,12 @@ def computed_rows(highest: int, rows: int) -> int:
     return min(rows, 1 << (need - 1).bit_length())
 
 
-class LaneDecode(LaneStreams):
-    """Decode steps per (stage, lane), replayed as CUDA graphs, and the generate loop over them."""
+class LaneDecode:
+    """Decode steps per (stage, lane) of `run`, replayed as CUDA graphs, and the generate loop over them (its
+    prompts through `prefill`)."""
+
+    def __init__(self, run: LaneStreams, prefill: LanePrefill) -> None:
+        self.run, self.prefill, self.s = run, prefill, run.s  # the stages, as every lane-step names them
 
     def prepare_decode(self, k: int, lane: Lane, max_len: int, entries: dict | None, cache: StepCache | None) -> None:
         """The lane's static caches and decode steps on every stage (kept from an earlier call of the same
@@ -71,10 +76,10 @@ class LaneDecode(LaneStreams):
         stage = self.s.stages[j]
         # the last stage's step ends in the head: a copy to another device can't be captured (and a failed
         # capture leaves the graph pool unusable), so that step stays eager when the head lives elsewhere
-        graphed = self.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
+        graphed = self.run.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
         pool = cache.pool(stage.device, j) if cache is not None and graphed else None
-        capture = self._capture_stream(j) if graphed else None
-        if self.compile and self.dynamic:  # one compile for every rows × cache length (devmap.generation.compiled)
+        capture = self.run.capture_stream(j) if graphed else None
+        if self.run.compile and self.run.dynamic:  # one compile for every rows × cache length (generation.compiled)
             dynamic_dims(static_in, (0,))
             for buffer in inputs.cache.buffers():
                 dynamic_dims(buffer, (0, 2))
@@ -82,7 +87,7 @@ class LaneDecode(LaneStreams):
             dynamic_dims(inputs.offset, (0,))
             dynamic_dims(inputs.live, (0,))
         body = with_decode_attention(self.s.config,
-                                     self._compiled(lambda x, j=j, item=inputs: self.s.decode(j, x, item)),
+                                     self.run.compiled_body(lambda x, j=j, item=inputs: self.s.decode(j, x, item)),
                                      decode_step_attention)
         return GraphedStep(body, static_in, graphed, pool, capture)
 
@@ -101,7 +106,7 @@ class LaneDecode(LaneStreams):
     def _mixed_step(self, j: int, lane: Lane, rows: int, width: int, scratch: LaneCache,
                     cache: StepCache | None) -> tuple[GraphedStep, torch.Tensor, torch.Tensor]:
         stage = self.s.stages[j]
-        graphed = self.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
+        graphed = self.run.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
         pool = cache.pool(stage.device, j) if cache is not None and graphed else None
         inputs = lane.inputs[j].first_rows(rows)  # views for every row count, the lane's own too: one compile
         tokens = lane.steps[0].static_in[:rows].view(-1)  # the rows' tokens (stage 0 reads them)
@@ -111,7 +116,7 @@ class LaneDecode(LaneStreams):
             static_in = torch.zeros(rows + width, self.s.config.hidden_size, dtype=self.s.dtype, device=stage.device)
         positions = torch.zeros(1, width, dtype=torch.long, device=stage.device)
         mask = torch.zeros(1, 1, width, width, dtype=torch.bool, device=stage.device)
-        if self.compile and self.dynamic:  # one compile for every rows × pack width × cache length
+        if self.run.compile and self.run.dynamic:  # one compile for every rows × pack width × cache length
             for tensor, dims in ((static_in, (0,)), (tokens, (0,)), (positions, (1,)), (mask, (2, 3)),
                                  (inputs.attended, (0, 1)), (inputs.offset, (0,)), (inputs.live, (0,))):
                 dynamic_dims(tensor, dims)
@@ -126,8 +131,9 @@ class LaneDecode(LaneStreams):
             return self.s.mixed(j, flat, inputs.live.shape[0], inputs, scratch,
                                 {"attention_mask": mask, "position_ids": positions})
 
-        step = GraphedStep(with_decode_attention(self.s.config, self._compiled(body), decode_step_attention),
-                           static_in, graphed, pool, self._capture_stream(j) if graphed else None)
+        compiled = self.run.compiled_body(body)
+        step = GraphedStep(with_decode_attention(self.s.config, compiled, decode_step_attention),
+                           static_in, graphed, pool, self.run.capture_stream(j) if graphed else None)
         return step, positions, mask
 
     def first_rows_steps(self, lane: Lane, rows: int, cache: StepCache | None) -> list[GraphedStep]:
@@ -145,8 +151,8 @@ class LaneDecode(LaneStreams):
         eos_ids = torch.tensor(eos, device=head_device) if eos else None
         generator = torch.Generator(device=head_device).manual_seed(sampling.seed) if sampling.do_sample else None
         last = len(self.s.stages) - 1
-        self.start()
-        self.prompts()
+        self.run.start()
+        self.prefill.prompts()
 
         def finish(lane: Lane, logits: torch.Tensor, compute: Any, step: int) -> None:
             """The lane's next token from its logits, on the last stage; sent to stage 0 if another step follows."""
@@ -167,27 +173,27 @@ class LaneDecode(LaneStreams):
                 lane.undelivered.append((step, record_event(compute), to_host(token)))
             if step + 1 < max_new_tokens:  # stage 0 waits for it only right before the lane's next step
                 lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, record_event(compute), 0,
-                                              self.streams)
+                                              self.run.streams)
 
-        for k, lane in enumerate(self.lanes):  # prefill, lane after lane: the stages overlap on different lanes
+        for k, lane in enumerate(self.run.lanes):  # prefill, lane after lane: the stages overlap on different lanes
             if entries is None:
-                hidden = self.through(lane, caches=True)
+                hidden = self.prefill.through(lane, caches=True)
             else:
-                hidden = self.through_graphed(k, lane, entries, cache, caches=True)
+                hidden = self.prefill.through_graphed(k, lane, entries, cache, caches=True)
             for j, lane_cache in enumerate(lane.caches):
-                with self.on(j):
+                with self.run.on(j):
                     lane_cache.start_decoding(lane.ids.shape[1])
-            with self.on(last) as compute:
+            with self.run.on(last) as compute:
                 finish(lane, self.s.head(hidden[:, -1:, :])[:, -1].float(), compute, 0)
         for step in range(1, max_new_tokens):
             if on_tokens is not None and not self.deliver(on_tokens, step - 1):
                 return
-            for lane in self.lanes:
+            for lane in self.run.lanes:
                 if lane.done or _ended(lane, step):
                     lane.done = True
                     continue
                 out = self.decode_step(lane)
-                with self.on(last) as compute:
+                with self.run.on(last) as compute:
                     finish(lane, out, compute, step)
         if on_tokens is not None:
             self.deliver(on_tokens, max_new_tokens, lag=0)
@@ -198,12 +204,12 @@ class LaneDecode(LaneStreams):
         steps = steps or lane.steps
         out = event = None
         for j in range(len(self.s.stages)):
-            with self.on(j) as compute:
+            with self.run.on(j) as compute:
                 if j > 0:
-                    copy_into(steps[j].static_in, out, event, j, self.streams, compute)
+                    copy_into(steps[j].static_in, out, event, j, self.run.streams, compute)
                 elif lane.token_ready is not None:
                     compute.wait_event(lane.token_ready)
-                with self.clock.around(j, compute):
+                with self.run.clock.around(j, compute):
                     out = steps[j].handed_on(steps[j](), j < len(self.s.stages) - 1)
                 event = record_event(compute)
         return out
@@ -213,7 +219,7 @@ class LaneDecode(LaneStreams):
         for work issued steps ago, never for the step in flight); False when `on_tokens` asks to stop."""
         lag = (EOS_CHECK_LAG if self.s.head_device.type == "cuda" else 0) if lag is None else lag
         go_on = True
-        for lane in self.lanes:
+        for lane in self.run.lanes:
             while lane.undelivered and lane.undelivered[0][0] <= step - lag:
                 index, event, host = lane.undelivered.pop(0)
                 if event is not None:

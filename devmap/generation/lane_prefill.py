@@ -18,14 +18,19 @@ from .step_cache import StepCache, weight_pointers
 from ..pipelining.streams import copy_into, hand_off
 
 
-class LanePrefill(LaneStreams):
-    """Prompts through the stages, lane after lane (stage j runs lane k while stage j + 1 runs lane k - 1)."""
+class LanePrefill:
+    """Prompts through the stages of `run`, lane after lane (stage j runs lane k while stage j + 1 runs lane k - 1),
+    and the prompt contexts it made (per shape, for lanes without padding)."""
+
+    def __init__(self, run: LaneStreams) -> None:
+        self.run, self.s = run, run.s  # the stages, as every lane-step names them
+        self._plain: dict[tuple[int, int], dict[str, Any]] = {}
 
     def prompts(self) -> None:
         """The causal mask and position ids of every lane with padding, made before any lane's work is issued
         (attention implementations other than sdpa and eager use transformers' mask code, which reads padding on the
         host: that would stall the pipeline once per lane)."""
-        for lane in self.lanes:
+        for lane in self.run.lanes:
             if lane.padded:
                 self.prompt(lane)
 
@@ -35,7 +40,7 @@ class LanePrefill(LaneStreams):
         if lane.prompt:
             return lane.prompt
         rows, length = lane.ids.shape
-        with self.on(0) as first:
+        with self.run.on(0) as first:
             device = self.s.stages[0].device
             like = torch.empty(rows, length, 0, dtype=self.s.dtype, device=device)  # shape, dtype, device only
             if lane.padded:
@@ -52,18 +57,18 @@ class LanePrefill(LaneStreams):
         """A lane's whole prompt through every stage (caches filled when asked); the last stage's hidden state."""
         hidden = context = event = None
         for j, stage in enumerate(self.s.stages):
-            with self.on(j) as compute:
+            with self.run.on(j) as compute:
                 if j == 0:
                     hidden = self.s.embed(lane.ids).to(stage.device)
                     context = dict(self.prompt(lane)["context"])
                     context["position_embeddings"] = self.s.rotary(hidden, context["position_ids"])
                 elif compute is not None:
-                    hidden = hand_off(hidden, event, stage.device, j, self.streams, compute)
-                    context = {k: move_to_stage(v, event, stage.device, j, self.streams, compute)
+                    hidden = hand_off(hidden, event, stage.device, j, self.run.streams, compute)
+                    context = {k: move_to_stage(v, event, stage.device, j, self.run.streams, compute)
                                for k, v in context.items()}
                 else:
                     hidden = hidden.to(stage.device)
-                    context = {k: move_to_stage(v, None, stage.device, j, self.streams, None)
+                    context = {k: move_to_stage(v, None, stage.device, j, self.run.streams, None)
                                for k, v in context.items()}
                 hidden = self.s.run(j, hidden, context, lane.caches[j] if caches else None)
                 event = record_event(compute)
@@ -71,19 +76,19 @@ class LanePrefill(LaneStreams):
 
     def forward(self, cache: StepCache | None, out: torch.Tensor) -> None:
         """Every lane's logits, into `out`; with a step cache, each (stage, lane) prefill is a replayed graph."""
-        self.start()
+        self.run.start()
         self.prompts()
         entries = None
-        if cache is not None and self.graphs:
-            signature = (self.layout(), tuple(tuple(lane.ids.shape) for lane in self.lanes))
+        if cache is not None and self.run.graphs:
+            signature = (self.run.layout(), tuple(tuple(lane.ids.shape) for lane in self.run.lanes))
             entries = cache.use(signature, weight_pointers(self.s.model))
         front = self.front_head(out)
         last = len(self.s.stages) - 1
-        for k, lane in enumerate(self.lanes):
+        for k, lane in enumerate(self.run.lanes):
             hidden = self.through(lane, caches=False) if entries is None else self.through_graphed(
                 k, lane, entries, cache, leaves=front is not None)  # half of the last stage's output goes to the front
             cut = hidden.shape[0] // 2 if front is not None else 0
-            with self.on(last) as compute:
+            with self.run.on(last) as compute:
                 self.s.head_into(hidden[cut:], out[lane.rows][cut:])
                 event = record_event(compute)
             if cut:  # the first stage, which has no head, projects the other half of the lane's rows
@@ -98,22 +103,22 @@ class LanePrefill(LaneStreams):
         weight = self.s.model.lm_head.weight
         if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 4 * weight.numel() * weight.element_size():
             return None
-        with self.on(0, "head"):
+        with self.run.on(0, "head"):
             return FrontHead(self.s, device)
 
     def front_rows(self, front: Any, hidden: torch.Tensor, event: Any, out: torch.Tensor) -> None:
         """Logits of `hidden`'s rows on the first stage's head stream (beside its layers' work), copied into `out`."""
         device = self.s.stages[0].device
         pseudo = len(self.s.stages)  # stream keys of their own: the stages' hand-offs never wait behind these
-        with self.on(0, "head") as stream:
+        with self.run.on(0, "head") as stream:
             if stream is not None:
-                hidden = hand_off(hidden, event, device, pseudo, self.streams, stream)
+                hidden = hand_off(hidden, event, device, pseudo, self.run.streams, stream)
             else:
                 hidden = hidden.to(device)
             logits = torch.empty(out.shape, dtype=out.dtype, device=device)
             front.into(hidden, logits)
-            gather = self.streams.get("gather", pseudo, out.device) if out.is_cuda else None
-            copy_into(out, logits, record_event(stream), pseudo, self.streams, gather)
+            gather = self.run.streams.get("gather", pseudo, out.device) if out.is_cuda else None
+            copy_into(out, logits, record_event(stream), pseudo, self.run.streams, gather)
 
     def through_graphed(self, k: int, lane: Lane, entries: dict, cache: StepCache, caches: bool = False,
                         leaves: bool = False) -> torch.Tensor:
@@ -126,16 +131,16 @@ class LanePrefill(LaneStreams):
         mask_key = None if mask is None else (tuple(mask.shape), mask.dtype)
         out = event = None
         for j, stage in enumerate(self.s.stages):
-            with self.on(j) as compute:
+            with self.run.on(j) as compute:
                 key = ("prefill", j, k, mask_key)
                 if key not in entries:
                     entries[key] = self.prefill_step(j, rows, length, mask, cache, lane.caches[j] if caches else None)
                 step, static_positions, static_mask = entries[key]
-                copy_into(step.static_in, lane.ids if j == 0 else out, None if j == 0 else event, j, self.streams,
+                copy_into(step.static_in, lane.ids if j == 0 else out, None if j == 0 else event, j, self.run.streams,
                           compute)
-                copy_into(static_positions, position_ids, ready, j, self.streams, compute)
+                copy_into(static_positions, position_ids, ready, j, self.run.streams, compute)
                 if static_mask is not None:
-                    copy_into(static_mask, mask, ready, j, self.streams, compute)
+                    copy_into(static_mask, mask, ready, j, self.run.streams, compute)
                 out = step.handed_on(step(), leaves or j < len(self.s.stages) - 1)
                 event = record_event(compute)
         return out
@@ -152,7 +157,7 @@ class LanePrefill(LaneStreams):
             static_in = torch.zeros(rows, length, self.s.config.hidden_size, dtype=self.s.dtype, device=device)
         static_positions = torch.zeros(rows, length, dtype=torch.long, device=device)
         static_mask = None if mask is None else torch.zeros(mask.shape, dtype=mask.dtype, device=device)
-        if self.compile and self.dynamic:  # one compile for every prompt length (a continuous batch's packs)
+        if self.run.compile and self.run.dynamic:  # one compile for every prompt length (a continuous batch's packs)
             dynamic_dims(static_in, (1,))
             dynamic_dims(static_positions, (1,))
             if static_mask is not None:
@@ -166,7 +171,7 @@ class LanePrefill(LaneStreams):
                        "position_embeddings": self.s.rotary(hidden, static_positions)}
             return self.s.run(j, hidden, context, lane_cache)
 
-        body = self._compiled(body)
-        step = GraphedStep(body, static_in, True, cache.pool(device, j), self._capture_stream(j))
+        body = self.run.compiled_body(body)
+        step = GraphedStep(body, static_in, True, cache.pool(device, j), self.run.capture_stream(j))
         return step, static_positions, static_mask
 

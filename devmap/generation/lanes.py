@@ -59,10 +59,9 @@ class LaneStreams:
         # compiled with symbolic sizes (devmap.generation.compiled): a decode step's rows and cache columns, a
         # prefill's prompt width
         self.dynamic = dynamic
-        self._plain: dict[tuple[int, int], dict[str, Any]] = {}
         self.clock = BusyClock(len(stages.stages))  # how busy each stage is (timed where a caller samples steps)
 
-    def _capture_stream(self, j: int) -> Any:
+    def capture_stream(self, j: int) -> Any:
         device = self.s.stages[j].device
         return self.streams.get("capture", j, device) if device.type == "cuda" else None
 
@@ -92,7 +91,7 @@ class LaneStreams:
         with torch.cuda.device(device), torch.cuda.stream(stream):
             yield stream
 
-    def _compiled(self, body: Any) -> Any:
+    def compiled_body(self, body: Any) -> Any:
         """`body`, a stage step, with its regions compiled (`CausalLMStages.compile_regions`) when compiling."""
         if self.compile:
             self.s.compile_regions(self.dynamic)

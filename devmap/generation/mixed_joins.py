@@ -182,7 +182,8 @@ class Riding:
         """Lane k's step over its first `rows` rows carrying a pack of `width` tokens (ids, and its mask and positions
         ready at `ready`) on every stage (`after(j, device)` once stage j's is issued); the last stage's output."""
         run, lane, last = self.batch.run, self.batch.run.lanes[k], len(self.batch.s.stages) - 1
-        steps = run.mixed_steps(lane, rows, width, [self.packs.scratch(j) for j in range(last + 1)], self.packs.cache)
+        scratches = [self.packs.scratch(j) for j in range(last + 1)]
+        steps = run.decode.mixed_steps(lane, rows, width, scratches, self.packs.cache)
         out = event = None
         for j, stage in enumerate(self.batch.s.stages):
             step, positions, mask = steps[j]

@@ -77,7 +77,7 @@ class Packs:
         first write into them."""
         scratch = self.scratch(j)
         with self.run.on(j):
-            return self.run.prefill_step(j, 1, width, mask, self.cache, scratch), scratch
+            return self.run.prefill.prefill_step(j, 1, width, mask, self.cache, scratch), scratch
 
     def scratch(self, j: int) -> LaneCache:
         """Stage j's scratch cache of one row of `limit` columns, where every pack's prompts are prefilled

@@ -63,8 +63,8 @@ def test_a_lane_nobody_holds_sits_out_and_catches_up_when_a_request_joins_it(mod
     with continuous_batch(model, rows=2, first_slot=12, cache_len=40, lanes=2, split_layers=[2],
                           graphs=False) as batch:
         issued = []
-        decode_step = batch.run.decode_step
-        batch.run.decode_step = lambda lane, steps=None: issued.append(batch.run.lanes.index(lane)) or \
+        decode_step = batch.run.decode.decode_step
+        batch.run.decode.decode_step = lambda lane, steps=None: issued.append(batch.run.lanes.index(lane)) or \
             decode_step(lane, steps)
         batch.step([first])
         for _ in range(9):
