@@ -30,7 +30,8 @@ from .errors import EngineGone, ServiceError
 from .jobs import Job
 from .limits import EngineLimits
 from .outputs import Deliver
-from .registry import ModelRegistry, load_tokenizer
+from .prepare import load_tokenizer
+from .registry import ModelRegistry
 
 log = logging.getLogger("devmap.serving")
 

@@ -23,10 +23,10 @@ from torch import nn
 from ..errors import DevmapError, DoesNotFitError
 from ..planning.budget import resolve_budget
 from ..planning.devices import DeviceKey
-from ..planning.quantization import Quantization
 from .errors import DoesNotFit, ModelNotFound, ModelUnloading, ServiceError
 from .limits import EngineLimits
 from .load_phases import LoadPhases
+from .prepare import prepare_for_serving
 from .resident import ResidentModel
 
 if TYPE_CHECKING:
@@ -72,7 +72,6 @@ class ModelRegistry:
         """Load the directory onto its devices (within what the budget has left) and make it resident, its LLaMA
         layers' input projections joined (`generation.joined_projections`: two products where transformers runs
         five per decode step)."""
-        from ..generation.joined_projections import join_projections
         from ..loading.loader import load
 
         model_id = model_id or path.name
@@ -95,26 +94,18 @@ class ModelRegistry:
             except DevmapError as exc:
                 raise ServiceError(f"cannot load {model_id}: {exc}") from None
             try:
-                with phases.timed("prepare"):
-                    joined = join_projections(model)  # the service owns the model and never saves it: see there
-                    log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
-                    _prepare_product_kernels(model, model_id)
-                    tokenizer = load_tokenizer(path)
-                context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-                with phases.timed("compile"):
-                    compiled = _compiled(model, self.limits, model.devmap_plan.quantization, serving.rows, context)
+                ready = prepare_for_serving(model, path, model_id, self.limits, serving.rows, phases)
             except BaseException:
                 _free(model)
                 raise
             log.info("%s loaded: %s", model_id, phases.summary())
             report = model.devmap_load_report.to_dict()
             resident = ResidentModel(
-                id=model_id, path=path, model=model, tokenizer=tokenizer, created=int(time.time()),
-                context=context, vocab_size=model.get_input_embeddings().num_embeddings,
+                id=model_id, path=path, model=model, tokenizer=ready.tokenizer, created=int(time.time()),
+                context=ready.context, vocab_size=model.get_input_embeddings().num_embeddings,
                 planned={usage.key: usage.total for usage in model.devmap_plan.devices.values()},
                 report=report, max_rows=serving.rows, cache_len=serving.cache_len, lanes=serving.lanes,
-                compiled=compiled,
-                eos_ids=end_of_sequence_ids(model, tokenizer), load_seconds=phases.seconds,
+                compiled=ready.compiled, eos_ids=ready.eos_ids, load_seconds=phases.seconds,
             )
             self.add(resident)
             _freeze_survivors()
@@ -213,65 +204,6 @@ class ModelRegistry:
         """Ids of models unused for more than `seconds`."""
         now = time.monotonic()
         return [r.id for r in self.all() if now - r.last_used > seconds and not r.busy.locked()]
-
-
-def _prepare_product_kernels(model: nn.Module, model_id: str) -> None:
-    """Compile the variants of devmap's product kernels for the model's joined int8 and 4-bit weights now, at load,
-    rather than in its first requests (nothing to do without such weights or off GPUs)."""
-    from ..generation import four_bit_products, int8_products
-    from ..generation.joined_projections import joined_products
-
-    started = time.monotonic()
-    products, dtype = joined_products(model), model.get_input_embeddings().weight.dtype
-    runs = int8_products.prepare_kernels([(p.qdata, p.scale) for p in products if p.qdata is not None], dtype)
-    runs += four_bit_products.prepare_kernels([p.four_bit for p in products if p.four_bit is not None], dtype)
-    if runs:
-        log.debug("%s: product kernels prepared for %d shapes in %.1f s", model_id, runs, time.monotonic() - started)
-
-
-def _compiled(model: nn.Module, limits: EngineLimits, quantization: Quantization | None, rows: int,
-              context: int) -> bool:
-    """Whether the model's decode steps run compiled (`warm_up.compiles`), compiled now if so. A compile that fails
-    (no C compiler for inductor, an operator it cannot trace) leaves the model on captured eager steps, with a
-    warning in the log, unless it was asked for (`limits.compile`): then the load fails with the reason."""
-    from ..generation.step_cache import release_graphs
-    from .warm_up import compiles, warm_up
-
-    wanted = limits.compile
-    if not compiles(model, wanted, quantization):
-        return False
-    try:
-        warm_up(model, rows, context, limits.riding)
-    except Exception as exc:
-        release_graphs(model)
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if wanted:
-            raise ServiceError(f"cannot compile the model's decode steps: {reason}; serve it without --compile")
-        log.warning("decode steps stay eager (captured): compiling them failed: %s", reason)
-        return False
-    return True
-
-
-def end_of_sequence_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
-    """The tokens that end a request: the model's generation config's (or config's) EOS ids and the tokenizer's."""
-    config = getattr(model, "generation_config", None) or model.config
-    eos = getattr(config, "eos_token_id", None)
-    ids = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(ids)
-
-
-def load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ServiceError(f"{path.name} has no usable tokenizer ({str(exc).splitlines()[0]}); a server answers "
-                           "text, so the directory needs tokenizer files (devmap save writes them)") from None
-    tokenizer.padding_side = "left"
-    return tokenizer
 
 
 def _free(model: nn.Module) -> None:

@@ -1,0 +1,109 @@
+"""A loaded model made ready to serve: its LLaMA layers' input projections joined (two products where transformers
+runs five per decode step, `generation.joined_projections`), the variants of devmap's product kernels for its
+quantized weights compiled, its decode steps compiled and warmed up (or left as captured eager steps where compiling
+does not pay or fails), its tokenizer and end-of-sequence ids. The registry loads, this prepares, each phase timed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..planning.quantization import Quantization
+from .errors import ServiceError
+from .limits import EngineLimits
+from .load_phases import LoadPhases
+
+log = logging.getLogger("devmap.serving")
+
+
+@dataclass(frozen=True)
+class Ready:
+    """What serving a prepared model needs beside it: its tokenizer, context (0: unbounded), end-of-sequence ids, and
+    whether its decode steps run compiled."""
+
+    tokenizer: Any
+    context: int
+    eos_ids: tuple[int, ...]
+    compiled: bool
+
+
+def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: EngineLimits, rows: int,
+                        phases: LoadPhases) -> Ready:
+    """Prepare the loaded `model` (from `path`) for batches of up to `rows` rows under `limits`; the "prepare" and
+    "compile" phases timed in `phases`. The caller frees the model if this raises."""
+    from ..generation.joined_projections import join_projections
+
+    with phases.timed("prepare"):
+        joined = join_projections(model)  # the service owns the model and never saves it: see there
+        log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
+        _prepare_product_kernels(model, model_id)
+        tokenizer = load_tokenizer(path)
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    with phases.timed("compile"):
+        compiled = _compiled(model, limits, model.devmap_plan.quantization, rows, context)
+    return Ready(tokenizer, context, end_of_sequence_ids(model, tokenizer), compiled)
+
+
+def _prepare_product_kernels(model: nn.Module, model_id: str) -> None:
+    """Compile the variants of devmap's product kernels for the model's joined int8 and 4-bit weights now, at load,
+    rather than in its first requests (nothing to do without such weights or off GPUs)."""
+    from ..generation import four_bit_products, int8_products
+    from ..generation.joined_projections import joined_products
+
+    started = time.monotonic()
+    products, dtype = joined_products(model), model.get_input_embeddings().weight.dtype
+    runs = int8_products.prepare_kernels([(p.qdata, p.scale) for p in products if p.qdata is not None], dtype)
+    runs += four_bit_products.prepare_kernels([p.four_bit for p in products if p.four_bit is not None], dtype)
+    if runs:
+        log.debug("%s: product kernels prepared for %d shapes in %.1f s", model_id, runs, time.monotonic() - started)
+
+
+def _compiled(model: nn.Module, limits: EngineLimits, quantization: Quantization | None, rows: int,
+              context: int) -> bool:
+    """Whether the model's decode steps run compiled (`warm_up.compiles`), compiled now if so. A compile that fails
+    (no C compiler for inductor, an operator it cannot trace) leaves the model on captured eager steps, with a
+    warning in the log, unless it was asked for (`limits.compile`): then the load fails with the reason."""
+    from ..generation.step_cache import release_graphs
+    from .warm_up import compiles, warm_up
+
+    wanted = limits.compile
+    if not compiles(model, wanted, quantization):
+        return False
+    try:
+        warm_up(model, rows, context, limits.riding)
+    except Exception as exc:
+        release_graphs(model)
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if wanted:
+            raise ServiceError(f"cannot compile the model's decode steps: {reason}; serve it without --compile")
+        log.warning("decode steps stay eager (captured): compiling them failed: %s", reason)
+        return False
+    return True
+
+
+def end_of_sequence_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end a request: the model's generation config's (or config's) EOS ids and the tokenizer's."""
+    config = getattr(model, "generation_config", None) or model.config
+    eos = getattr(config, "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids)
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ServiceError(f"{path.name} has no usable tokenizer ({str(exc).splitlines()[0]}); a server answers "
+                           "text, so the directory needs tokenizer files (devmap save writes them)") from None
+    tokenizer.padding_side = "left"
+    return tokenizer
