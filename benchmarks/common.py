@@ -130,6 +130,23 @@ def graph_timed_us(call, repeat: int = 100) -> float:  # type: ignore[no-untyped
     return start.elapsed_time(end) / 5 / repeat * 1000
 
 
+def matmul_flops() -> float:
+    """bf16 floating-point operations per second the GPU's tensor cores sustain: the best of 10 products of two
+    8192 × 8192 matrices, each timed with events (the compute floor, measured as `copy_bandwidth` measures the
+    memory's)."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return 2 * 8192 ** 3 / best
+
+
 def copy_bandwidth() -> float:
     """Bytes per second the GPU reads and writes: the best of 20 copies of 2 GiB (each read and written once), each
     timed with events and not captured: a copy captured in a CUDA graph measured 2.44-2.71 TB/s where the same copy

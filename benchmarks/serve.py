@@ -11,9 +11,11 @@ are spread over `--client-processes` processes (one process's event loop delays 
 streamed chunks a second).
 Reported per server and client count: output tokens/s (all clients), time to first token p50/p99,
 time per output token p50/p99 (a request's time from its first text to its
-last, over its output tokens after the first), the floor (a decode step of that load reading the weights and the
-running requests' KV cache once, at the HBM bandwidth measured on this GPU in the same run) and the share of the
-step it is, and devmap's ratio to transformers.
+last, over its output tokens after the first), the floor and the share of the step it is, and devmap's ratio to
+transformers. The floor is the larger of two: a decode step of that load reading the weights and the running
+requests' KV cache once at the HBM bandwidth measured on this GPU in the same run ("reads"), and its arithmetic at
+the bf16 rate measured the same way: every running request's token and the prompt tokens each round takes in beside
+them (the load's prompt tokens per output token), 2 operations per parameter ("FLOPs").
 `--systems devmap+int8` (+int4, +nf4; +compile, +no-compile; +ride, +no-ride) serves devmap with those flags, its
 floor reading the quantized weights; `devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline
 in the same run).
@@ -22,7 +24,8 @@ same checkpoint), rows named `SYSTEM/NgpuS`, each with its ratio to the same sys
 such a row's floor knows the pipeline: per round every stage reads its weights once per lane and its lanes' KV cache,
 and each lane goes through the stages one after the other, so a round of S stages and L lanes holding requests takes at
 least max(L × W / S + KV / S, W + KV / L) / bandwidth for weights W and the running requests' cache KV (L: the lanes
-the clients fill at `--max-batch` rows each, at most S unless `--devmap-args` sets `--lanes`).
+holding requests, as many as the clients up to S unless `--devmap-args` sets `--lanes`), and its arithmetic spreads
+over min(L, S) GPUs.
 Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each devmap server once
 more after its runs, for a restart's time with the compile caches on disk that its first start filled.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its release does
@@ -210,6 +213,7 @@ def load_test(url: str, model: str, clients: int, seconds: float, new: int, seed
     prompts = [r["prompt_tokens"] for r in results if r["prompt_tokens"] is not None]
     return {"clients": clients, "requests": len(results), "seconds": elapsed, "first_call_s": first_call,
             "mean_prompt_tokens": statistics.mean(prompts) if prompts else None,
+            "mean_new_tokens": statistics.mean(r["tokens"] for r in results) if results else None,
             "client_processes": processes, "tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
             "ttft_p50": _quantile(ttfts, 0.5), "ttft_p99": _quantile(ttfts, 0.99),
             "tpot_p50": _quantile(tpots, 0.5), "tpot_p99": _quantile(tpots, 0.99)}
@@ -283,12 +287,14 @@ def server_ttft_p99(before: dict[str, float], after: dict[str, float]) -> str:
     return "-"
 
 
-def hbm_bandwidth() -> float:
-    """Bytes per second this GPU reads and writes (`common.copy_bandwidth`), from a fresh process: the benchmark forks
-    its clients and must hold no GPU context."""
+def gpu_pace() -> tuple[float, float]:
+    """(bytes per second this GPU reads and writes, `common.copy_bandwidth`; bf16 operations per second its tensor
+    cores sustain, `common.matmul_flops`), from a fresh process: the benchmark forks its clients and must hold no GPU
+    context."""
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
-            "from common import copy_bandwidth; print(copy_bandwidth())\n")
-    return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+            "from common import copy_bandwidth, matmul_flops; print(copy_bandwidth(), matmul_flops())\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    return float(out[0]), float(out[1])
 
 
 def model_bytes(path: Path, quantize: str | None = None) -> tuple[int, int]:
@@ -332,6 +338,15 @@ def tensor_shapes(path: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
                 yield name, tuple(f.get_slice(name).get_shape())
 
 
+def decoder_parameters_of(path: Path) -> int:
+    """The parameters a decode step reads per token (`mixed_joins.decoder_parameters`), from the model's config."""
+    from transformers import AutoConfig
+
+    from devmap.generation.mixed_joins import decoder_parameters
+
+    return decoder_parameters(AutoConfig.from_pretrained(str(path), local_files_only=True))
+
+
 def devmap_variant(system: str) -> tuple[list[str], str | None]:
     """`devmap+int8+compile@DIR` → (the extra flags of devmap serve, the --quantize scheme or None): `+int8`,
     `+int4`, `+nf4` serve quantized, `+compile` / `+no-compile` set compiling, `+ride` / `+no-ride` whether joiners
@@ -368,15 +383,22 @@ def quantized_copy(model: str, path: Path, scheme: str) -> Path:
 
 
 def floor_seconds(row: dict[str, Any], weights: int, kv_per_token: int, bandwidth: float, new: int, stages: int = 1,
-                  lanes: int = 1) -> float | None:
-    """The least time a decode step (a round of every lane) of this load can take, from HBM: each of `stages` GPUs
-    reads its share of the weights once per lane that holds requests and its share of every running request's KV
-    cache (mean prompt + half the new tokens); and a lane's step goes through every stage one after the other, reading
-    all the weights and its own requests' KV cache."""
+                  lanes: int = 1, parameters: int = 0, flops: float = 0.0) -> tuple[float, str] | None:
+    """The least time a decode step (a round of every lane) of this load can take, and what bounds it ("reads" or
+    "FLOPs"). Reads, from HBM: each of `stages` GPUs reads its share of the weights once per lane that holds requests
+    and its share of every running request's KV cache (mean prompt + half the new tokens); and a lane's step goes
+    through every stage one after the other, reading all the weights and its own requests' KV cache. FLOPs, on the
+    tensor cores (`flops` per second, `parameters` read per token): every running request's token of the round and
+    the prompt tokens the round takes in beside them (the load's prompt tokens per output token), 2 per parameter,
+    spread over the stages the lanes keep busy."""
     if row.get("mean_prompt_tokens") is None:
         return None
     kv = row["clients"] * (row["mean_prompt_tokens"] + new / 2) * kv_per_token
-    return max(lanes * weights / stages + kv / stages, weights + kv / lanes) / bandwidth
+    reads = max(lanes * weights / stages + kv / stages, weights + kv / lanes) / bandwidth
+    out = row.get("mean_new_tokens") or new
+    tokens = row["clients"] * (1 + row["mean_prompt_tokens"] / out)
+    compute = tokens * 2 * parameters / (min(lanes, stages) * flops) if flops and parameters else 0.0
+    return (reads, "reads") if reads >= compute else (compute, "FLOPs")
 
 
 def gpu_counts(system: str, counts: list[int] | None) -> list[int | None]:
@@ -385,13 +407,12 @@ def gpu_counts(system: str, counts: list[int] | None) -> list[int | None]:
 
 
 def lanes_of(devmap_args: str, gpus: int, clients: int) -> int:
-    """The lanes holding requests when devmap serve runs `clients` clients on `gpus` GPUs: as many as the clients
-    fill at `--max-batch` rows each (joiners fill the first lanes first), of `--lanes N` in its flags, else one per
-    stage."""
+    """The lanes holding requests when devmap serve runs `clients` clients on `gpus` GPUs: joiners go to the lane
+    holding the fewest rows, so every lane holds some once there are as many clients; of `--lanes N` in its flags,
+    else one per stage."""
     words = devmap_args.split()
     lanes = int(words[words.index("--lanes") + 1]) if "--lanes" in words else gpus
-    per_lane = int(words[words.index("--max-batch") + 1]) if "--max-batch" in words else 64
-    return max(1, min(lanes, -(-clients // per_lane)))
+    return max(1, min(lanes, clients))
 
 
 def transformers_command(path: Path, port: int) -> list[str]:
@@ -457,10 +478,11 @@ def main() -> None:
         if not (path / "config.json").exists():
             subprocess.run([sys.executable, "-m", "devmap", "save", args.model, str(path), "--dtype", "bfloat16",
                             *(["--config-only"] if dummy else [])], check=True, stdout=subprocess.DEVNULL)
-        bandwidth = hbm_bandwidth()
+        bandwidth, flops = gpu_pace()
         weights, kv_per_token = model_bytes(path)
-        print(f"HBM {bandwidth / 1e12:.2f} TB/s (copy, this GPU); weights read per step {weights / 1e9:.2f} GB; "
-              f"KV {kv_per_token / 1024:.0f} KiB per token", flush=True)
+        parameters = decoder_parameters_of(path)
+        print(f"HBM {bandwidth / 1e12:.2f} TB/s (copy, this GPU), bf16 {flops / 1e12:.0f} TFLOP/s (8192³ product); "
+              f"weights read per step {weights / 1e9:.2f} GB; KV {kv_per_token / 1024:.0f} KiB per token", flush=True)
         systems = args.systems.split(",")
         variants = {system: devmap_variant(system) for system in systems if system.startswith("devmap")}
         schemes = {system: scheme for system, (_, scheme) in variants.items()}
@@ -515,9 +537,12 @@ def main() -> None:
                         row["server_ttft_p99"] = server_ttft_p99(before, after)
                     stages = gpus or 1
                     floor = floor_seconds(row, read.get(system, weights), kv_per_token, bandwidth, args.new, stages,
-                                          lanes_of(args.devmap_args, stages, clients) if stages > 1 else 1)
-                    rows.setdefault(name, []).append({**row, "cold_start_s": cold, "floor_s": floor,
-                                                      "hbm_bytes_per_s": bandwidth, "gpus": gpus})
+                                          lanes_of(args.devmap_args, stages, clients) if stages > 1 else 1,
+                                          parameters, flops)
+                    rows.setdefault(name, []).append({**row, "cold_start_s": cold,
+                                                      "floor_s": floor[0] if floor else None,
+                                                      "floor_bound": floor[1] if floor else None,
+                                                      "hbm_bytes_per_s": bandwidth, "bf16_flops": flops, "gpus": gpus})
                     if args.out:  # every row as it comes: a run stopped short keeps the rows it made
                         Path(args.out).mkdir(parents=True, exist_ok=True)
                         (Path(args.out) / f"serve_{args.model}.json").write_text(json.dumps(rows, indent=2))
@@ -540,7 +565,7 @@ def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int],
            schemes: dict[str, str | None] | None = None) -> None:
     print(f"\nserving {model}, streaming chat completions, greedy")
     print("| system | clients | requests | first call s | output tok/s | TTFT p50 / p99 s "
-          "| time per token p50 / p99 ms | floor ms | floor ÷ step | vs transformers | vs 1 GPU |")
+          "| time per token p50 / p99 ms | floor ms (bound) | floor ÷ step | vs transformers | vs 1 GPU |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for system, results in rows.items():
         base = system.rsplit("/", 1)[0]
@@ -554,7 +579,8 @@ def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int],
             ttft = f"{_fmt(r['ttft_p50'])} / {_fmt(r['ttft_p99'])}"
             token = f"{_fmt(r['tpot_p50'], 1000)} / {_fmt(r['tpot_p99'], 1000)}"
             print(f"| {system} | {r['clients']} | {r['requests']} | {r['first_call_s']:.2f} | {r['tokens_per_s']:,.0f} "
-                  f"| {ttft} | {token} | {_fmt(r['floor_s'], 1000)} | {_share(r['floor_s'], r['tpot_p50'])} | "
+                  f"| {ttft} | {token} | {_fmt(r['floor_s'], 1000)} ({r.get('floor_bound') or '-'}) | "
+                  f"{_share(r['floor_s'], r['tpot_p50'])} | "
                   f"{ratio} | {scaling} |")
     for system, results in rows.items():
         for r in results:
