@@ -98,7 +98,7 @@ def test_every_module_is_small_and_says_what_it_is():
     for name, path in MODULES.items():
         text = path.read_text()
         lines = len(text.splitlines())
-        assert lines <= MOST_LINES, f"{name} has {lines} lines (at most {MOST_LINES}): split it where its concepts split"
+        assert lines <= MOST_LINES, f"{name} has {lines} lines (at most {MOST_LINES}): split it by concept"
         assert ast.get_docstring(ast.parse(text)), f"{name} has no module docstring"
 
 

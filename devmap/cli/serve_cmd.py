@@ -23,19 +23,10 @@ from .options import load_options
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1),
               help="Most requests in one lane of a continuous batch: a batch over S pipeline stages runs S lanes, "
                    "up to S times this many rows.")
-@click.option("--batch-wait-ms", default=5.0, show_default=True, type=click.FloatRange(min=0),
-              help="A batch takes requests until none has come for this long.")
-@click.option("--max-batch-wait-ms", default=50.0, show_default=True, type=click.FloatRange(min=0),
-              help="A batch starts at the latest this long after its oldest request arrived.")
-@click.option("--join-wait-ms", default=10.0, show_default=True, type=click.FloatRange(min=0),
-              help="Requests that could join the running batch wait up to this long for others to join "
-                   "with them (one prefill for all), unless they fill its free rows or its decode steps carry "
-                   "joiners' prompts (see --ride); one that finds no free row stops a batch "
-                   "that could have more rows after this long (the next one has a row for it).")
 @click.option("--join-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
-              help="Prompt tokens that join the running batch at one step, at most (a larger first "
-                   "request joins alone): a burst of requests joins over a few short steps instead of one long one. "
-                   "Where the decode steps carry joiners' prompts, each step carries up to 512.")
+              help="Prompt tokens that join the running batch at one step, at most (vLLM's max-num-batched-tokens; a "
+                   "larger first request joins alone): a burst of requests joins over a few short steps instead of "
+                   "one long one. Where the decode steps carry joiners' prompts, each lane's step carries up to 512.")
 @click.option("--ride/--no-ride", "riding", default=None,
               help="Joiners' prompts ride the running batch's decode steps (vLLM's mixed batches: the weights are "
                    "read once for both) instead of prefilling between two steps; only LLaMA-family models in bf16, "
@@ -43,10 +34,6 @@ from .options import load_options
                    "parameters or more, whose steps are bound by reading the weights (a small model's steps are "
                    "bound by the host, which a riding step keeps busier), unless 4-bit (their products of a step's "
                    "rows and prompts run slower than bf16's).")
-@click.option("--preempt-after-ms", default=250.0, show_default=True, type=click.FloatRange(min=0),
-              help="A request that cannot join the running batch (another model or sampling, a longer "
-                   "prompt than it takes) stops it after waiting this long; its unfinished requests continue in a "
-                   "later batch.")
 @click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=1),
               help="Most waiting requests; more get 429.")
 @click.option("--max-prompt-tokens", default=4096, show_default=True, type=click.IntRange(min=1))
@@ -80,9 +67,8 @@ from .options import load_options
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
           quantize: str | None,
-          model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int, batch_wait_ms: float,
-          max_batch_wait_ms: float, join_wait_ms: float, join_tokens: int, riding: bool | None,
-          preempt_after_ms: float, max_queue: int,
+          model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int,
+          join_tokens: int, riding: bool | None, max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
           unload_drain: float, lanes: int | None, compile_steps: bool | None, load_format: str,
           profile_dir: str | None, log_level: str) -> None:
@@ -108,10 +94,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     from devmap.serving.core_client import RegistrySettings
     from devmap.serving.errors import ServiceError
 
-    limits = EngineLimits(max_batch=max_batch, batch_wait=batch_wait_ms / 1000,
-                          max_batch_wait=max(max_batch_wait_ms, batch_wait_ms) / 1000, max_queue=max_queue,
-                          join_wait=join_wait_ms / 1000, join_tokens=join_tokens, riding=riding,
-                          preempt_after=preempt_after_ms / 1000, max_prompt_tokens=max_prompt_tokens,
+    limits = EngineLimits(max_batch=max_batch, max_queue=max_queue, join_tokens=join_tokens, riding=riding,
+                          max_prompt_tokens=max_prompt_tokens,
                           max_new_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
                           unload_drain=unload_drain, lanes=lanes, compile=compile_steps,
                           profile_dir=str(Path(profile_dir).expanduser().resolve()) if profile_dir else None)
