@@ -12,7 +12,7 @@ from devmap.serving import Engine, EngineLimits, GenerationParams, ModelRegistry
 def served_and_alone(registry: ModelRegistry, limits: EngineLimits, model_id: str, count: int,
                      metrics: dict | None = None) -> list:
     """(served answer, answer alone) of `count` greedy requests of mixed prompts and budgets sent at once, then
-    `count` more sent while those run (they join the running batch's free rows, the first lanes first). `metrics`,
+    `count` more sent while those run (they join the running batch's free rows, the emptiest lane first). `metrics`,
     when given, gets the engine's metrics (`EngineMetrics`)."""
     resident = registry.get(model_id)
     eos = list(resident.eos_ids)
