@@ -95,6 +95,34 @@ def test_joiners_keep_the_lanes_even(model):
         assert batch.free_rows() == [(1, 1), (0, 2), (1, 2)]
 
 
+def test_free_rows_keep_any_lanes_even_and_list_every_free_row_once():
+    """Whatever rows are held, taking the first n free rows in `free_rows`' order leaves the lanes as even as their
+    free rows allow: each next row goes to a lane holding the fewest rows among those with a free one."""
+    from types import SimpleNamespace
+
+    from devmap.generation.continuous_rows import ContinuousBatch
+
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+    @hypothesis.given(st.lists(st.lists(st.booleans(), min_size=1, max_size=8), min_size=1, max_size=4))
+    def check(held):
+        rows = [[SimpleNamespace(issued_to=object() if h else None) for h in lane] for lane in held]
+        order = ContinuousBatch.free_rows(SimpleNamespace(rows=rows))
+        assert sorted(order) == [(k, r) for k, lane in enumerate(held) for r, h in enumerate(lane) if not h]
+        count = [sum(lane) for lane in held]
+        free = [len(lane) - c for lane, c in zip(held, count)]
+        for k, r in order:
+            assert count[k] == min(count[j] for j in range(len(held)) if free[j])  # the emptiest lane with room
+            count[k], free[k] = count[k] + 1, free[k] - 1
+        for k in range(len(held)):  # within a lane, its lowest free rows first (decode steps compute a prefix)
+            mine = [r for j, r in order if j == k]
+            assert mine == sorted(mine)
+
+    check()
+
+
 def test_a_request_joins_while_others_still_decode(model, run):
     long = SlotRequest(list(range(3, 10)), 20, "long")
     short = SlotRequest(list(range(20, 24)), 2, "short")
