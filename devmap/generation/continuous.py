@@ -149,7 +149,7 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
             except StepFailed as failed:  # a caller of this function gets the error itself
                 raise failed.cause from None
             hand_back(batch.collect())
-            joining = admit(len(batch.free_rows()), batch.longest_prompt, batch.most_new_tokens)
+            joining = admit(batch.free_count(), batch.longest_prompt, batch.most_new_tokens)
             if joining is None:
                 break
         hand_back(batch.collect(everything=True))

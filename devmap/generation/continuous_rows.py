@@ -79,7 +79,7 @@ class ContinuousBatch:
         not to be stepped again (its rows may be half joined), but `collect(everything=True)` still hands back
         the tokens of the steps before it."""
         joining = joining or []
-        free = self.free_rows()
+        free = self.free_rows() if joining else []  # in the order joiners take them (most steps take none)
         if len(joining) > len(free):
             raise UsageError(f"{len(joining)} requests joining a batch with {len(free)} free rows")
         if not joining and all(row.issued_to is None for lane in self.rows for row in lane):
@@ -194,6 +194,10 @@ class ContinuousBatch:
             order.extend((held + i, k, r) for i, r in enumerate(free))
         order.sort()
         return [(k, r) for _, k, r in order]
+
+    def free_count(self) -> int:
+        """How many rows are free (what admitting joiners needs, without `free_rows`' order)."""
+        return sum(row.issued_to is None for lane in self.rows for row in lane)
 
     def finish(self, k: int, logits: torch.Tensor, step: int) -> None:
         """The lane's next tokens (on the last stage's stream): to the host, and to stage 0 for the next step."""

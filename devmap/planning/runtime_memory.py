@@ -223,12 +223,11 @@ def _run(recorder: _Recorder, body: Callable[[], None]) -> None:
 
 
 def _measure_causal(model: nn.Module, workload: Workload, out: dict[str, UnitRuntime],
-                    saved: set[int] | None, reuse: bool = True) -> None:
+                    saved: set[int] | None) -> None:
     """One micro-batch (lane, joining pack) of prompts through the layers one by one, as devmap's stages call
-    them. A decoder layer of the same modules and weight shapes as one measured before (every layer of a LLaMA)
-    takes the bytes of the second of them instead of running again (`reuse`; the first also counts what the
-    layers share): a plan then costs one layer's run, not all of
-    them (a 13B serving plan, searched over its rows, ~6 s → well under 1 s on a CPU)."""
+    them. A decoder layer of the same modules and weight shapes as two measured before it (every layer of a LLaMA)
+    takes the second one's bytes instead of running (the first also counts what the layers share): a plan costs two
+    layers' runs, not all of them, and a serving plan searches its rows over many plans."""
     recorder = _Recorder(out, saved, workload.chunks)
     base, rows, length = model.model, workload.prefill_batch, workload.seq_len
     prefix = next((n for n, m in model.named_modules() if m is base), "model")
@@ -244,7 +243,7 @@ def _measure_causal(model: nn.Module, workload: Workload, out: dict[str, UnitRun
         first: set[Any] = set()  # the first of a structure also saves what later layers share (positions): run two
         for i, layer in enumerate(base.layers):
             unit, structure = f"{prefix}.layers.{i}", _structure(layer)
-            twin = measured.get(structure) if reuse else None
+            twin = measured.get(structure)
             if twin is not None:  # the same modules and shapes on the same input: the same bytes
                 out[unit].transient, out[unit].saved = out[twin].transient, out[twin].saved
                 continue

@@ -171,7 +171,7 @@ class BatchRunner:
         free, the batch waits (a little) for clients coming back instead of ending."""
         while True:
             self.pull(0.0)
-            free = len(batch.free_rows())
+            free = batch.free_count()
             admission = self.scheduler.admit(running, free, time.perf_counter())
             if admission.wait_until is None:
                 return admission, free

@@ -151,7 +151,7 @@ def _scored_run(model: torch.nn.Module, reqs: list, *, rows: int, first_slot: in
         while batch.step(joining):
             for owner, token, score in batch.collect(scored=True):
                 got[owner].append((token, score))
-            free = len(batch.free_rows())
+            free = batch.free_count()
             joining, waiting = waiting[:free], waiting[free:]
         for owner, token, score in batch.collect(everything=True, scored=True):
             got[owner].append((token, score))

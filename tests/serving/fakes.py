@@ -58,6 +58,9 @@ class FakeBatch:
     def free_rows(self) -> list[tuple[int, int]]:
         return [(0, r) for r, row in enumerate(self.held) if row is None]
 
+    def free_count(self) -> int:
+        return sum(row is None for row in self.held)
+
     def step(self, joining: list[SlotRequest]) -> bool:
         free = self.free_rows()
         if len(joining) > len(free):
