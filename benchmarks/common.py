@@ -130,21 +130,25 @@ def graph_timed_us(call, repeat: int = 100) -> float:  # type: ignore[no-untyped
     return start.elapsed_time(end) / 5 / repeat * 1000
 
 
-def matmul_flops() -> float:
-    """bf16 floating-point operations per second the GPU's tensor cores sustain: the best of 10 products of two
-    8192 × 8192 matrices, each timed with events (the compute floor, measured as `copy_bandwidth` measures the
-    memory's)."""
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn_like(a)
+def best_seconds(work, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    """The shortest of `repeats` runs of `work()` on the current stream, each timed with CUDA events."""
     best = float("inf")
-    for _ in range(10):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        a @ b
+        work()
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1000)
-    return 2 * 8192 ** 3 / best
+    return best
+
+
+def matmul_flops() -> float:
+    """bf16 floating-point operations per second the GPU's tensor cores sustain: the best of 10 products of two
+    8192 × 8192 matrices (the compute floor, measured as `copy_bandwidth` measures the memory's)."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    return 2 * 8192 ** 3 / best_seconds(lambda: a @ b, 10)
 
 
 def copy_bandwidth() -> float:
@@ -153,12 +157,4 @@ def copy_bandwidth() -> float:
     issued from the host measured ~3.0 (H100) and 4.1-4.3 TB/s (H200), the pace of the kernels a step runs."""
     a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1000)
-    return 2 * a.numel() / best
+    return 2 * a.numel() / best_seconds(lambda: b.copy_(a), 20)
