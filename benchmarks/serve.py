@@ -74,13 +74,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server(command: list[str], port: int, name: str, timeout: float = 600, env: dict[str, str] | None = None,
-           cwd: str | None = None, started: list[Any] | None = None) -> Iterator[tuple[str, float]]:
+           cwd: str | None = None, processes: list[Any] | None = None) -> Iterator[tuple[str, float]]:
     """Start a server process and wait for it to answer; yields its URL and the seconds until it answered (the
-    cold start); always stopped after. `started`, when given, gets the process."""
+    cold start); always stopped after. `processes`, when given, gets the process."""
     log = open(Path(os.environ.get("SERVE_BENCH_LOGS", tempfile.gettempdir())) / f"serve-bench-{label(name)}.log", "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    if started is not None:
-        started.append(process)
+    if processes is not None:
+        processes.append(process)
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     try:

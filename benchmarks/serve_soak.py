@@ -200,7 +200,7 @@ def main() -> None:
                    "--log-level", "warning", *args.devmap_args.split(),
                    *(["--load-format", "dummy"] if dummy else [])]
         processes: list[Any] = []
-        with server(command, port, f"soak-{args.gpus}gpu", env=env, started=processes) as (url, cold):
+        with server(command, port, f"soak-{args.gpus}gpu", env=env, processes=processes) as (url, cold):
             seconds = 60 * args.minutes
             results, samples = asyncio.run(load(url, path.name, args.clients, seconds, args.new, args.disconnect,
                                                 args.too_long, args.sample, [p.pid for p in processes]))
