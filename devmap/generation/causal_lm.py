@@ -112,6 +112,15 @@ class CausalLMStages:
     def devices(self) -> list[torch.device]:
         return [s.device for s in self.stages]
 
+    def other_devices(self, stage: int) -> list[torch.device]:
+        """The devices besides its own that stage `stage`'s work runs on: the embedding's for the first stage, the
+        final norm's and the head's for the last (tied embeddings put lm_head on the first GPU)."""
+        touched = [self.embed_device] if stage == 0 else []
+        if stage == len(self.stages) - 1:
+            touched += [self.norm_device, self.head_device]
+        own = self.stages[stage].device
+        return list(dict.fromkeys(d for d in touched if d != own))
+
     def check_window(self, total: int) -> None:
         """Refuse sequences longer than a sliding attention window (devmap's masks are plain causal masks, which
         equal the sliding ones up to the window's length)."""

@@ -17,7 +17,7 @@ from .join_prefill import JoinApart
 from .mixed_joins import Riding
 from .packs import Packs
 from .lane_decode import computed_rows
-from .lane_runner import EOS_CHECK_LAG, LaneRunner, record_event
+from .lane_runner import EOS_CHECK_LAG, LaneRunner
 from .row_types import Row, SlotRequest, StepFailed
 from .sampling import Sampling, choose
 from .scores import packed, unpacked
@@ -205,7 +205,7 @@ class ContinuousBatch:
         with self.run.on(len(self.s.stages) - 1) as compute:
             token, payload = self.pick(logits)
             host = to_host(payload)
-            event = record_event(compute)
+            event = self.run.record(compute)
         self.pending[k].append((step, event, host, None))  # the first rows' tokens: every held row's
         lane.token_ready = copy_later(lane.steps[0].static_in.view(-1)[:token.shape[0]], token, event, 0,
                                       self.run.streams)

@@ -14,7 +14,6 @@ import torch
 
 from .joins import on_device, pack_width, pack_widths, packs, prompt_columns, to_device
 from .lane_cache import LaneCache
-from .lane_runner import record_event
 from .packs import Packs
 from .row_types import SlotRequest
 from ..pipelining.streams import scatter_later, to_host
@@ -61,7 +60,7 @@ class JoinApart:
             host = to_host(torch.cat(payloads) if len(payloads) > 1 else payloads[0])
             firsts = {k: tokens.index_select(0, on_device([place for place, _ in items], tokens.device))
                       for k, items in per_lane.items()}
-            event = record_event(compute)
+            event = run.record(compute)
         for k, items in per_lane.items():
             batch.pending[k].append((step, event, host, [(row, joining[order[place]][0], place)
                                                          for place, row in items]))

@@ -13,7 +13,7 @@ from .decode_attention import decode_step_attention
 from .lane_cache import DecodeInputs, LaneCache
 from .lane_prefill import LanePrefill
 from .graphed_step import GraphedStep
-from .lanes import EOS_CHECK_LAG, Lane, LaneStreams, OnTokens, record_event
+from .lanes import EOS_CHECK_LAG, Lane, LaneStreams, OnTokens
 from .sampling import Sampling, choose
 from .step_cache import StepCache
 from ..pipelining.streams import copy_into, copy_later, to_host
@@ -166,13 +166,14 @@ class LaneDecode:
                 unfinished = unfinished & ~torch.isin(token, eos_ids)
                 flag = torch.empty((), dtype=torch.bool, pin_memory=token.is_cuda)
                 flag.copy_(~unfinished.any(), non_blocking=True)
-                lane.ended.append((record_event(compute), flag))
+                lane.ended.append((self.run.record(compute), flag))
             lane.tokens.append(token)
             lane.unfinished.append(unfinished)
-            if on_tokens is not None:  # the host reads them EOS_CHECK_LAG steps later, when they surely are there
-                lane.undelivered.append((step, record_event(compute), to_host(token)))
+            if on_tokens is not None:  # the host reads them EOS_CHECK_LAG steps later, once the copy's event fired
+                host = to_host(token)
+                lane.undelivered.append((step, self.run.record(compute), host))
             if step + 1 < max_new_tokens:  # stage 0 waits for it only right before the lane's next step
-                lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, record_event(compute), 0,
+                lane.token_ready = copy_later(lane.steps[0].static_in.view(-1), token, self.run.record(compute), 0,
                                               self.run.streams)
 
         for k, lane in enumerate(self.run.lanes):  # prefill, lane after lane: the stages overlap on different lanes
@@ -211,7 +212,7 @@ class LaneDecode:
                     compute.wait_event(lane.token_ready)
                 with self.run.clock.around(j, compute):
                     out = steps[j].handed_on(steps[j](), j < len(self.s.stages) - 1)
-                event = record_event(compute)
+                event = self.run.record(compute)
         return out
 
     def deliver(self, on_tokens: OnTokens, step: int, lag: int | None = None) -> bool:

@@ -13,7 +13,7 @@ from .causal_lm import FrontHead, positions
 from ..compat import dynamic_dims
 from .graphed_step import GraphedStep
 from .lane_cache import LaneCache
-from .lanes import Lane, LaneStreams, move_to_stage, record_event
+from .lanes import Lane, LaneStreams, move_to_stage
 from .step_cache import StepCache, weight_pointers
 from ..pipelining.streams import copy_into, hand_off
 
@@ -50,7 +50,7 @@ class LanePrefill:
                     position_ids = torch.arange(length, device=device).expand(rows, length)
                     self._plain[(rows, length)] = self.s.prompt_context(None, position_ids, like)
                 context = self._plain[(rows, length)]
-            lane.prompt = {"context": context, "ready": record_event(first)}
+            lane.prompt = {"context": context, "ready": self.run.record(first)}
         return lane.prompt
 
     def through(self, lane: Lane, caches: bool) -> torch.Tensor:
@@ -71,7 +71,7 @@ class LanePrefill:
                     context = {k: move_to_stage(v, None, stage.device, j, self.run.streams, None)
                                for k, v in context.items()}
                 hidden = self.s.run(j, hidden, context, lane.caches[j] if caches else None)
-                event = record_event(compute)
+                event = self.run.record(compute)
         return hidden
 
     def forward(self, cache: StepCache | None, out: torch.Tensor) -> None:
@@ -90,7 +90,7 @@ class LanePrefill:
             cut = hidden.shape[0] // 2 if front is not None else 0
             with self.run.on(last) as compute:
                 self.s.head_into(hidden[cut:], out[lane.rows][cut:])
-                event = record_event(compute)
+                event = self.run.record(compute)
             if cut:  # the first stage, which has no head, projects the other half of the lane's rows
                 self.front_rows(front, hidden[:cut], event, out[lane.rows][:cut])
 
@@ -118,7 +118,7 @@ class LanePrefill:
             logits = torch.empty(out.shape, dtype=out.dtype, device=device)
             front.into(hidden, logits)
             gather = self.run.streams.get("gather", pseudo, out.device) if out.is_cuda else None
-            copy_into(out, logits, record_event(stream), pseudo, self.run.streams, gather)
+            copy_into(out, logits, self.run.record(stream), pseudo, self.run.streams, gather)
 
     def through_graphed(self, k: int, lane: Lane, entries: dict, cache: StepCache, caches: bool = False,
                         leaves: bool = False) -> torch.Tensor:
@@ -142,7 +142,7 @@ class LanePrefill:
                 if static_mask is not None:
                     copy_into(static_mask, mask, ready, j, self.run.streams, compute)
                 out = step.handed_on(step(), leaves or j < len(self.s.stages) - 1)
-                event = record_event(compute)
+                event = self.run.record(compute)
         return out
 
     def prefill_step(self, j: int, rows: int, length: int, mask: torch.Tensor | None, cache: StepCache,

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from .lane_decode import LaneDecode
 from .lane_prefill import LanePrefill
-from .lanes import (EOS_CHECK_LAG, Lane, LaneStreams, OnTokens, graphs_possible, place_lanes, record_event,
-                    split_lanes)
+from .lanes import EOS_CHECK_LAG, Lane, LaneStreams, OnTokens, graphs_possible, place_lanes, split_lanes
 from .causal_lm import CausalLMStages
 
-__all__ = ["EOS_CHECK_LAG", "Lane", "LaneRunner", "OnTokens", "graphs_possible", "place_lanes", "record_event",
-           "split_lanes"]
+__all__ = ["EOS_CHECK_LAG", "Lane", "LaneRunner", "OnTokens", "graphs_possible", "place_lanes", "split_lanes"]
 
 
 class LaneRunner(LaneStreams):

@@ -15,7 +15,7 @@ from .causal_lm import CausalLMStages
 from ..errors import UsageError
 from .graphed_step import GraphedStep
 from .lane_cache import DecodeInputs, LaneCache
-from ..pipelining.streams import StreamSet, hand_off
+from ..pipelining.streams import StreamSet, check_delay, hand_off
 
 EOS_CHECK_LAG = 2  # steps between a lane's last token and the host reading whether its rows all ended
 
@@ -60,6 +60,8 @@ class LaneStreams:
         # prefill's prompt width
         self.dynamic = dynamic
         self.clock = BusyClock(len(stages.stages))  # how busy each stage is (timed where a caller samples steps)
+        # per stage stream (by id): its stage's streams on the other devices its work runs on (`on`)
+        self._spills: dict[int, list[Any]] = {}
 
     def capture_stream(self, j: int) -> Any:
         device = self.s.stages[j].device
@@ -72,24 +74,55 @@ class LaneStreams:
         return stages, self.compile
 
     def start(self) -> None:
-        """Every stage's stream waits for the caller's work so far (inputs, fresh buffers)."""
+        """Every stage's compute streams, on its own device and the others its work runs on, wait for the caller's
+        work so far (inputs, fresh buffers)."""
         for j, stage in enumerate(self.s.stages):
             if stage.device.type == "cuda":
-                self.streams.get("compute", j, stage.device).wait_stream(torch.cuda.current_stream(stage.device))
-        if self.s.embed_device.type == "cuda":
-            self.streams.get("compute", 0, self.s.stages[0].device).wait_stream(
-                torch.cuda.current_stream(self.s.embed_device))
+                stream = self.streams.get("compute", j, stage.device)
+                stream.wait_stream(torch.cuda.current_stream(stage.device))
+                for other in self._spill_streams(j, "compute", stream):
+                    other.wait_stream(torch.cuda.current_stream(other.device))
 
     @contextlib.contextmanager
     def on(self, j: int, kind: str = "compute") -> Iterator[Any]:
-        """Stage j's device and its stream of this kind (None on a CPU)."""
+        """Stage j's device and its stream of this kind (None on a CPU). Work the stage issues on another device (the
+        head on the first GPU where embeddings are tied, `CausalLMStages.other_devices`) goes to the stage's stream of
+        that device, which `record` folds into the stage's events: on that device's current stream (the thread's
+        default one) nothing would order it before the readers of the stage's events."""
         device = self.s.stages[j].device
         if device.type != "cuda":
             yield None
             return
         stream = self.streams.get(kind, j, device)
-        with torch.cuda.device(device), torch.cuda.stream(stream):
+        with contextlib.ExitStack() as scope:
+            for other in self._spill_streams(j, kind, stream):  # first: entering a stream's context sets its device
+                check_delay(other)  # under DEVMAP_STREAM_CHECK, a reader that does not wait for it reads stale data
+                scope.enter_context(torch.cuda.stream(other))
+            scope.enter_context(torch.cuda.device(device))
+            scope.enter_context(torch.cuda.stream(stream))
             yield stream
+
+    def record(self, stream: Any) -> Any:
+        """An event on `stream`, a stage's stream from `on` (None on a CPU), that fires once everything the stage
+        issued there so far ran, its work on other devices included."""
+        if stream is None:
+            return None
+        for other in self._spills.get(id(stream), ()):
+            stream.wait_stream(other)
+        return record_event(stream)
+
+    def _spill_streams(self, j: int, kind: str, stream: Any) -> list[Any]:
+        """Stage j's streams of this kind on the other GPUs its work runs on; each waits, when made, for the caller's
+        work on its device so far."""
+        spills = self._spills.get(id(stream))
+        if spills is None:
+            spills = self._spills[id(stream)] = []
+            for device in self.s.other_devices(j):
+                if device.type == "cuda":
+                    other = self.streams.get(kind, j, device)
+                    other.wait_stream(torch.cuda.current_stream(device))
+                    spills.append(other)
+        return spills
 
     def compiled_body(self, body: Any) -> Any:
         """`body`, a stage step, with its regions compiled (`CausalLMStages.compile_regions`) when compiling."""

@@ -27,7 +27,6 @@ from .four_bit_linear import FourBitLinear
 from .packs import Packs, onto
 from .joins import on_device, pack_width, pack_widths, prompt_columns, to_device
 from .lane_decode import computed_rows
-from .lane_runner import record_event
 from .row_types import SlotRequest
 
 RIDING_TOKENS = 512  # prompt tokens one lane's step carries at most (one prompt at least): at 13B on an H200 the
@@ -151,7 +150,7 @@ class Riding:
         run, lane = self.batch.run, self.batch.run.lanes[k]
         with run.on(len(self.batch.s.stages) - 1) as compute:
             host = to_host(payload)
-            event = record_event(compute)
+            event = run.record(compute)
         joined = [(row, request, i) for i, (request, row) in enumerate(riders)]
         self.batch.pending[k].append((step, event, host, joined))
         # on stage 0's receive stream after the rows' own tokens: its compute stream goes on with the other lanes'
@@ -201,5 +200,5 @@ class Riding:
                     out = step.handed_on(step(), j < last)
                     if after is not None:
                         after(j, stage.device)
-                event = record_event(compute)
+                event = run.record(compute)
         return out

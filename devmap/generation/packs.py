@@ -14,7 +14,7 @@ import torch
 
 from .joins import pack_limit, packed_context, packed_prompts, to_device
 from .lane_cache import LaneCache
-from .lane_runner import LaneRunner, record_event
+from .lane_runner import LaneRunner
 from .step_cache import StepCache
 from ..pipelining.streams import hand_off
 
@@ -40,7 +40,7 @@ class Packs:
             ids = to_device(ids, self.s.embed_device)
             context = packed_context(to_device(segments, device), to_device(positions, device),
                                      self.s.float_mask_dtype())
-            return ids, context, record_event(first)
+            return ids, context, self.run.record(first)
 
     def through_stages(self, width: int, ids: torch.Tensor, context: dict, ready: Any,
                        after: Callable[[int, torch.device, LaneCache], None] | None = None) -> torch.Tensor:
@@ -66,7 +66,7 @@ class Packs:
                     out = prefill.handed_on(prefill(), j < last)
                     if after is not None:
                         after(j, stage.device, scratch)
-                event = record_event(compute)
+                event = run.record(compute)
         return out
 
     def _step(self, j: int, width: int, mask: torch.Tensor) -> tuple[Any, LaneCache]:

@@ -13,12 +13,15 @@ Ownership of what crosses streams (who writes, who reads, what makes reuse safe)
 | graph pools | replays of one stage's graphs | the same stage's compute stream | one pool per stage (`StepCache.pool`): graphs sharing a pool never run at the same time |
 | a joining pack's scratch cache (one per stage, every width's) | its stage's prefill | `take_prompts`, on the same stream | the packs use it one after another on that stream |
 | a joiner's first token (`scatter_later`) | the last stage's compute stream | stage 0's receive stream, which writes it into the lane's fixed input after the lane's own tokens | the receive stream orders both writes; the lane's next step waits for the returned event |
+| a stage's work on another GPU (the head on the first GPU, where embeddings are tied) | that stage's stream of that GPU (`LaneStreams.on`) | whoever waits for the stage's events | each event of the stage (`LaneStreams.record`) comes after it: the stage's stream waits for its stream on the other GPU first (on that GPU's default stream, nothing ordered it before the readers) |
 | pinned host copies (`to_host`) | a copy on the producer's stream | the host, after the copy's event | the host waits for the event before reading; PyTorch's pinned allocator waits for the copy before reuse |
 
 DEVMAP_STREAM_CHECK=1 (or a number of GPU clock cycles) checks this rule at run time on GPUs: every reader stream
 sleeps before it reads a handed-over tensor (a writer that is not properly waited for gets ahead and overwrites it
-first), a replayed graph's output is poisoned (NaN) once it has been copied, and a graph's fixed input is poisoned
-after each replay (a write ordered too early is lost). A violation then gives wrong tokens instead of rare ones.
+first), a stage's stream on another GPU sleeps before the stage's work there (a reader that does not wait for it
+reads what was there before), a replayed graph's output is poisoned (NaN) once it has been copied, and a graph's
+fixed input is poisoned after each replay (a write ordered too early is lost). A violation then gives wrong tokens
+instead of rare ones.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def poison(tensor: torch.Tensor) -> None:
     tensor.fill_(float("nan") if tensor.is_floating_point() else -1)
 
 
-def _delay(stream: Any) -> None:
+def check_delay(stream: Any) -> None:
+    """Under DEVMAP_STREAM_CHECK, `stream` sleeps before its next work (a reader that does not wait for it gets
+    ahead)."""
     cycles = check_cycles()
     if cycles and stream is not None:
         with torch.cuda.stream(stream):
@@ -90,14 +95,14 @@ def hand_off(x: torch.Tensor, event: Any, device: torch.device, stage: int, stre
             compute.wait_event(event)
         if x.is_cuda:
             x.record_stream(compute)
-            _delay(compute)
+            check_delay(compute)
         return x
     recv = streams.get("recv", stage, device)
     if x.is_cuda:
         send = streams.get("send", stage, x.device)
         if event is not None:
             send.wait_event(event)
-        _delay(send)
+        check_delay(send)
         with torch.cuda.stream(send), torch.cuda.stream(recv):
             y = x.to(device, non_blocking=True)
         x.record_stream(send)
@@ -119,7 +124,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, event: Any, stage: int, stre
     if src.device == dst.device:
         if event is not None:
             compute.wait_event(event)
-        _delay(compute)
+        check_delay(compute)
         with torch.cuda.stream(compute):
             dst.copy_(src, non_blocking=True)
         if src.is_cuda:  # src may come from another stream: its memory is not reused before this copy ran
@@ -175,14 +180,14 @@ def _copy_on_side_streams(dst: torch.Tensor, src: torch.Tensor, event: Any, stag
         send = streams.get("send", stage, src.device)
         if event is not None:
             send.wait_event(event)
-        _delay(send)
+        check_delay(send)
         with torch.cuda.stream(send), torch.cuda.stream(recv):
             dst.copy_(src, non_blocking=True)
         src.record_stream(send)
     else:
         if event is not None:
             recv.wait_event(event)
-        _delay(recv)
+        check_delay(recv)
         with torch.cuda.stream(recv):
             dst.copy_(src, non_blocking=True)
         if src.is_cuda:

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from devmap import dispatch, generate
 from devmap.generation import forward
+from devmap.generation.joined_projections import join_projections
 from devmap.testing import require_gpus
 
 pytestmark = require_gpus(2)
@@ -97,27 +98,69 @@ def test_decode_steps_are_replayed_graphs_and_eos_stops_like_transformers(monkey
         assert torch.equal(got, want)
 
 
-def test_tied_head_on_the_first_gpu_and_norm_on_the_last(monkeypatch):
-    """Regression: a tied lm_head sits with embed_tokens on GPU 0 while the final norm is on GPU 1 (what
-    `balanced` does for tied models); the head used to run the norm on the wrong device and fail."""
-    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(LlamaConfig(tie_word_embeddings=True, **CONFIG)).to("cuda:0").eval()
+def tied_two_gpu_copy(reference, riding=False):
+    """The reference's weights (tied embeddings) over two GPUs as `balanced` places a tied model: lm_head with
+    embed_tokens on GPU 0, the final norm after the last layer on GPU 1; `riding`: its projections joined."""
     placed = copy.deepcopy(reference).cpu()
     layers = reference.config.num_hidden_layers
     device_map = {"model.embed_tokens": 0, "lm_head": 0, "model.rotary_emb": 1, "model.norm": 1}
     device_map |= {f"model.layers.{i}": 0 if i < layers // 2 else 1 for i in range(layers)}
     placed = dispatch(placed, device_map)
+    if riding:
+        assert join_projections(placed) == 2 * layers
+    return placed
+
+
+def test_tied_head_on_the_first_gpu_and_norm_on_the_last(monkeypatch):
+    """A tied lm_head sits with embed_tokens on GPU 0 while the final norm is on GPU 1. The last stage's head work
+    runs on GPU 0 and every reader of that stage's events waits for it: under the stream check its stream sleeps
+    before each of its steps (on GPU 0's default stream, as it once ran, a busy GPU gave wrong tokens)."""
+    monkeypatch.setenv("DEVMAP_STREAM_CHECK", "1")
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(tie_word_embeddings=True, **CONFIG)).to("cuda:0").eval()
+    placed = tied_two_gpu_copy(reference)
     ids = torch.randint(3, 1000, (4, 12), device="cuda:0")
     with torch.no_grad():
         expected_logits = reference(ids).logits
     expected = reference.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None).cpu()
+    eos = int(expected[1, 12 + 3])
+    with_eos = reference.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=eos).cpu()
     for _ in range(2):  # eager, then captured or eager again: same tokens and logits each time
         assert torch.equal(generate(placed, ids, max_new_tokens=8, eos_token_id=[]), expected)
-        logits = forward(placed, ids).to("cuda:0")
+        streamed = torch.zeros(4, 8, dtype=torch.long)
+
+        def on_tokens(rows, step, tokens):  # each lane's tokens as they reach the host
+            streamed[rows, step] = tokens.view(-1)
+            return True
+
+        assert torch.equal(generate(placed, ids, max_new_tokens=8, lanes=2, eos_token_id=eos, pad_token_id=0,
+                                    on_tokens=on_tokens), with_eos)
+        ended = with_eos.shape[1] - 12  # steps until every row ended (a lane whose rows all ended streams no more)
+        assert torch.equal(streamed[:, :ended], with_eos[:, 12:]) and not streamed[:, ended:].any()
+        logits = forward(placed, ids, lanes=2).to("cuda:0")
         torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
     with torch.no_grad():  # the model still runs as a plain module afterwards
         torch.testing.assert_close(placed(ids).logits.to("cuda:0"), expected_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("riding", [False, True], ids=["own prefills", "riding joiners"])
+def test_continuous_batching_with_a_tied_head_on_the_first_gpu(monkeypatch, run_continuous,
+                                                                requests_and_their_tokens, riding):
+    """Joiners' first tokens and every step's tokens come out of the head on GPU 0 while the last stage is on GPU 1:
+    under the stream check (the head's stream sleeping before its work) each request still gets transformers'
+    greedy tokens, on capture and on replay."""
+    monkeypatch.setenv("DEVMAP_STREAM_CHECK", "1")
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
+    torch.manual_seed(6)
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(tie_word_embeddings=True, **CONFIG)).to("cuda:0").eval()
+    placed = tied_two_gpu_copy(reference, riding)
+    reqs, expected = requests_and_their_tokens(reference, 7, 14, 20, 16)
+    for _ in range(2):
+        got, left, queue = run_continuous(placed, reqs[:4], reqs[4:], rows=4, first_slot=20, cache_len=40, lanes=2,
+                                          riding=riding)
+        assert not left and not queue
+        assert got == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
