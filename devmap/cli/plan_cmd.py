@@ -34,11 +34,14 @@ from .output import echo_json, table
 @click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4"], case_sensitive=False),
               help="Count the blocks' Linear weights quantized (int8: torchao, int4: torchao, nf4: bitsandbytes); "
                    "embeddings, norms and lm_head stay at --dtype.")
+@click.option("--tensor-parallel", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Split every attention and MLP block of a LLaMA-family model over each group of N GPUs (their "
+                   "KV heads too); the groups, in GPU order, are the pipeline's stages.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None, max_memory: str | None,
          dtype: str | None, offload_folder: str | None, layers: bool, input_shape: str | None, quantize: str | None,
          workload_kind: str | None, batch: int | None, seq_len: int | None, chunks: int, optimizer: str,
-         as_json: bool) -> None:
+         tensor_parallel: int, as_json: bool) -> None:
     """Plan where each block of SOURCE goes.
 
     SOURCE is a preset (resnet18..resnet152, llama-tiny, tinyllama-1.1b, llama-2-7b/13b/70b,
@@ -55,7 +58,8 @@ def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None,
 
     def plan_with(workload):  # type: ignore[no-untyped-def]
         return make_plan(source, device_map, max_memory, dtype, gpus=gpus, gpu_memory=gpu_memory,
-                         offload_folder=offload_folder, quantization=quantize, workload=workload)
+                         offload_folder=offload_folder, quantization=quantize, workload=workload,
+                         tensor_parallel=tensor_parallel)
 
     serving = None
     if workload_kind is not None and workload_kind.lower() == "serve":
@@ -104,6 +108,9 @@ def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None,
 
 def render_plan(result) -> str:  # type: ignore[no-untyped-def]
     """The per-device table and the condensed map of a Plan."""
+    from dataclasses import replace
+
+    from devmap.planning.devices import parse_device_key
     from devmap.planning.memory import dtype_name, format_bytes, format_count
 
     kind = "simulated GPUs" if result.budget.simulated else "real devices"
@@ -127,6 +134,8 @@ def render_plan(result) -> str:  # type: ignore[no-untyped-def]
             from devmap.planning.quantization import larger_than_unquantized
 
             lines.append(larger_than_unquantized(result.quantization))
+    if result.tensor_parallel is not None:
+        lines.append(result.tensor_parallel.describe())
     if result.workload is not None:
         w = result.workload
         shape = f"{w.batch} × {w.seq_len} tokens" if w.seq_len else f"{w.batch} × {'x'.join(map(str, w.input_shape))}"
@@ -142,7 +151,9 @@ def render_plan(result) -> str:  # type: ignore[no-untyped-def]
     else:
         headers = ["device", "blocks", "params", "size", "budget", "use"]
     lines += ["", table(headers, rows, right=tuple(range(1, len(headers)))), "", "Map:"]
-    lines += [f"  {run}" for run in result.runs]
+    split = result.tensor_parallel
+    lines += [f"  {run}" if split is None else f"  {replace(run, device=split.label(parse_device_key(run.device)))}"
+              for run in result.runs]
     lines += [f"Warning: {w}" for w in result.warnings]
     return "\n".join(lines)
 

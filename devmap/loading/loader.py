@@ -55,6 +55,7 @@ def load(
     workload: Workload | None = None,
     random_weights: bool = False,
     plan: Plan | None = None,
+    tensor_parallel: int = 1,
 ) -> nn.Module:
     """Load `source` (a local HF directory, a directory `devmap save` wrote, or a preset) onto its planned devices.
 
@@ -68,8 +69,16 @@ def load(
     (seeded) on its device, as for a preset, from the directory's config alone (vLLM's `--load-format dummy`: to
     measure a model whose weights are not at hand; a directory `devmap save --config-only` wrote has no others).
     `plan`, a finished `devmap.plan(source, ...)`, is loaded as it is (its map, dtype, quantization and workload),
-    without planning again; the options it already settled are then left out.
+    without planning again; the options it already settled are then left out. `tensor_parallel` N > 1 loads this
+    process's shard of a LLaMA-family model split over N processes, one per GPU (started by torchrun): each holds 1/N
+    of every attention and MLP block and runs with the others (`devmap.loading.tensor_shards`).
     """
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise UsageError(f"invalid tensor_parallel={tensor_parallel!r}: it must be a positive integer")
+    if tensor_parallel > 1 or (plan is not None and plan.tensor_parallel is not None):
+        return _load_shard(source, tensor_parallel, plan, device_map, max_memory, dtype, offload_folder, weights,
+                           allow_missing, no_split_module_classes, quantization, workload, random_weights,
+                           allow_pickle, seed, workers, progress)
     start = time.perf_counter()
     cuda_init = hardware.start_gpus_in_background()  # contexts start while transformers' classes import
     model_source = resolve_source(source)
@@ -120,6 +129,36 @@ def load(
     model.eval()
     model.devmap_load_report = LoadReport(dtype=dtype_name(torch_dtype), offload_folder=folder, **report)
     return model
+
+
+def _load_shard(source: Any, size: int, plan: Plan | None, device_map: Any, max_memory: Any, dtype: Any,
+                offload_folder: Any, weights: Any, allow_missing: bool, no_split: Any, quantization: Any, workload: Any,
+                random_weights: bool, allow_pickle: bool, seed: int, workers: int | None,
+                progress: Callable[[int], None] | None) -> nn.Module:
+    """`load` with tensor parallelism: the options that place whole blocks are refused, then `load_shard`."""
+    from .tensor_shards import load_shard
+
+    if plan is not None and plan.tensor_parallel is not None:
+        raise UsageError("a tensor-parallel plan sizes every GPU of a split; each process loads its own shard: "
+                         f"load(source, tensor_parallel={plan.tensor_parallel.size}) under torchrun")
+    if plan is not None:
+        raise UsageError(f"tensor_parallel={size} makes each process's own plan: leave plan out")
+    placing = [name for name, value, default in (
+        ("device_map", device_map, "auto"), ("max_memory", max_memory, None), ("offload_folder", offload_folder, None),
+        ("quantization", quantization, None), ("workload", workload, None), ("no_split_module_classes", no_split, None),
+        ("allow_missing", allow_missing, False)) if value != default]
+    if placing:
+        raise UsageError(f"tensor_parallel={size} puts each process's shard whole on its GPU: leave out "
+                         f"{', '.join(placing)}")
+    model_source = resolve_source(source)
+    if model_source.kind == "module":
+        raise UsageError("load takes a preset or a local directory; for a model you built, use devmap.dispatch")
+    if random_weights and weights is not None:
+        raise UsageError("random_weights reads no weights: drop weights, or random_weights")
+    checkpoint = None if random_weights else Path(weights).expanduser() if weights is not None else model_source.path
+    torch_dtype = parse_dtype(dtype) or model_source.default_dtype
+    return load_shard(model_source, size, torch_dtype, checkpoint, allow_pickle=allow_pickle, seed=seed,
+                      workers=workers, progress=progress)
 
 
 def dispatch(

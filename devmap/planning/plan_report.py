@@ -16,6 +16,7 @@ from .memory import dtype_name
 from .models import ModelSource
 from .placement import DeviceMap
 from .quantization import Quantization
+from .tensor_parallel import TensorSplit
 from .workload import Workload
 
 LAYER_ENTRY = re.compile(r"(^|\.)layers\.\d+$")  # a device-map entry placing one decoder layer
@@ -92,6 +93,7 @@ class Plan:
     quantization: Quantization | None = None
     unquantized_bytes: int | None = None  # the model's size at `dtype` alone, when quantized
     workload: Workload | None = None  # what running needs is planned too (devmap.planning.workload)
+    tensor_parallel: TensorSplit | None = None  # blocks split over groups of GPUs (the map names each group's first)
     model: nn.Module | None = field(default=None, repr=False, compare=False)
     model_source: ModelSource | None = field(default=None, repr=False, compare=False)
 
@@ -123,6 +125,7 @@ class Plan:
             "quantization": self.quantization.to_dict() if self.quantization else None,
             "unquantized_bytes": self.unquantized_bytes,
             "workload": self.workload.to_dict() if self.workload else None,
+            "tensor_parallel": self.tensor_parallel.to_dict() if self.tensor_parallel else None,
             "device_map": dict(self.device_map),
             "devices": {name: usage.to_dict() for name, usage in self.devices.items()},
             "runs": [{"first": r.first, "last": r.last, "device": r.device, "count": r.count} for r in self.runs],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Union
 
@@ -19,6 +20,7 @@ from .placement import DeviceMap, kept_precision, module_sizes, place, usage, wi
 from .contiguous import contiguous_split
 from .runtime_memory import runtime_by_unit
 from .runtime_room import DeviceRuntime, by_device, gpu_limits_with_room, held_extras, transient_room
+from .tensor_parallel import TensorSplit, check_split, group_budget, local_config
 from .workload import Workload
 from .quantization import (Quantization, check_placement, extra_bytes, quantized_weights, resolve_quantization,
                            special_dtypes)
@@ -36,6 +38,7 @@ def plan(
     no_split_module_classes: list[str] | None = None,
     quantization: Any = None,
     workload: Workload | None = None,
+    tensor_parallel: int = 1,
 ) -> Plan:
     """Place `source` (preset name, local HF directory or nn.Module) on devices without allocating memory.
 
@@ -45,17 +48,59 @@ def plan(
     sets the size of each weight; `quantization` ("int8", "int4", "nf4" or a transformers BitsAndBytesConfig) counts the
     blocks' Linear weights at 1 or ½ byte. `workload` (`devmap.planning.workload.parse_workload`) plans the memory
     running needs as well: KV cache, activations, gradients and optimizer state, each on the device of the block that
-    holds it.
+    holds it. `tensor_parallel` N > 1 splits every attention and MLP block of a LLaMA-family model over each group of
+    N GPUs (`devmap.planning.tensor_parallel`); the groups are planned as the devices of the map.
     """
     device_map = normalize_device_map(device_map)
     torch_dtype = parse_dtype(dtype)
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise UsageError(f"invalid tensor_parallel={tensor_parallel!r}: it must be a positive integer")
     model_source = resolve_source(source)
     budget = resolve_budget(max_memory, gpus=gpus, gpu_memory=gpu_memory, offload_folder=offload_folder)
     quantized, torch_dtype = resolve_quantization(quantization, torch_dtype, model_source)
     check_could_fit(model_source, budget, torch_dtype, quantized)
+    if tensor_parallel > 1:
+        return _split_plan(model_source, tensor_parallel, device_map, budget, torch_dtype, no_split_module_classes,
+                           quantized, workload)
     model = model_source.build("meta")
     return plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized,
                       workload)
+
+
+def _split_plan(model_source: ModelSource, size: int, device_map: DeviceMapSpec, budget: Budget, dtype: torch.dtype,
+                no_split: list[str] | None, quantization: Quantization | None, workload: Workload | None) -> Plan:
+    """`plan` with tensor parallelism: the model one GPU of a group holds (`local_config`) planned over one budget per
+    group, then spread over every GPU of each group."""
+    if not model_source.is_causal_lm:
+        raise UsageError(f"tensor parallelism splits LLaMA-family language models; {model_source.name} is not one: "
+                         "plan it without --tensor-parallel")
+    vocab = check_split(model_source.config, size, model_source.name)
+    groups_budget, groups = group_budget(budget, size)
+    local = replace(model_source, config=local_config(model_source.config, size, vocab))
+    plan_of_one = plan_model(local.build("meta"), local, device_map, groups_budget, dtype, no_split, quantization,
+                             workload)
+    return _spread(plan_of_one, TensorSplit(size, groups, vocab), budget)
+
+
+def _spread(local: Plan, split: TensorSplit, budget: Budget) -> Plan:
+    """The plan of one GPU per group (`local`, planned over `group_budget`'s budgets) as the plan of every GPU: the
+    map names each group's first GPU, each GPU of a group holds what the local plan gives the group, and the totals
+    count the whole model (split tensors times `split.size`, whole ones once)."""
+    devices = {}
+    for held in local.devices.values():
+        for gpu in split.groups[held.key]:  # type: ignore[index]
+            devices[device_label(gpu)] = replace(held, device=device_label(gpu), key=gpu,
+                                                 budget=budget.limits.get(gpu))
+    params = whole = 0  # the whole tensors' bytes, as the planner counts them (weights at most at the plan's dtype)
+    assert local.model is not None
+    for name, param in local.model.named_parameters():
+        if split.slice_of(name, tuple(param.shape), 0) is None:
+            whole += param.numel() * min(local.dtype.itemsize, param.element_size())
+        params += param.numel() * (1 if split.slice_of(name, tuple(param.shape), 0) is None else split.size)
+    whole += sum(buffer.numel() * buffer.element_size() for buffer in local.model.buffers())
+    return replace(local, device_map={name: split.groups[key][0] for name, key in local.device_map.items()},
+                   devices=devices, budget=budget, total_params=params,
+                   total_bytes=local.total_bytes * split.size - whole * (split.size - 1), tensor_parallel=split)
 
 
 def check_could_fit(model_source: ModelSource, budget: Budget, dtype: torch.dtype,

@@ -1,0 +1,174 @@
+"""One process's shard of a tensor-parallel model (`devmap.load(..., tensor_parallel=N)`, one process per GPU).
+
+The process's model is the one a local config describes (`devmap.planning.tensor_parallel`), built on the meta
+device and made on the process's device: each tensor is read from the full checkpoint as the slice this rank holds.
+Row slices (column-parallel weights, vocabulary rows) are byte ranges of the file and go straight to the device
+through the loader's parallel reads; a row-parallel weight's column slice is read whole into host memory and its
+columns copied over (the processes of one machine share the file's pages). The layers where the group's partial
+results meet come last (`tensor_layers.parallelize`).
+
+The group is torch.distributed's default one: the processes started by torchrun (or any launcher that sets RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT), initialized here when the caller has not (NCCL on GPUs, gloo on CPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import UsageError
+from ..planning.budget import Budget, resolve_budget
+from ..planning.devices import device_label
+from ..planning.memory import dtype_name
+from ..planning.models import ModelSource
+from ..planning.planner import plan_model
+from ..planning.tensor_parallel import TensorSplit, check_split, local_config
+from .checkpoint import TensorEntry, index_checkpoint, match_state
+from .disk_offload import set_tensor
+from .initialization import init_module_
+from .load_report import DeviceLoad, LoadReport
+from .tensor_layers import check_plain, parallelize
+from .transfer import CopyJob, copy_into
+
+
+def tensor_group(size: int) -> tuple[int, Any]:
+    """(this process's rank, the group) for a split of `size`: torch.distributed's default group, initialized from
+    the launcher's environment if the caller did not; refused in one line where no launcher started `size`
+    processes."""
+    if not dist.is_available():
+        raise UsageError("tensor parallelism needs torch.distributed, which this PyTorch build lacks")
+    if not dist.is_initialized():
+        if not all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+            raise UsageError(f"tensor_parallel={size} runs one process per GPU: start {size} of them with "
+                             f"`torchrun --nproc-per-node {size}`")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    world = dist.get_world_size()
+    if world != size:
+        raise UsageError(f"tensor_parallel={size} splits the model over {size} processes, but {world} were started: "
+                         f"start {size} (torchrun --nproc-per-node {size})")
+    return dist.get_rank(), dist.group.WORLD
+
+
+def shard_device() -> torch.device:
+    """This process's device: the GPU of its local rank (as torchrun numbers them), or the CPU without GPUs."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+    return torch.device("cuda", local)
+
+
+def load_shard(model_source: ModelSource, size: int, dtype: torch.dtype, checkpoint: Path | None, *,
+               allow_pickle: bool = False, seed: int = 0, workers: int | None = None,
+               progress: Callable[[int], None] | None = None) -> nn.Module:
+    """This process's shard of `model_source` split `size` ways, on its device, ready to run with the others
+    (`devmap.load`'s tensor-parallel path: see the module's docstring)."""
+    start = time.perf_counter()
+    rank, group = tensor_group(size)
+    vocab = check_split(model_source.config, size, model_source.name)
+    split = TensorSplit(size, (tuple(range(size)),), vocab)
+    local = replace(model_source, config=local_config(model_source.config, size, vocab))
+    model = local.build(cpu_buffers=True)
+    check_plain(model)
+    device = shard_device()
+    key = device.index if device.type == "cuda" else "cpu"
+    budget = resolve_budget()
+    plan = plan_model(model, local, {"": key}, Budget({key: budget.limits.get(key, 0)}, False), dtype)
+    plan = replace(plan, tensor_parallel=split)
+    entries = index_checkpoint(checkpoint, allow_pickle) if checkpoint is not None else None
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    read, initialized = _fill(model, split, rank, device, dtype, entries, seed + rank, workers, progress)
+    parallelize(model, split, rank, group)
+    model.eval()
+    model.hf_device_map = {"": key}
+    model.devmap_plan = plan
+    seconds = time.perf_counter() - start
+    usage = plan.devices[device_label(key)]
+    model.devmap_load_report = LoadReport(
+        source=model_source.name, checkpoint=str(checkpoint) if checkpoint else None, random_init=entries is None,
+        dtype=dtype_name(dtype), seconds=seconds, bytes_read=read, initialized=initialized,
+        devices={usage.device: DeviceLoad(usage.device, len(usage.modules), usage.bytes,
+                                          torch.cuda.memory_allocated(device) - before if device.type == "cuda"
+                                          else None, seconds)})
+    return model
+
+
+def _fill(model: nn.Module, split: TensorSplit, rank: int, device: torch.device, dtype: torch.dtype,
+          entries: dict[str, TensorEntry] | None, seed: int, workers: int | None,
+          progress: Callable[[int], None] | None) -> tuple[int, list[str]]:
+    """Make every tensor of the shard on `device` and fill it with its slice of the checkpoint (initialized where the
+    checkpoint has none); returns the bytes read and the names initialized."""
+    from accelerate.utils import find_tied_parameters
+
+    state = model.state_dict(keep_vars=True)
+    full = {n: _full_shape(split, n, tuple(t.shape)) for n, t in state.items()}
+    floating = {n for n, t in state.items() if t.is_floating_point()}
+    missing = (set(match_state(full, entries, find_tied_parameters(model), False, floating)) if entries is not None
+               else set(full))
+    made: dict[int, torch.Tensor] = {}
+    jobs: list[CopyJob] = []
+    columns: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []  # (host copy of the whole, shard, start, stop)
+    to_init: set[str] = set()
+    read = 0
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        if id(tensor) in made:  # a tied alias
+            set_tensor(model, name, made[id(tensor)])
+            continue
+        entry = None if entries is None else entries.get(name)
+        if tensor.device.type != "meta" and entry is None:  # a buffer the constructor computed (rotary frequencies)
+            value = tensor.to(device)
+        else:
+            value = torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype,
+                                device=device)
+        if isinstance(tensor, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=False)
+        made[id(tensor)] = value
+        set_tensor(model, name, value)
+        if name in missing or (entry is None and tensor.device.type == "meta"):
+            to_init.add(name.rpartition(".")[0])
+            continue
+        if entry is None:
+            continue
+        piece = split.slice_of(name, entry.shape, rank)
+        read += entry.nbytes if piece is None or piece[0] == 1 else entry.nbytes // split.size
+        if entry.tensor is not None:  # a pickled checkpoint's tensor, in memory already
+            whole = entry.tensor if piece is None else entry.tensor.narrow(piece[0], piece[1], piece[2] - piece[1])
+            value.data.copy_(whole)
+        elif piece is None:
+            jobs.append(CopyJob(entry, value.data))
+        elif piece[0] == 0:
+            jobs.append(CopyJob(_rows(entry, piece[1], piece[2]), value.data))
+        else:
+            host = torch.empty(entry.shape, dtype=value.dtype)
+            jobs.append(CopyJob(entry, host))
+            columns.append((host, value.data, piece[1], piece[2]))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for module_name in sorted(to_init):
+        init_module_(model.get_submodule(module_name), generator=generator,
+                     std=float(getattr(model.config, "initializer_range", 0.02) or 0.02))
+    copy_into(jobs, workers=workers, progress=progress)
+    for host, shard, first, last in columns:
+        shard.copy_(host[:, first:last])
+    return read, sorted(n for n in full if n.rpartition(".")[0] in to_init)
+
+
+def _full_shape(split: TensorSplit, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape in the full checkpoint of a shard's tensor of `shape`."""
+    piece = split.slice_of(name, tuple(s * split.size for s in shape), 0)
+    if piece is None:
+        return shape
+    dim = piece[0]
+    return (*shape[:dim], shape[dim] * split.size, *shape[dim + 1:])
+
+
+def _rows(entry: TensorEntry, first: int, last: int) -> TensorEntry:
+    """The entry's rows [first, last): a byte range of its file."""
+    row = entry.nbytes // entry.shape[0]
+    return replace(entry, shape=(last - first, *entry.shape[1:]), start=entry.start + first * row,
+                   end=entry.start + last * row)

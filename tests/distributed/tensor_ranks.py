@@ -1,0 +1,32 @@
+"""What each process of the tensor-parallel CPU test runs (spawned, so importable by name): its shard of a saved
+checkpoint, then the full model's outputs from the shards working together, saved for the test to compare."""
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import devmap
+
+    model = devmap.load(checkpoint, tensor_parallel=size, dtype="float32")
+    ids = torch.tensor([[5, 17, 300, 2, 41, 9], [7, 7, 480, 33, 1, 12]])
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    results = {
+        "logits": logits,
+        "greedy": devmap.generate(model, ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0),
+        "lanes": devmap.generate(model, ids, mask, max_new_tokens=8, lanes=2, eos_token_id=[], pad_token_id=0),
+        "sampled": devmap.generate(model, ids, mask, max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20,
+                                   seed=3, eos_token_id=[], pad_token_id=0),
+        "heads": model.config.num_attention_heads,
+        "report": model.devmap_load_report.to_dict(),
+    }
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,73 @@
+"""Tensor parallelism on CPU: two gloo processes, each loading its shard of a saved llama-tiny, give the logits and
+the greedy and sampled tokens of the whole model in one process (the GPU run of the same is a GPU test)."""
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import devmap
+from devmap.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # the spawned processes import tests.distributed.tensor_ranks
+    sys.path.insert(0, str(ROOT))
+
+from tests.distributed.tensor_ranks import run_rank  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["tied, vocabulary split", "untied, vocabulary whole"])
+def checkpoint(tmp_path_factory, request):
+    path = tmp_path_factory.mktemp("tp") / "tiny"
+    if request.param.startswith("tied"):
+        devmap.save("llama-tiny", path, seed=4)
+        return path
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(5)
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=511, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def test_two_processes_give_the_whole_models_outputs(checkpoint, tmp_path):
+    torch.set_num_threads(1)
+    whole = devmap.load(checkpoint, "cpu", dtype="float32")
+    ids = torch.tensor([[5, 17, 300, 2, 41, 9], [7, 7, 480, 33, 1, 12]])
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        logits = whole(ids, attention_mask=mask).logits
+    greedy = devmap.generate(whole, ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
+    sampled = devmap.generate(whole, ids, mask, max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20, seed=3,
+                              eos_token_id=[], pad_token_id=0)
+    mp.spawn(run_rank, args=(2, free_port(), str(checkpoint), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for got in ranks:
+        assert got["heads"] == whole.config.num_attention_heads // 2  # each process holds half the heads
+        torch.testing.assert_close(got["logits"], logits, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got["greedy"], greedy) and torch.equal(got["lanes"], greedy)
+        assert torch.equal(got["sampled"], sampled)
+    reports = [got["report"] for got in ranks]
+    assert all(r["bytes_read"] < whole.devmap_load_report.bytes_read for r in reports)  # each its own slices
+
+
+def test_a_split_without_its_processes_is_refused(checkpoint, monkeypatch):
+    for variable in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(UsageError, match="start 2 of them with `torchrun --nproc-per-node 2`"):
+        devmap.load(checkpoint, tensor_parallel=2)
+    with pytest.raises(UsageError, match="leave out device_map, quantization"):
+        devmap.load(checkpoint, "cpu", tensor_parallel=2, quantization="int8")
+    with pytest.raises(UsageError, match="positive integer"):
+        devmap.load(checkpoint, tensor_parallel=0)
