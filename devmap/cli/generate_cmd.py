@@ -27,13 +27,18 @@ from .output import echo_json
               help="Run each stage's steps as torch.compile code (the first call compiles: tens of seconds).")
 @click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
               help="Generate this many times; reports the first call and the fastest later one.")
+@click.option("--tensor-parallel", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Split every attention and MLP block over N processes, one per GPU (started here, or by torchrun); "
+                   "rank 0 reports.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(source: str, device_map: str, max_memory: str | None, dtype: str | None, quantize: str | None,
              batch_size: int,
              prompt_len: int, max_new_tokens: int, lanes: int | None, prompt: str | None, do_sample: bool,
              temperature: float, top_k: int, top_p: float, seed: int, no_graphs: bool, compile_steps: bool, repeat: int,
-             as_json: bool) -> None:
+             tensor_parallel: int, as_json: bool) -> None:
     """Generate with SOURCE (a local LLaMA-style directory or preset) and report new tokens per second."""
+    import os
+
     import torch
 
     from devmap.generation import generate as run_generate
@@ -42,9 +47,19 @@ def generate(source: str, device_map: str, max_memory: str | None, dtype: str | 
     from devmap.loading.loader import load
     from devmap.planning.models import resolve_source
 
+    model_source = resolve_source(source)
     if prompt is None:  # refuse an impossible length before loading anything
-        check_length(resolve_source(source).config, prompt_len + max_new_tokens)
-    model = load(source, device_map, max_memory, dtype, quantization=quantize)
+        check_length(model_source.config, prompt_len + max_new_tokens)
+    if tensor_parallel > 1:
+        _check_split(model_source, tensor_parallel, device_map, max_memory, quantize)
+        if "RANK" not in os.environ:
+            from .rank_launch import relaunch
+
+            relaunch(tensor_parallel, "generate", "--tensor-parallel")
+            return
+        model = load(source, dtype=dtype, tensor_parallel=tensor_parallel)
+    else:
+        model = load(source, device_map, max_memory, dtype, quantization=quantize)
     source_info = model.devmap_plan.model_source
     tokenizer = None
     if prompt is not None:
@@ -61,7 +76,7 @@ def generate(source: str, device_map: str, max_memory: str | None, dtype: str | 
         input_ids, attention_mask = encoded["input_ids"], encoded["attention_mask"]
     else:
         generator = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(0, model.config.vocab_size, (batch_size, prompt_len), generator=generator)
+        input_ids = torch.randint(0, model_source.config.vocab_size, (batch_size, prompt_len), generator=generator)
         attention_mask = None
     calls = []
     for _ in range(repeat):  # later calls of the same shapes replay the first one's graphs (and compiled code)
@@ -69,12 +84,20 @@ def generate(source: str, device_map: str, max_memory: str | None, dtype: str | 
                              do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                              graphs=not no_graphs, keep_graphs=repeat > 1, compile=compile_steps)
         calls.append(seconds)
+    if tensor_parallel > 1:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:  # every rank has the same tokens: rank 0 reports
+            return
     seconds = min(calls[1:]) if repeat > 1 else calls[0]
     new = out.shape[1] - input_ids.shape[1]
     data = {
         "source": source, "device_map": {k: str(v) for k, v in model.hf_device_map.items()},
         "batch_size": batch_size, "prompt_len": input_ids.shape[1], "new_tokens": new,
-        "lanes": lanes, "cuda_graphs": not no_graphs, "compile": compile_steps, "first_call_seconds": calls[0],
+        "lanes": lanes, "tensor_parallel": tensor_parallel, "cuda_graphs": not no_graphs, "compile": compile_steps,
+        "first_call_seconds": calls[0],
         "seconds": seconds, "new_tokens_per_s": batch_size * new / seconds,
     }
     if tokenizer is not None:
@@ -87,6 +110,21 @@ def generate(source: str, device_map: str, max_memory: str | None, dtype: str | 
                f"= {data['new_tokens_per_s']:.0f} new tokens/s ({which})")
     if "text" in data:
         click.echo(shown(data["text"]))
+
+
+def _check_split(model_source, size: int, device_map: str, max_memory: str | None,  # type: ignore[no-untyped-def]
+                 quantize: str | None) -> None:
+    """Refuse, before any process starts, a split the model does not allow or options that place whole blocks."""
+    from devmap.planning.tensor_parallel import check_split
+
+    if not model_source.is_causal_lm:
+        raise click.UsageError(f"--tensor-parallel splits LLaMA-family models; {model_source.name} is not one")
+    check_split(model_source.config, size, model_source.name)
+    placing = [flag for flag, value in (("--device-map", device_map != "auto"), ("--max-memory", max_memory),
+                                        ("--quantize", quantize)) if value]
+    if placing:
+        raise click.UsageError(f"--tensor-parallel puts each process's shard whole on its GPU: leave out "
+                               f"{', '.join(placing)}")
 
 
 def shown(text: str) -> str:

@@ -74,3 +74,14 @@ def launch(processes: int, argv: list[str], debug: bool = False) -> int:
         finally:
             os.environ.pop(ERRORS_DIR, None)
             elastic.setLevel(level)
+
+
+def relaunch(processes: int, command: str, flag: str) -> None:
+    """Start `processes` ranks of this command line (`devmap COMMAND ...`, `flag` naming how many) and exit with
+    their code when they fail (their error line is printed already)."""
+    argv = sys.argv[1:]
+    if command not in argv:
+        raise click.UsageError(f"{flag} starts its processes from the command line: devmap {command} {flag} N ...")
+    code = launch(processes, worker_arguments(argv), debug="--debug" in argv)
+    if code:
+        sys.exit(code)

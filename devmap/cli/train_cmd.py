@@ -52,7 +52,9 @@ def train(as_json: bool, nproc_per_node: int | None, **options: Any) -> None:
         if nproc_per_node is None:
             raise click.UsageError("give --nproc-per-node N (ranks on this machine), or run under torchrun: "
                                    "torchrun --nproc-per-node 2 -m devmap train ...")
-        _launch_ranks(nproc_per_node)
+        from .rank_launch import relaunch
+
+        relaunch(nproc_per_node, "train", "--nproc-per-node")
         return
     import torch
     import torch.distributed as dist
@@ -71,20 +73,6 @@ def train(as_json: bool, nproc_per_node: int | None, **options: Any) -> None:
         click.echo(json.dumps(result))
         return
     click.echo(render_result(result, config.schedule))
-
-
-def _launch_ranks(processes: int) -> None:
-    import sys
-
-    from .rank_launch import launch, worker_arguments
-
-    argv = sys.argv[1:]
-    if "train" not in argv:
-        raise click.UsageError("--nproc-per-node starts ranks from the command line: devmap train --nproc-per-node "
-                               "N ...")
-    code = launch(processes, worker_arguments(argv), debug="--debug" in argv)
-    if code:
-        sys.exit(code)  # the ranks' error line is printed already
 
 
 @contextlib.contextmanager

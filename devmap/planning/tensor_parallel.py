@@ -82,7 +82,8 @@ def check_split(config: Any, size: int, name: str) -> bool:
     undivided = [f"{value} {label}" for label, value in sizes.items() if value % size]
     if undivided:
         fits = [n for n in range(1, 9) if all(v % n == 0 for v in sizes.values())]
-        raise UsageError(f"--tensor-parallel {size} does not divide {name}'s {' and '.join(undivided)}: use one of "
+        listed = ", ".join(undivided[:-1]) + " and " + undivided[-1] if len(undivided) > 1 else undivided[0]
+        raise UsageError(f"--tensor-parallel {size} does not divide {name}'s {listed}: use one of "
                          f"{', '.join(map(str, fits))}")
     return config.vocab_size % size == 0
 

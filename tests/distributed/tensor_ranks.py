@@ -11,14 +11,16 @@ def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str) -> None
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products as the whole model's
     import devmap
 
     model = devmap.load(checkpoint, tensor_parallel=size, dtype="float32")
-    ids = torch.tensor([[5, 17, 300, 2, 41, 9], [7, 7, 480, 33, 1, 12]])
+    device = next(model.parameters()).device
+    ids = torch.tensor([[5, 17, 300, 2, 41, 9], [7, 7, 480, 33, 1, 12]], device=device)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits
+        logits = model(ids, attention_mask=mask).logits.cpu()
     results = {
         "logits": logits,
         "greedy": devmap.generate(model, ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0),
@@ -26,6 +28,7 @@ def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str) -> None
         "sampled": devmap.generate(model, ids, mask, max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20,
                                    seed=3, eos_token_id=[], pad_token_id=0),
         "heads": model.config.num_attention_heads,
+        "device": str(device),
         "report": model.devmap_load_report.to_dict(),
     }
     torch.save(results, Path(out) / f"rank{rank}.pt")

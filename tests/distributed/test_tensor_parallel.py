@@ -71,3 +71,32 @@ def test_a_split_without_its_processes_is_refused(checkpoint, monkeypatch):
         devmap.load(checkpoint, "cpu", tensor_parallel=2, quantization="int8")
     with pytest.raises(UsageError, match="positive integer"):
         devmap.load(checkpoint, tensor_parallel=0)
+
+
+def test_devmap_generate_starts_its_processes_and_reports_the_whole_models_text(tmp_path):
+    """`devmap generate --tensor-parallel 2` starts two processes itself; rank 0 alone prints the text one process
+    generates from the whole model."""
+    import json
+    import os
+    import subprocess
+
+    from click.testing import CliRunner
+
+    from devmap.cli import main
+
+    path = tmp_path / "tiny"
+    devmap.save("llama-tiny", path, seed=6)
+    args = ["generate", str(path), "--prompt", "The GPUs work together", "--batch-size", "1", "--max-new-tokens", "6",
+            "--json"]
+    whole = CliRunner().invoke(main, [*args, "--device-map", "cpu"])
+    assert whole.exit_code == 0, whole.output
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    split = subprocess.run([sys.executable, "-m", "devmap", *args, "--tensor-parallel", "2"], capture_output=True,
+                           text=True, env=env, timeout=300)
+    assert split.returncode == 0, split.stderr
+    got = json.loads(split.stdout)  # one object: the other rank prints nothing
+    assert got["text"] == json.loads(whole.output)["text"] and got["tensor_parallel"] == 2
+    bad = subprocess.run([sys.executable, "-m", "devmap", *args, "--tensor-parallel", "3"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "does not divide" in bad.stderr

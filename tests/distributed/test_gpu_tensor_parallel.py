@@ -1,0 +1,50 @@
+"""GPU-only: a float32 LLaMA split 2 and 4 ways over NCCL, one process per GPU, gives the logits and greedy tokens of
+the whole model on one GPU (CUDA graphs capturing the collectives), and every process the same sampled tokens."""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import devmap
+from devmap.testing import gpu_count, require_gpus
+
+from .tensor_ranks import run_rank
+
+pytestmark = require_gpus(2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_gpus_splitting_a_model_give_one_gpus_logits_and_tokens(tmp_path, size):
+    if gpu_count() < size:
+        pytest.skip(f"needs {size} CUDA GPUs, {gpu_count()} visible")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(7)
+    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=1000, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
+    whole = devmap.load(tmp_path / "model", 0, dtype="float32")
+    ids = torch.tensor([[5, 17, 300, 2, 41, 9], [7, 7, 480, 33, 1, 12]], device="cuda:0")
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        logits = whole(ids, attention_mask=mask).logits.cpu()
+    greedy = devmap.generate(whole, ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
+    del whole
+    mp.spawn(run_rank, args=(size, free_port(), str(tmp_path / "model"), str(tmp_path)), nprocs=size, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(size)]
+    assert [got["device"] for got in ranks] == [f"cuda:{r}" for r in range(size)]
+    for got in ranks:
+        assert got["heads"] == 8 // size
+        torch.testing.assert_close(got["logits"], logits, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got["greedy"], greedy) and torch.equal(got["lanes"], greedy)
+        assert torch.equal(got["sampled"], ranks[0]["sampled"])  # the processes stay in step
