@@ -5,7 +5,9 @@ Systems (`--systems`, in this order; every one measured in the same process run,
   eager        transformers, one GPU, eager forward / generate with its dynamic cache
   compiled     transformers, one GPU, `torch.compile(model)` forward / generate(cache_implementation="static")
                (its auto-compiled decode step): the fastest one-GPU path
-  tp           transformers `tp_plan="auto"` over 2 GPUs under torchrun, static cache (benchmarks/llama_tp.py)
+  tp           transformers `tp_plan="auto"` over --tp-size GPUs under torchrun, static cache (benchmarks/llama_tp.py)
+  devmap-tp    devmap's tensor parallelism over --tp-size GPUs under torchrun (`devmap.load(tensor_parallel=N)`), its
+               CUDA graphs capturing the collectives; devmap-tp-compiled: its steps through torch.compile too
   accelerate   accelerate's dispatch_model, balanced over 2 GPUs (its own map, from the one-GPU model)
   hooks        accelerate's dispatch on devmap's loaded model (its AlignDevicesHooks; for shapes that fit no GPU)
   devmap       devmap's pipeline, CUDA graphs of the eager layer code (compile=False)
@@ -38,6 +40,8 @@ from devmap.planning.models import llama_config
 CALLS: dict[str, list[float]] = {}  # every call's seconds, first call included: written to the JSON
 ONE_GPU = ("transformers one GPU, eager", "transformers one GPU, compiled / static cache")
 TP = "transformers tp_plan=auto, 2 GPUs, static cache"
+TP_SYSTEMS = {"tp": ("transformers", TP), "devmap-tp": ("devmap", "devmap tensor parallel, 2 GPUs"),
+              "devmap-tp-compiled": ("devmap-compiled", "devmap tensor parallel, 2 GPUs, compiled")}
 TP_TIMEOUT = int(os.environ.get("DEVMAP_TP_TIMEOUT", "240"))
 
 
@@ -72,33 +76,36 @@ def busy_profile(fn: Callable[[], Any]) -> None:
               f"{(max(b for _, b in intervals) - first) / 1e3:.2f} ms")
 
 
-def run_tp(model: torch.nn.Module, repeat: int) -> None:
-    """Save the one-GPU model, then time it under torchrun with tp_plan="auto" (2 processes)."""
+def run_tp(model: torch.nn.Module, repeat: int, systems: list[str], size: int) -> None:
+    """Save the one-GPU model once, then time each tensor-parallel system under torchrun (`size` processes)."""
     with tempfile.TemporaryDirectory(dir=os.environ.get("DEVMAP_BENCH_TMP")) as folder:
         start = time.perf_counter()
         model.save_pretrained(folder)
         print(f"  saved the checkpoint for TP in {time.perf_counter() - start:.1f} s", flush=True)
-        out = Path(folder) / "tp.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                   str(Path(__file__).with_name("llama_tp.py")), folder, str(out), str(repeat + 1)]
-        try:
-            failed = subprocess.run(command, timeout=TP_TIMEOUT).returncode != 0 or not out.exists()
-        except subprocess.TimeoutExpired:  # rank 0 writes its times before the ranks shut down
-            failed = not out.exists()
-        if failed:
-            print(f"  TP run failed or ran past {TP_TIMEOUT} s (its output is above); no TP row", flush=True)
-            return
-        result = json.loads(out.read_text())
-    CALLS["W3 " + TP], CALLS["W4 " + TP] = result["W3"], result["W4"]
-    for workload in ("W3", "W4"):
-        seconds = CALLS[f"{workload} {TP}"]
-        print(f"  {workload} {TP}: first {seconds[0]:.4f} s, best {min(seconds[1:]):.4f} s", flush=True)
+        for system in systems:
+            script, label = TP_SYSTEMS[system]
+            label = label.replace("2 GPUs", f"{size} GPUs")
+            out = Path(folder) / f"{system}.json"
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(size),
+                       str(Path(__file__).with_name("llama_tp.py")), folder, str(out), str(repeat + 1), script]
+            try:
+                failed = subprocess.run(command, timeout=TP_TIMEOUT).returncode != 0 or not out.exists()
+            except subprocess.TimeoutExpired:  # rank 0 writes its times before the ranks shut down
+                failed = not out.exists()
+            if failed:
+                print(f"  {system} failed or ran past {TP_TIMEOUT} s (its output is above); no row", flush=True)
+                continue
+            result = json.loads(out.read_text())
+            for workload in ("W3", "W4"):
+                CALLS[f"{workload} {label}"] = seconds = result[workload]
+                print(f"  {workload} {label}: first {seconds[0]:.4f} s, best {min(seconds[1:]):.4f} s", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tinyllama-1.1b")
-    parser.add_argument("--systems", default="eager,compiled,tp,accelerate,devmap,devmap-compiled")
+    parser.add_argument("--systems", default="eager,compiled,tp,devmap-tp,accelerate,devmap,devmap-compiled")
+    parser.add_argument("--tp-size", type=int, default=2, help="GPUs of the tensor-parallel systems")
     parser.add_argument("--prefill-lanes", default="8", help="devmap lane counts for W3")
     parser.add_argument("--generate-lanes", default="2", help="devmap lane counts for W4")
     parser.add_argument("--repeat", type=int, default=3)
@@ -119,7 +126,8 @@ def main() -> None:
 
     with torch.no_grad():
         one = None
-        if {"eager", "compiled", "tp", "accelerate"} & set(systems):
+        tensor_parallel = [name for name in TP_SYSTEMS if name in systems]
+        if {"eager", "compiled", "accelerate", *tensor_parallel} & set(systems):
             with torch.device("cuda:0"):
                 one = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
         if "eager" in systems:
@@ -132,8 +140,8 @@ def main() -> None:
             if not args.skip_generate:
                 measure("W4 " + ONE_GPU[1], hf_generate(one, cache_implementation="static"), args.repeat)
             del compiled
-        if "tp" in systems:
-            run_tp(one, args.repeat)
+        if tensor_parallel:
+            run_tp(one, args.repeat, tensor_parallel, args.tp_size)
         if "accelerate" in systems:
             from accelerate import dispatch_model, infer_auto_device_map
             from accelerate.utils import get_balanced_memory
@@ -199,7 +207,8 @@ def report(model: str, out: str | None) -> None:
               "|---|---|---|---|---|---|---|")
         for name, seconds in steady.items():
             versus_one = f"{one_gpu / seconds:.2f}x" if one_gpu else "-"
-            versus_tp = f"{steady[TP] / seconds:.2f}x" if TP in steady else "-"
+            tp = next((steady[n] for n in steady if n.startswith("transformers tp_plan")), None)
+            versus_tp = f"{tp / seconds:.2f}x" if tp else "-"
             versus_accelerate = f"{accelerate / seconds:.2f}x" if accelerate else "-"
             print(f"| {name} | {seconds:.4f} | {unit / seconds:,.0f} | {rows[name][0]:.2f} | {versus_one} | "
                   f"{versus_tp} | {versus_accelerate} |")

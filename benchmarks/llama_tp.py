@@ -1,9 +1,11 @@
-"""transformers' tensor parallelism (`tp_plan="auto"`) on W3 and W4: the peer `llama_inference.py --tp` launches.
+"""Tensor parallelism on W3 and W4, one process per GPU: the systems `llama_inference.py` runs under torchrun.
 
-Run by llama_inference.py as `torchrun --nproc-per-node 2 benchmarks/llama_tp.py CHECKPOINT OUT.json` (the
-checkpoint is the same random model the other systems run, saved by it). Every rank runs the same calls on
-the same inputs; rank 0 writes the seconds: W3 forward (eager), W4 generate with transformers' static cache
-(its auto-compiled decode step), each call's time with the first (compiling) call kept.
+Run by llama_inference.py as `torchrun --nproc-per-node N benchmarks/llama_tp.py CHECKPOINT OUT.json ROUNDS SYSTEM`
+(the checkpoint is the same random model the other systems run, saved by it). SYSTEM is `transformers`
+(`tp_plan="auto"`: W3 its eager forward, W4 generate with its static cache and auto-compiled decode step), `devmap`
+(`devmap.load(..., tensor_parallel=N)`: W3 `devmap.generation.forward`, W4 `devmap.generate` with its CUDA graphs)
+or `devmap-compiled` (the same, its steps through torch.compile inside the graphs). Every rank runs the same calls on
+the same inputs; rank 0 writes the seconds of each call, the first (compiling, capturing) call kept.
 """
 
 from __future__ import annotations
@@ -39,20 +41,34 @@ def timed(fn, rounds: int) -> list[float]:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    checkpoint, out, rounds = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    checkpoint, out = sys.argv[1], Path(sys.argv[2])
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    system = sys.argv[4] if len(sys.argv) > 4 else "transformers"
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before any collective: one GPU per rank
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, tp_plan="auto", dtype=torch.bfloat16).eval()
-    device = model.device
-    say(f"loaded with tp_plan='auto' in {time.perf_counter() - start:.1f} s on {device}")
-    vocab = model.config.vocab_size
+    if system == "transformers":
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, tp_plan="auto", dtype=torch.bfloat16).eval()
+    else:
+        import devmap
+
+        model = devmap.load(checkpoint, tensor_parallel=int(os.environ["WORLD_SIZE"]), dtype="bf16")
+    device = next(model.parameters()).device
+    say(f"{system}: loaded in {time.perf_counter() - start:.1f} s on {device}")
+    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
     generator = torch.Generator().manual_seed(0)
     prefill = torch.randint(0, vocab, (32, 512), generator=generator).to(device)
     prompt = torch.randint(0, vocab, (32, 64), generator=generator).to(device)
     with torch.no_grad():
-        w3 = timed(lambda: model(prefill), rounds)
-        w4 = timed(lambda: model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                          pad_token_id=0, cache_implementation="static"), rounds)
+        if system == "transformers":
+            w3 = timed(lambda: model(prefill), rounds)
+            w4 = timed(lambda: model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                              pad_token_id=0, cache_implementation="static"), rounds)
+        else:
+            from devmap.generation import forward, generate
+
+            compile = system == "devmap-compiled"
+            w3 = timed(lambda: forward(model, prefill, lanes=1, compile=compile), rounds)
+            w4 = timed(lambda: generate(model, prompt, max_new_tokens=32, eos_token_id=[], compile=compile), rounds)
     if dist.get_rank() == 0:
         out.write_text(json.dumps({"W3": w3, "W4": w4}))
     dist.barrier(device_ids=[torch.cuda.current_device()])
