@@ -63,6 +63,9 @@ from .options import load_options
               help="Let POST /start_profile and /stop_profile record the engine core's steps with torch.profiler "
                    "(host ops, CUDA calls, kernels) and write a Chrome trace and an op table here (vLLM's profiler "
                    "endpoints); without it those answer 404.")
+@click.option("--tensor-parallel", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Split every attention and MLP block of each model over N processes, one per GPU (GPUs 0 to "
+                   "N-1), started and stopped with the service.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
@@ -71,7 +74,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
           join_tokens: int, riding: bool | None, max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
           unload_drain: float, lanes: int | None, compile_steps: bool | None, load_format: str,
-          profile_dir: str | None, log_level: str) -> None:
+          profile_dir: str | None, tensor_parallel: int, log_level: str) -> None:
     """Serve models on their devices over an OpenAI-compatible HTTP API.
 
     Loads MODEL_DIR... (ids: their directory names) and serves them until SIGTERM or Ctrl-C.
@@ -85,6 +88,13 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
                                "(or set DEVMAP_API_KEY), or bind 127.0.0.1")
     if not model_dirs and model_root is None:
         raise click.UsageError("nothing to serve: name model directories, or --model-root for loads on request")
+    if tensor_parallel > 1:
+        placing = [flag for flag, value in (("--device-map", device_map != "auto"), ("--quantize", quantize),
+                                            ("--lanes", lanes)) if value]
+        if placing:
+            raise click.UsageError(f"--tensor-parallel puts each process's shard whole on its GPU: leave out "
+                                   f"{', '.join(placing)}")
+        _check_splits(model_dirs, tensor_parallel)
     from pathlib import Path
 
     import uvicorn
@@ -102,7 +112,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     # the models and the loop that batches them run in a process of their own (the engine core); this one answers
     # HTTP, tokenizes and detokenizes, so that no request's Python work holds the loop that issues the GPUs' work
     settings = RegistrySettings(model_root, device_map, max_memory, dtype, quantize,
-                                random_weights=load_format.lower() == "dummy")
+                                random_weights=load_format.lower() == "dummy", tensor_parallel=tensor_parallel)
     engine = Engine.spawned(settings, limits, log_level=log_level)
     try:
         for directory in model_dirs:
@@ -149,3 +159,19 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _check_splits(model_dirs: tuple[str, ...], size: int) -> None:
+    """Refuse, before any process starts, a model directory the split does not divide, or more processes than GPUs."""
+    from devmap.planning import hardware
+    from devmap.planning.models import resolve_source
+    from devmap.planning.tensor_parallel import check_split
+
+    gpus = hardware.gpu_count()
+    if gpus and gpus < size:
+        raise click.UsageError(f"--tensor-parallel {size} runs one process per GPU, and {gpus} are visible")
+    for directory in model_dirs:
+        source = resolve_source(directory)
+        if not source.is_causal_lm:
+            raise click.UsageError(f"--tensor-parallel splits LLaMA-family models; {source.name} is not one")
+        check_split(source.config, size, source.name)

@@ -138,15 +138,19 @@ def _load_shard(source: Any, size: int, plan: Plan | None, device_map: Any, max_
     """`load` with tensor parallelism: the options that place whole blocks are refused, then `load_shard`."""
     from .tensor_shards import load_shard
 
-    if plan is not None and plan.tensor_parallel is not None:
-        raise UsageError("a tensor-parallel plan sizes every GPU of a split; each process loads its own shard: "
-                         f"load(source, tensor_parallel={plan.tensor_parallel.size}) under torchrun")
     if plan is not None:
-        raise UsageError(f"tensor_parallel={size} makes each process's own plan: leave plan out")
+        split = plan.tensor_parallel
+        if split is None or len(plan.devices) != 1:
+            raise UsageError("a plan of whole blocks or of every GPU of a split cannot load one process's shard: "
+                             "give tensor_parallel=N alone, or a shard's plan (devmap.planning.planner.plan_shard)")
+        if size not in (1, split.size):
+            raise UsageError(f"the plan splits the model {split.size} ways, not tensor_parallel={size}")
+        size = split.size
     placing = [name for name, value, default in (
         ("device_map", device_map, "auto"), ("max_memory", max_memory, None), ("offload_folder", offload_folder, None),
-        ("quantization", quantization, None), ("workload", workload, None), ("no_split_module_classes", no_split, None),
-        ("allow_missing", allow_missing, False)) if value != default]
+        ("quantization", quantization, None), ("no_split_module_classes", no_split, None),
+        ("allow_missing", allow_missing, False), ("dtype", dtype if plan is not None else None, None),
+        ("workload", workload if plan is not None else None, None)) if value != default]
     if placing:
         raise UsageError(f"tensor_parallel={size} puts each process's shard whole on its GPU: leave out "
                          f"{', '.join(placing)}")
@@ -157,8 +161,8 @@ def _load_shard(source: Any, size: int, plan: Plan | None, device_map: Any, max_
         raise UsageError("random_weights reads no weights: drop weights, or random_weights")
     checkpoint = None if random_weights else Path(weights).expanduser() if weights is not None else model_source.path
     torch_dtype = parse_dtype(dtype) or model_source.default_dtype
-    return load_shard(model_source, size, torch_dtype, checkpoint, allow_pickle=allow_pickle, seed=seed,
-                      workers=workers, progress=progress)
+    return load_shard(model_source, size, torch_dtype, checkpoint, plan=plan, workload=workload,
+                      allow_pickle=allow_pickle, seed=seed, workers=workers, progress=progress)
 
 
 def dispatch(

@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UsageError
-from ..planning.budget import Budget, resolve_budget
 from ..planning.devices import device_label
 from ..planning.memory import dtype_name
 from ..planning.models import ModelSource
-from ..planning.planner import plan_model
-from ..planning.tensor_parallel import TensorSplit, check_split, local_config
+from ..planning.planner import Plan, plan_shard
+from ..planning.tensor_parallel import TensorSplit
+from ..planning.workload import Workload
 from .checkpoint import TensorEntry, index_checkpoint, match_state
 from .disk_offload import set_tensor
 from .initialization import init_module_
@@ -65,22 +65,25 @@ def shard_device() -> torch.device:
 
 
 def load_shard(model_source: ModelSource, size: int, dtype: torch.dtype, checkpoint: Path | None, *,
-               allow_pickle: bool = False, seed: int = 0, workers: int | None = None,
-               progress: Callable[[int], None] | None = None) -> nn.Module:
+               plan: Plan | None = None, workload: Workload | None = None, allow_pickle: bool = False, seed: int = 0,
+               workers: int | None = None, progress: Callable[[int], None] | None = None) -> nn.Module:
     """This process's shard of `model_source` split `size` ways, on its device, ready to run with the others
-    (`devmap.load`'s tensor-parallel path: see the module's docstring)."""
+    (`devmap.load`'s tensor-parallel path: see the module's docstring). `plan`: the shard's plan
+    (`devmap.planning.planner.plan_shard`, on this process's device), else planned here with room for `workload`."""
     start = time.perf_counter()
     rank, group = tensor_group(size)
-    vocab = check_split(model_source.config, size, model_source.name)
-    split = TensorSplit(size, (tuple(range(size)),), vocab)
-    local = replace(model_source, config=local_config(model_source.config, size, vocab))
-    model = local.build(cpu_buffers=True)
-    check_plain(model)
     device = shard_device()
     key = device.index if device.type == "cuda" else "cpu"
-    budget = resolve_budget()
-    plan = plan_model(model, local, {"": key}, Budget({key: budget.limits.get(key, 0)}, False), dtype)
-    plan = replace(plan, tensor_parallel=split)
+    if plan is None:
+        plan = plan_shard(model_source.path or model_source.name, size, key, dtype=dtype, workload=workload)
+    elif set(plan.device_map.values()) != {key}:
+        raise UsageError(f"the shard's plan places it on {', '.join(plan.devices)}, but this process runs on "
+                         f"{device_label(key)}: plan each process's shard on its own device")
+    split = plan.tensor_parallel
+    assert split is not None and plan.model_source is not None
+    dtype = plan.dtype
+    model = plan.model_source.build(cpu_buffers=True)
+    check_plain(model)
     entries = index_checkpoint(checkpoint, allow_pickle) if checkpoint is not None else None
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     read, initialized = _fill(model, split, rank, device, dtype, entries, seed + rank, workers, progress)

@@ -82,6 +82,30 @@ def _split_plan(model_source: ModelSource, size: int, device_map: DeviceMapSpec,
     return _spread(plan_of_one, TensorSplit(size, groups, vocab), budget)
 
 
+def plan_shard(source: Union[str, Path], size: int, device: DeviceKey,
+               max_memory: str | Mapping[DeviceKey, Size] | None = None, dtype: str | torch.dtype | None = None,
+               workload: Workload | None = None) -> Plan:
+    """The plan of the shard one process holds of `source` split `size` ways (`devmap.planning.tensor_parallel`),
+    whole on `device` within its budget (from `max_memory`, else the machine's), with room for `workload` (what
+    that process's model runs: its own KV heads). Every process of the split holds a shard of the same size."""
+    model_source = resolve_source(source)
+    if not model_source.is_causal_lm:
+        raise UsageError(f"tensor parallelism splits LLaMA-family language models; {model_source.name} is not one")
+    vocab = check_split(model_source.config, size, model_source.name)
+    local = replace(model_source, config=local_config(model_source.config, size, vocab))
+    torch_dtype = parse_dtype(dtype) or model_source.default_dtype
+    budget = resolve_budget(max_memory)
+    if device not in budget.limits:
+        raise UsageError(f"the budget has no {device_label(device)} for this process's shard ({budget.label()})")
+    limits = budget.limits
+    shard = plan_model(local.build("meta"), local, {"": device}, Budget({device: limits[device]}, False), torch_dtype,
+                       workload=workload)
+    if shard.warnings:
+        raise DoesNotFitError(f"{model_source.name} split {size} ways does not fit {device_label(device)}: "
+                              f"{shard.warnings[0]}")
+    return replace(shard, tensor_parallel=TensorSplit(size, (tuple(range(size)),), vocab))
+
+
 def _spread(local: Plan, split: TensorSplit, budget: Budget) -> Plan:
     """The plan of one GPU per group (`local`, planned over `group_budget`'s budgets) as the plan of every GPU: the
     map names each group's first GPU, each GPU of a group holds what the local plan gives the group, and the totals

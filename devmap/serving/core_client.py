@@ -12,6 +12,7 @@ step, from a thread that is not the caller's event loop.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -61,6 +62,7 @@ class RegistrySettings:
     dtype: str | None = None
     quantization: Any = None
     random_weights: bool = False
+    tensor_parallel: int = 1  # > 1: every model split over that many processes, one per GPU (`serving.shards`)
 
 
 class ThreadCore:
@@ -186,6 +188,7 @@ class ProcessCore:
 
     def _read(self) -> None:
         """The core's messages, as they come: outputs to `deliver`, replies to their callers."""
+        reason = None
         while True:
             try:
                 message = self._from_core.recv()
@@ -203,12 +206,14 @@ class ProcessCore:
                         future.set_exception(message[3])
             elif kind == "unloaded":
                 self.forget(message[1])
+            elif kind == "failed":  # why the core's process is ending
+                reason = message[1]
             elif kind == "closed":
                 break
         self._process.join(5 if self._closing else 30)
         code = self._process.exitcode
-        self.gone = EngineGone(f"the engine core's process has ended (exit code {code}); restart the service"
-                               if not self._closing else "the service is shutting down")
+        self.gone = EngineGone("the service is shutting down" if self._closing else reason if reason else
+                               f"the engine core's process has ended (exit code {code}); restart the service")
         for future in list(self._calls.values()):
             future.set_exception(self.gone)
         self._calls.clear()
@@ -243,11 +248,27 @@ def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level
         with lock:
             outbox.send(message)
 
-    registry = ModelRegistry(settings.model_root, settings.device_map, settings.max_memory, settings.dtype,
-                             quantization=settings.quantization, limits=limits,
-                             random_weights=settings.random_weights)
+    shards = None
+    if settings.tensor_parallel > 1:
+        from .shards import ShardProcesses, SplitBatches, SplitRegistry
+
+        def failed(reason: str) -> None:  # a shard process ended: so do the models, and this process
+            with contextlib.suppress(OSError, EOFError):
+                send(("failed", reason))
+            os._exit(1)
+
+        shards = ShardProcesses(settings.tensor_parallel, settings, limits, log_level, failed)
+        registry: ModelRegistry = SplitRegistry(
+            shards, settings.model_root, settings.device_map, settings.max_memory, settings.dtype,
+            quantization=settings.quantization, limits=limits, random_weights=settings.random_weights)
+        batches = SplitBatches(limits, shards)
+    else:
+        registry = ModelRegistry(settings.model_root, settings.device_map, settings.max_memory, settings.dtype,
+                                 quantization=settings.quantization, limits=limits,
+                                 random_weights=settings.random_weights)
+        batches = None
     core = EngineCore(registry, limits, lambda outputs: send(("out", outputs)),
-                      unloaded=lambda model_id: send(("unloaded", model_id)))
+                      unloaded=lambda model_id: send(("unloaded", model_id)), batches=batches)
     if spawned_at is not None:
         started = time.time() - spawned_at
         core.metrics.startup.labels(phase="core_process").set(started)
@@ -278,6 +299,8 @@ def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level
             threading.Thread(target=answer, args=message[1:], daemon=True).start()
         elif kind == "close":
             core.close()
+            if shards is not None:
+                shards.close()
             try:
                 send(("closed",))
             except (OSError, EOFError):

@@ -52,14 +52,17 @@ def plan_serving(model_source: Any, limits: EngineLimits, plan_with: Callable[[W
     weights = plan_with(None)  # the weights alone: its stages give the lanes, and rows_that_fit compares with it
 
     def plan_for(rows: int | None) -> Plan:
-        if rows is None:
-            return weights
-        joining = -(-pack_limit(cache_len, rows) // cache_len)  # rows of cache_len tokens holding the largest pack
-        captured = sum(pack_widths(pack_limit(cache_len, rows)))
-        return plan_with(parse_workload("serve", causal_lm=True, context=context, batch=rows, seq_len=cache_len,
-                                        chunks=min(lanes, rows), prefill_rows=min(joining, rows),
-                                        captured_tokens=captured))
+        return weights if rows is None else plan_with(serving_workload(context, rows, cache_len, lanes))
 
     lanes = limits.lanes or weights.stages
     rows, plan = rows_that_fit(plan_for, limits.max_batch * lanes)
     return ServingPlan(rows, cache_len, plan, lanes)
+
+
+def serving_workload(context: int, rows: int, cache_len: int, lanes: int) -> Workload:
+    """What a batch of `rows` rows of `cache_len` cache tokens in `lanes` lanes needs beside the weights (a model of
+    `context` positions): its KV cache, the largest joining pack's prefill and the captured pack widths."""
+    joining = -(-pack_limit(cache_len, rows) // cache_len)  # rows of cache_len tokens holding the largest pack
+    captured = sum(pack_widths(pack_limit(cache_len, rows)))
+    return parse_workload("serve", causal_lm=True, context=context, batch=rows, seq_len=cache_len,
+                          chunks=min(lanes, rows), prefill_rows=min(joining, rows), captured_tokens=captured)

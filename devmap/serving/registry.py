@@ -42,8 +42,11 @@ class ModelRegistry:
 
     def __init__(self, model_root: str | Path | None = None, device_map: Any = "balanced",
                  max_memory: str | Mapping[Any, Any] | None = None, dtype: str | None = None,
-                 quantization: Any = None, limits: EngineLimits | None = None, random_weights: bool = False) -> None:
+                 quantization: Any = None, limits: EngineLimits | None = None, random_weights: bool = False,
+                 tensor_parallel: int = 1) -> None:
         self.root = Path(model_root).expanduser().resolve() if model_root is not None else None
+        # > 1: this process holds one shard of each model, split over that many processes (`serving.shards`)
+        self.tensor_parallel = tensor_parallel
         self.device_map, self.dtype, self.quantization = device_map, dtype, quantization
         self.random_weights = random_weights  # every load made of random weights on its devices (`loader.load`)
         self.limits = limits or EngineLimits()  # the batches its models must have room for
@@ -100,9 +103,11 @@ class ModelRegistry:
                 raise
             log.info("%s loaded: %s", model_id, phases.summary())
             report = model.devmap_load_report.to_dict()
+            split = model.devmap_plan.tensor_parallel
+            vocab = model.get_input_embeddings().num_embeddings * (split.size if split and split.vocab else 1)
             resident = ResidentModel(
                 id=model_id, path=path, model=model, tokenizer=ready.tokenizer, created=int(time.time()),
-                context=ready.context, vocab_size=model.get_input_embeddings().num_embeddings,
+                context=ready.context, vocab_size=vocab,
                 planned={usage.key: usage.total for usage in model.devmap_plan.devices.values()},
                 report=report, max_rows=serving.rows, cache_len=serving.cache_len, lanes=serving.lanes,
                 compiled=ready.compiled, eos_ids=ready.eos_ids, load_seconds=phases.seconds,
@@ -122,9 +127,16 @@ class ModelRegistry:
     def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> ServingPlan:
         """The largest batch the model will run within `budget`: its rows, lanes, cache tokens per row, and plan."""
         from ..planning.models import resolve_source
-        from ..planning.planner import plan
+        from ..planning.planner import plan, plan_shard
         from .load_plan import plan_serving
 
+        if self.tensor_parallel > 1:  # this process's shard, whole on its device
+            from ..loading.tensor_shards import shard_device
+
+            device = shard_device()
+            key = device.index if device.type == "cuda" else "cpu"
+            return plan_serving(resolve_source(str(path)), self.limits, lambda workload: plan_shard(
+                str(path), self.tensor_parallel, key, budget, dtype, workload))
         return plan_serving(resolve_source(str(path)), self.limits, lambda workload: plan(
             str(path), device_map, budget, dtype, quantization=self.quantization, workload=workload))
 

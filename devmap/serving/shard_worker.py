@@ -1,0 +1,132 @@
+"""A shard process of a split service (`serving.shards`): rank r of the group, holding its own shard of every model
+the engine core loads, repeating in order every call rank 0 sends (loads with rank 0's serving plan, batches and
+their steps, releases and collects, prompt scores). It answers nothing: every process computes the same tokens, and
+rank 0 hands them out. It ends when rank 0 says stop, when its pipe closes, or with the engine core's process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import sys
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..generation.continuous import SlotRequest
+from .batch_run import ModelBatches
+from .limits import EngineLimits
+from .load_plan import ServingPlan, serving_workload
+from .registry import ModelRegistry
+
+log = logging.getLogger("devmap.serving")
+
+GROUP_TIMEOUT = timedelta(minutes=10)  # a collective waiting this long for a process gives up (a first compile's)
+
+
+class Owner:
+    """A request of rank 0's batch, as a shard process knows it: by its number in the batch."""
+
+    __slots__ = ("number",)
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+
+class ShardRegistry(ModelRegistry):
+    """A shard process's registry: each model planned with the rows, cache length and lanes rank 0 chose."""
+
+    given: tuple[int, int, int] = (1, 1, 1)
+
+    def load_as(self, path: str, model_id: str, dtype: str | None, rows: int, cache_len: int, lanes: int) -> None:
+        self.given = (rows, cache_len, lanes)
+        self.load(Path(path), model_id, dtype=dtype)
+
+    def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> ServingPlan:
+        from ..loading.tensor_shards import shard_device
+        from ..planning.models import resolve_source
+        from ..planning.planner import plan_shard
+
+        rows, cache_len, lanes = self.given
+        context = int(getattr(resolve_source(str(path)).config, "max_position_embeddings", 0) or 0)
+        device = shard_device()
+        key = device.index if device.type == "cuda" else "cpu"
+        plan = plan_shard(str(path), self.tensor_parallel, key, budget, dtype,
+                          serving_workload(context, rows, cache_len, lanes))
+        return ServingPlan(rows, cache_len, plan, lanes)
+
+
+def run_shard(rank: int, size: int, address: str, settings: Any, limits: EngineLimits, log_level: str,
+              inbox: Connection) -> None:
+    """The shard process of `rank`: join the group, then repeat rank 0's calls until it says stop."""
+    import torch.distributed as dist
+
+    _end_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
+    logging.basicConfig(format=f"%(levelname)s:     %(name)s [shard {rank}]: %(message)s")
+    logging.getLogger("devmap").setLevel(log_level.upper())
+    join_group(rank, size, address)
+    registry = ShardRegistry(settings.model_root, settings.device_map, settings.max_memory, settings.dtype,
+                             quantization=settings.quantization, limits=limits,
+                             random_weights=settings.random_weights, tensor_parallel=size)
+    batches = ModelBatches(limits)
+    opened: Any = None
+    batch: Any = None
+    owners: dict[int, Owner] = {}
+    while True:
+        try:
+            message = inbox.recv()
+        except (EOFError, OSError):
+            break
+        kind, args = message[0], message[1:]
+        if kind == "stop":
+            break
+        try:
+            if kind == "load":
+                registry.load_as(*args)
+            elif kind == "unload":
+                registry.unload(args[0])
+            elif kind == "open":
+                model_id, shape, sampling, scores = args
+                opened = batches.open(registry.serving(model_id), shape, sampling, scores)
+                batch, owners = opened.__enter__(), {}
+            elif kind == "step":
+                batch.step([SlotRequest(prompt, new, owners.setdefault(n, Owner(n))) for prompt, new, n in args[0]])
+            elif kind == "release":
+                batch.release(owners.setdefault(args[0], Owner(args[0])))
+            elif kind == "collect":
+                batch.collect(everything=args[0])
+            elif kind == "end" and opened is not None:
+                finished, opened, batch = opened, None, None
+                finished.__exit__(None, None, None)
+            elif kind == "scores":
+                batches.prompt_scores(registry.serving(args[0]), args[1], args[2])
+        except Exception:  # noqa: BLE001 - rank 0 met the same failure in the same call, and answers it
+            log.debug("%s failed here as on rank 0", kind, exc_info=True)
+    if opened is not None:
+        with contextlib.suppress(Exception):
+            opened.__exit__(None, None, None)
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def join_group(rank: int, size: int, address: str) -> None:
+    """Join the split's process group (NCCL on GPUs, gloo on CPUs), this process on the GPU of its rank."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=address, rank=rank,
+                            world_size=size, timeout=GROUP_TIMEOUT)
+
+
+def _end_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent (the engine core's process) ends, however it ends."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

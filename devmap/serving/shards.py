@@ -1,0 +1,196 @@
+"""Serving models split over N processes, one per GPU (`devmap serve --tensor-parallel N`): the engine core's process
+is rank 0 of a torch.distributed group, and N - 1 shard processes (`shard_worker.py`) hold the other shards.
+
+Every process must issue the same collectives in the same order. So rank 0 sends each call that runs a model to the
+shard processes before it runs it itself, one call at a time under one lock (`ShardProcesses.lock`): a load (with the
+serving plan rank 0 chose, so that every process plans the same batch), an unload, a batch's opening, each step with
+its joiners, each release, each collect, the batch's end, a prompt's scores. The tokens need not travel: every
+process has the same logits (gathered over the vocabulary) and so the same tokens, greedy or sampled from one seed,
+and its batch holds the same rows. Requests are known to the shard processes by a number per batch.
+
+A shard process that ends (killed, out of memory, a CUDA error) ends the service's models: rank 0 stops the other
+shard processes and its own process (`on_failure`), whose API side then answers every request 503 with the reason,
+as `/health` does. A shard process ends with the engine core's process (the kernel's parent-death signal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import socket
+import threading
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+
+from ..generation.continuous import ContinuousBatch, SlotRequest
+from ..generation.sampling import Sampling
+from ..generation.scores import Score
+from .batch_run import ModelBatches
+from .errors import EngineGone
+from .limits import EngineLimits
+from .registry import ModelRegistry
+from .resident import ResidentModel
+from .scheduler import BatchShape
+from .shard_worker import join_group, run_shard
+
+log = logging.getLogger("devmap.serving")
+
+class ShardProcesses:
+    """Rank 0's side of the split: the N - 1 shard processes, a pipe to each, the lock that keeps every call in one
+    order, and a watchdog that calls `on_failure(reason)` once if one of them ends."""
+
+    def __init__(self, size: int, settings: Any, limits: EngineLimits, log_level: str,
+                 on_failure: Callable[[str], None]) -> None:
+        context = multiprocessing.get_context("spawn")
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        self.size, self.lock, self.failure = size, threading.RLock(), None
+        self._pipes, self._processes = [], []
+        for rank in range(1, size):
+            reads, writes = context.Pipe(duplex=False)
+            # not a daemon: its compiler starts processes of its own
+            process = context.Process(target=run_shard, name=f"devmap-shard-{rank}",
+                                      args=(rank, size, address, settings, limits, log_level, reads))
+            process.start()
+            reads.close()
+            self._pipes.append(writes)
+            self._processes.append(process)
+        self._on_failure = on_failure
+        try:
+            join_group(0, size, address)
+        except BaseException:
+            self.close()
+            raise
+        threading.Thread(target=self._watch, name="devmap-shard-watchdog", daemon=True).start()
+
+    def send(self, *message: Any) -> None:
+        """Every shard process gets `message` (the caller holds `lock` and runs the same call next)."""
+        if self.failure is not None:
+            raise EngineGone(self.failure)
+        for pipe in self._pipes:
+            try:
+                pipe.send(message)
+            except (OSError, EOFError):
+                raise EngineGone(self.failure or "a shard process has ended; restart the service") from None
+
+    def close(self) -> None:
+        """Stop the shard processes (their models freed with them)."""
+        self.failure = self.failure or "the service is shutting down"
+        for pipe in self._pipes:
+            with contextlib.suppress(OSError, EOFError):
+                pipe.send(("stop",))
+        for process in self._processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+
+    def _watch(self) -> None:
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self._processes, start=1)}
+        ready = wait(list(sentinels))
+        if self.failure is not None:  # closing
+            return
+        rank = sentinels[ready[0]]
+        self._processes[rank - 1].join(5)
+        code = self._processes[rank - 1].exitcode
+        self.failure = (f"shard process {rank} of {self.size} ended (exit code {code}): the models split over the "
+                        "GPUs cannot run without it; restart the service")
+        log.error("%s", self.failure)
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+        self._on_failure(self.failure)
+
+
+class SplitRegistry(ModelRegistry):
+    """Rank 0's registry: each load and unload goes to the shard processes too (a load with the serving plan this
+    process chose)."""
+
+    def __init__(self, shards: ShardProcesses, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, tensor_parallel=shards.size, **kwargs)
+        self.shards = shards
+
+    def load(self, path: Path, model_id: str | None = None, device_map: Any = None,
+             max_memory: str | Mapping[Any, Any] | None = None, dtype: str | None = None) -> ResidentModel:
+        with self.shards.lock:  # the shard processes load in step (the warm-up's collectives)
+            self._loading_id = model_id or path.name
+            return super().load(path, model_id, device_map, max_memory, dtype)
+
+    def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> Any:
+        serving = super()._serving_plan(path, device_map, budget, dtype)
+        self.shards.send("load", str(path), self._loading_id, dtype, serving.rows, serving.cache_len, serving.lanes)
+        return serving
+
+    def unload(self, model_id: str, drain: float = 0.0) -> None:
+        super().unload(model_id, drain)  # waits for its batch's end (sent to the shards already)
+        with self.shards.lock:
+            self.shards.send("unload", model_id)
+
+
+class SplitBatches(ModelBatches):
+    """Rank 0's batches: each opening, step, release, collect and end goes to the shard processes first."""
+
+    def __init__(self, limits: EngineLimits, shards: ShardProcesses) -> None:
+        super().__init__(limits)
+        self.shards = shards
+
+    @contextlib.contextmanager
+    def open(self, resident: ResidentModel, shape: BatchShape, sampling: Sampling,
+             scores: int | None) -> Iterator[ContinuousBatch]:
+        with self.shards.lock:
+            self.shards.send("open", resident.id, shape, sampling, scores)
+            opened = super().open(resident, shape, sampling, scores)
+            batch = opened.__enter__()
+        try:
+            yield MirroredBatch(batch, self.shards)  # type: ignore[misc]
+        finally:
+            with self.shards.lock:
+                with contextlib.suppress(EngineGone):
+                    self.shards.send("end")
+                opened.__exit__(None, None, None)
+
+    def prompt_scores(self, resident: ResidentModel, ids: list[int], top: int) -> list[Score | None]:
+        with self.shards.lock:
+            self.shards.send("scores", resident.id, ids, top)
+            return super().prompt_scores(resident, ids, top)
+
+
+class MirroredBatch:
+    """Rank 0's continuous batch with every call that changes it sent to the shard processes first; the rest is the
+    batch's own. Requests go to them as numbers (`_number`), one per request of the batch."""
+
+    def __init__(self, batch: ContinuousBatch, shards: ShardProcesses) -> None:
+        self._batch, self._shards = batch, shards
+        self._numbers: dict[int, tuple[Any, int]] = {}  # id(owner): (owner, its number), owners kept alive
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._batch, name)
+
+    def step(self, joining: list[SlotRequest] | None = None) -> bool:
+        with self._shards.lock:
+            self._shards.send("step", [(r.prompt, r.max_new_tokens, self._number(r.owner)) for r in joining or []])
+            return self._batch.step(joining)
+
+    def release(self, owner: Any) -> None:
+        with self._shards.lock:
+            self._shards.send("release", self._number(owner))
+            self._batch.release(owner)
+
+    def collect(self, everything: bool = False, scored: bool = False) -> list[tuple]:
+        with self._shards.lock:
+            self._shards.send("collect", everything)
+            return self._batch.collect(everything, scored)
+
+    def _number(self, owner: Any) -> int:
+        known = self._numbers.get(id(owner))
+        if known is None:
+            known = self._numbers[id(owner)] = (owner, len(self._numbers))
+        return known[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+

@@ -1,0 +1,92 @@
+"""`devmap serve --tensor-parallel 2` on CPUs (two gloo processes, each holding half of every block): many requests at
+once, some joining while others run, get the greedy answers of the whole model in one process, also for a model
+loaded over HTTP; a shard process that ends makes every request and the health check answer 503 with the reason, and
+leaves no process behind."""
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import devmap
+
+from .conftest import running_server
+
+SENTENCES = ["Hello", "The quick brown fox jumps", "devmap spreads one model", "A pipeline", "0 1 2 3 4 5 6 7"]
+
+
+def whole_model_answers(root, model: str):
+    """devmap.generate of the whole model in this process, greedy, cut at EOS, as text."""
+    loaded = devmap.load(str(root / model), "cpu", dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(str(root / model), local_files_only=True)
+
+    def answer(prompt: str, new: int) -> str:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        tokens = devmap.generate(loaded, torch.tensor([ids]), max_new_tokens=new, eos_token_id=[2],
+                                 pad_token_id=2)[0, len(ids):].tolist()
+        return tokenizer.decode(tokens[:tokens.index(2)] if 2 in tokens else tokens, skip_special_tokens=True)
+
+    return answer
+
+
+def ask_together(url: str, model: str, requests: list[tuple[str, int]]) -> list[str]:
+    async def ask(http: httpx.AsyncClient, prompt: str, new: int, delay: float) -> str:
+        await asyncio.sleep(delay)  # the later half joins the running batch
+        response = await http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": new,
+                                                             "temperature": 0})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    async def everyone() -> list[str]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            return await asyncio.gather(*(ask(http, p, n, 0.3 * (i >= len(requests) // 2))
+                                          for i, (p, n) in enumerate(requests)))
+
+    return asyncio.run(everyone())
+
+
+def shard_pids(server_pid: int) -> list[int]:
+    """The shard processes: children of the engine core's process (the server's spawned child)."""
+    def spawned(pid: int) -> list[int]:
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+        return [int(c) for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+
+    core = spawned(server_pid)[0]
+    return spawned(core)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the shard processes through /proc")
+def test_a_split_service_answers_as_the_whole_model_and_a_lost_shard_gives_503(model_root):
+    requests = [(SENTENCES[i % len(SENTENCES)] + " " * (i // len(SENTENCES)), 4 + (5 * i) % 13) for i in range(12)]
+    with running_server(model_root, "--tensor-parallel", "2", "--max-tokens", "32") as (url, process):
+        answers = ask_together(url, "tiny", requests)
+        reference = whole_model_answers(model_root, "tiny")
+        assert answers == [reference(p, n) for p, n in requests]
+        loaded = httpx.post(url + "/v1/models/load", json={"model": "second"}, timeout=120)
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["plan"]["tensor_parallel"]["size"] == 2
+        second = whole_model_answers(model_root, "second")
+        assert ask_together(url, "second", requests[:6]) == [second(p, n) for p, n in requests[:6]]
+        assert httpx.delete(url + "/v1/models/second", timeout=60).status_code == 200
+
+        shards = shard_pids(process.pid)
+        assert len(shards) == 1
+        os.kill(shards[0], signal.SIGKILL)
+        for _ in range(100):
+            answer = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                                timeout=30)
+            if answer.status_code != 200:
+                break
+            time.sleep(0.1)
+        assert answer.status_code == 503 and "shard process 1 of 2 ended" in answer.json()["error"]["message"]
+        health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 503 and "restart the service" in health.json()["error"]["message"]
+        assert process.poll() is None  # the API still answers
+        assert not open(f"/proc/{process.pid}/task/{process.pid}/children").read().split() or all(
+            b"resource_tracker" in open(f"/proc/{c}/cmdline", "rb").read()
+            for c in open(f"/proc/{process.pid}/task/{process.pid}/children").read().split())
