@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 from ..compat import attention_function, own_forward, torchao_int8_parts, torchao_int8_weight
+from ..loading.tensor_layers import RowParallelLinear
 from .four_bit_linear import FourBitLinear, own_four_bit_linears
 from .four_bit_layout import FourBitWeight
 from .four_bit_products import four_bit_product
@@ -218,6 +220,7 @@ class JoinedLayer:
     out: Product
     gate_up: Product
     down: Product
+    group: Any = None  # a tensor-parallel shard's process group: `out` and `down` give partial sums over it
 
     @classmethod
     def of(cls, layer: nn.Module, model_type: str | None) -> JoinedLayer | None:
@@ -229,10 +232,10 @@ class JoinedLayer:
             return None
         attention, mlp = layer.self_attn, layer.mlp
         products = [Product.of(g) for g in (groups[0], (attention.o_proj,), groups[1], (mlp.down_proj,))]
-        if any(p is None for p in products) or any(type(m) not in (nn.Linear, FourBitLinear)
+        if any(p is None for p in products) or any(type(m) not in (nn.Linear, FourBitLinear, RowParallelLinear)
                                                    for m in (attention.o_proj, mlp.down_proj)):
             return None
-        return cls(layer, *products)
+        return cls(layer, *products, group=getattr(attention.o_proj, "group", None))
 
     def __call__(self, hidden: torch.Tensor, cache: Any, context: dict[str, Any]) -> torch.Tensor:
         """The layer's forward as transformers' `LlamaDecoderLayer` computes it, with two products for its five
@@ -249,10 +252,16 @@ class JoinedLayer:
             key, value = cache.update(key, value, attention.layer_idx)
         out, _ = attention_function(attention.config)(attention, query, key, value, context["attention_mask"],
                                                       dropout=0.0, scaling=attention.scaling)
-        hidden = hidden + self.out(out.reshape(*normed.shape[:-1], -1).contiguous())
+        out = self.out(out.reshape(*normed.shape[:-1], -1).contiguous())
+        if self.group is not None:  # the shards' partial sums, added up
+            dist.all_reduce(out, group=self.group)
+        hidden = hidden + out
         normed = own_forward(layer.post_attention_layernorm)(hidden)
         gate, up = self.gate_up.split(normed)
-        return hidden + self.down(mlp.act_fn(gate) * up)
+        down = self.down(mlp.act_fn(gate) * up)
+        if self.group is not None:
+            dist.all_reduce(down, group=self.group)
+        return hidden + down
 
     def mixed(self, hidden: torch.Tensor, rows: int, caches: tuple[Any, Any],
               contexts: tuple[dict[str, Any], dict[str, Any]]) -> torch.Tensor:
@@ -274,10 +283,16 @@ class JoinedLayer:
             out, _ = attention_function(attention.config)(attention, query, key, value, context["attention_mask"],
                                                           dropout=0.0, scaling=attention.scaling)
             outs.append(out.reshape(-1, out.shape[-2] * out.shape[-1]))
-        hidden = hidden + self.out(torch.cat(outs))
+        out = self.out(torch.cat(outs))
+        if self.group is not None:  # the shards' partial sums, added up
+            dist.all_reduce(out, group=self.group)
+        hidden = hidden + out
         normed = own_forward(layer.post_attention_layernorm)(hidden)
         gate, up = self.gate_up.split(normed)
-        return hidden + self.down(mlp.act_fn(gate) * up)
+        down = self.down(mlp.act_fn(gate) * up)
+        if self.group is not None:
+            dist.all_reduce(down, group=self.group)
+        return hidden + down
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

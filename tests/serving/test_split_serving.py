@@ -61,9 +61,10 @@ def shard_pids(server_pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the shard processes through /proc")
-def test_a_split_service_answers_as_the_whole_model_and_a_lost_shard_gives_503(model_root):
+@pytest.mark.parametrize("joining", ["--no-ride", "--ride"])
+def test_a_split_service_answers_as_the_whole_model_and_a_lost_shard_gives_503(model_root, joining):
     requests = [(SENTENCES[i % len(SENTENCES)] + " " * (i // len(SENTENCES)), 4 + (5 * i) % 13) for i in range(12)]
-    with running_server(model_root, "--tensor-parallel", "2", "--max-tokens", "32") as (url, process):
+    with running_server(model_root, "--tensor-parallel", "2", "--max-tokens", "32", joining) as (url, process):
         answers = ask_together(url, "tiny", requests)
         reference = whole_model_answers(model_root, "tiny")
         assert answers == [reference(p, n) for p, n in requests]
