@@ -20,9 +20,9 @@ from .conftest import running_server
 SENTENCES = ["Hello", "The quick brown fox jumps", "devmap spreads one model", "A pipeline", "0 1 2 3 4 5 6 7"]
 
 
-def whole_model_answers(root, model: str):
-    """devmap.generate of the whole model in this process, greedy, cut at EOS, as text."""
-    loaded = devmap.load(str(root / model), "cpu", dtype="float32")
+def whole_model_answers(root, model: str, device="cpu"):
+    """devmap.generate of the whole model in this process (on `device`), greedy, cut at EOS, as text."""
+    loaded = devmap.load(str(root / model), device, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(str(root / model), local_files_only=True)
 
     def answer(prompt: str, new: int) -> str:
