@@ -17,8 +17,9 @@ requests' KV cache once at the HBM bandwidth measured on this GPU in the same ru
 the bf16 rate measured the same way: every running request's token and the prompt tokens each round takes in beside
 them (the load's prompt tokens per output token), 2 operations per parameter ("FLOPs").
 `--systems devmap+int8` (+int4, +nf4; +compile, +no-compile; +ride, +no-ride) serves devmap with those flags, its
-floor reading the quantized weights; `devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline
-in the same run).
+floor reading the quantized weights; `devmap+tp` serves each `--gpus` row with `--tensor-parallel` over its GPUs
+(instead of `--devmap-args`' --device-map and --lanes), its floor each GPU reading 1/N of the weights and KV cache;
+`devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline in the same run).
 `--gpus 1,2,4` serves each devmap system on the machine's first 1, 2 and 4 GPUs in turn (CUDA_VISIBLE_DEVICES, the
 same checkpoint), rows named `SYSTEM/NgpuS`, each with its ratio to the same system on one GPU at the same client count;
 such a row's floor knows the pipeline: per round every stage reads its weights once per lane and its lanes' KV cache,
@@ -350,17 +351,39 @@ def decoder_parameters_of(path: Path) -> int:
 def devmap_variant(system: str) -> tuple[list[str], str | None]:
     """`devmap+int8+compile@DIR` → (the extra flags of devmap serve, the --quantize scheme or None): `+int8`,
     `+int4`, `+nf4` serve quantized, `+compile` / `+no-compile` set compiling, `+ride` / `+no-ride` whether joiners
-    ride the decode steps."""
+    ride the decode steps; `+tp` (tensor parallelism over the row's GPUs) is added per row (`split_flags`)."""
     flags, scheme = [], None
     for part in system.split("@", 1)[0].split("+")[1:]:
         if part in ("int8", "int4", "nf4"):
             flags, scheme = [*flags, "--quantize", part], part
         elif part in ("compile", "no-compile", "ride", "no-ride"):
             flags.append(f"--{part}")
-        else:
+        elif part != "tp":
             raise SystemExit(f"unknown variant +{part} in {system!r}: use +int8, +int4, +nf4, +compile, +no-compile, "
-                             "+ride or +no-ride")
+                             "+ride, +no-ride or +tp")
     return flags, scheme
+
+
+def splits(system: str) -> bool:
+    """Whether the system serves with tensor parallelism (`+tp`): every block split over the row's GPUs."""
+    return "tp" in system.split("@", 1)[0].split("+")[1:]
+
+
+def split_flags(system: str, devmap_args: str, gpus: int | None) -> list[str]:
+    """devmap serve's flags for a row: `--devmap-args`, and for a `+tp` system `--tensor-parallel` over the row's GPUs
+    instead of its placement flags (--device-map, --lanes)."""
+    words = devmap_args.split()
+    if not splits(system):
+        return words
+    kept, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in ("--device-map", "--lanes"):
+            skip = True
+        else:
+            kept.append(word)
+    return [*kept, "--tensor-parallel", str(gpus or 1)] if (gpus or 1) > 1 else kept
 
 
 def transformers_scheme(system: str) -> str | None:
@@ -383,14 +406,17 @@ def quantized_copy(model: str, path: Path, scheme: str) -> Path:
 
 
 def floor_seconds(row: dict[str, Any], weights: int, kv_per_token: int, bandwidth: float, new: int, stages: int = 1,
-                  lanes: int = 1, parameters: int = 0, flops: float = 0.0) -> tuple[float, str] | None:
+                  lanes: int = 1, parameters: int = 0, flops: float = 0.0,
+                  split: bool = False) -> tuple[float, str] | None:
     """The least time a decode step (a round of every lane) of this load can take, and what bounds it ("reads" or
     "FLOPs"). Reads, from HBM: each of `stages` GPUs reads its share of the weights once per lane that holds requests
     and its share of every running request's KV cache (mean prompt + half the new tokens); and a lane's step goes
     through every stage one after the other, reading all the weights and its own requests' KV cache. FLOPs, on the
     tensor cores (`flops` per second, `parameters` read per token): every running request's token of the round and
     the prompt tokens the round takes in beside them (the load's prompt tokens per output token), 2 per parameter,
-    spread over the stages the lanes keep busy."""
+    spread over the stages the lanes keep busy. `split` (tensor parallelism over `stages` GPUs): each GPU reads
+    1/`stages` of the weights and the KV cache and does 1/`stages` of the arithmetic every step (all-reduces not
+    counted)."""
     if row.get("mean_prompt_tokens") is None:
         return None
     kv = row["clients"] * (row["mean_prompt_tokens"] + new / 2) * kv_per_token
@@ -398,6 +424,9 @@ def floor_seconds(row: dict[str, Any], weights: int, kv_per_token: int, bandwidt
     out = row.get("mean_new_tokens") or new
     tokens = row["clients"] * (1 + row["mean_prompt_tokens"] / out)
     compute = tokens * 2 * parameters / (min(lanes, stages) * flops) if flops and parameters else 0.0
+    if split:  # every GPU reads its share of the weights and of the KV cache, and does its share of the arithmetic
+        reads = (weights + kv) / (stages * bandwidth)
+        compute = tokens * 2 * parameters / (stages * flops) if flops and parameters else 0.0
     return (reads, "reads") if reads >= compute else (compute, "FLOPs")
 
 
@@ -504,7 +533,7 @@ def main() -> None:
                            "bfloat16", "--log-level", "debug", "--max-queue", "4096",
                            *(["--profile-dir", str(Path(args.out or ".").resolve() / "profiles")]
                              if args.profile_seconds else []),
-                           *args.devmap_args.split(), *variants[system][0],
+                           *split_flags(system, args.devmap_args, gpus), *variants[system][0],
                            *(["--load-format", "dummy"] if dummy else [])]
                 model = path.name
             else:
@@ -538,7 +567,7 @@ def main() -> None:
                     stages = gpus or 1
                     floor = floor_seconds(row, read.get(system, weights), kv_per_token, bandwidth, args.new, stages,
                                           lanes_of(args.devmap_args, stages, clients) if stages > 1 else 1,
-                                          parameters, flops)
+                                          parameters, flops, split=splits(system))
                     rows.setdefault(name, []).append({**row, "cold_start_s": cold,
                                                       "floor_s": floor[0] if floor else None,
                                                       "floor_bound": floor[1] if floor else None,
