@@ -87,6 +87,9 @@ def generate(source: str, device_map: str, max_memory: str | None, dtype: str | 
     if tensor_parallel > 1:
         import torch.distributed as dist
 
+        from devmap.generation.step_cache import release_graphs
+
+        release_graphs(model)  # before the group goes: a captured collective can hang its destruction (pytorch#115388)
         rank = dist.get_rank()
         dist.destroy_process_group()
         if rank != 0:  # every rank has the same tokens: rank 0 reports

@@ -305,4 +305,7 @@ def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level
                 send(("closed",))
             except (OSError, EOFError):
                 pass
+            if shards is not None:  # no destroy_process_group, nor its destructor at exit: after CUDA graphs
+                logging.shutdown()  # captured NCCL collectives it can hang (pytorch#115388)
+                os._exit(0)
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import sys
 from datetime import timedelta
@@ -64,8 +65,6 @@ class ShardRegistry(ModelRegistry):
 def run_shard(rank: int, size: int, address: str, settings: Any, limits: EngineLimits, log_level: str,
               inbox: Connection) -> None:
     """The shard process of `rank`: join the group, then repeat rank 0's calls until it says stop."""
-    import torch.distributed as dist
-
     _end_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
     logging.basicConfig(format=f"%(levelname)s:     %(name)s [shard {rank}]: %(message)s")
@@ -111,8 +110,9 @@ def run_shard(rank: int, size: int, address: str, settings: Any, limits: EngineL
     if opened is not None:
         with contextlib.suppress(Exception):
             opened.__exit__(None, None, None)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
+    logging.shutdown()
+    # no destroy_process_group: after CUDA graphs captured NCCL collectives it can hang (pytorch#115388)
+    os._exit(0)
 
 
 def join_group(rank: int, size: int, address: str) -> None:

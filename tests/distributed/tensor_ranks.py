@@ -32,4 +32,5 @@ def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str) -> None
         "report": model.devmap_load_report.to_dict(),
     }
     torch.save(results, Path(out) / f"rank{rank}.pt")
+    devmap.release_graphs(model)  # before the group goes: a captured collective can hang it (pytorch#115388)
     torch.distributed.destroy_process_group()
