@@ -97,6 +97,7 @@ class ModelRegistry:
             except DevmapError as exc:
                 raise ServiceError(f"cannot load {model_id}: {exc}") from None
             try:
+                self._weights_loaded(model_id)
                 ready = prepare_for_serving(model, path, model_id, self.limits, serving.rows, phases)
             except BaseException:
                 _free(model)
@@ -123,6 +124,10 @@ class ModelRegistry:
                 raise ServiceError(f"model {resident.id!r} is already loaded; unload it first or pick another id",
                                    param="id")
             self._models[resident.id] = resident
+
+    def _weights_loaded(self, model_id: str) -> None:
+        """Between a load's weights and its preparing (compiling, warming up): nothing here (a split registry agrees
+        with its shard processes that every one has its weights, before their warm-ups meet in collectives)."""
 
     def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> ServingPlan:
         """The largest batch the model will run within `budget`: its rows, lanes, cache tokens per row, and plan."""

@@ -39,14 +39,42 @@ class Owner:
         self.number = number
 
 
+class LoadCalledOff(Exception):
+    """Rank 0 or another shard process failed to load its weights: this process's load ends too."""
+
+
 class ShardRegistry(ModelRegistry):
-    """A shard process's registry: each model planned with the rows, cache length and lanes rank 0 chose."""
+    """A shard process's registry: each model planned with the rows, cache length and lanes rank 0 chose; between
+    its weights and its warm-up, every process agrees that all have their weights (`ShardProcesses.agree`)."""
 
     given: tuple[int, int, int] = (1, 1, 1)
+    inbox: Connection
+    replies: Connection
 
     def load_as(self, path: str, model_id: str, dtype: str | None, rows: int, cache_len: int, lanes: int) -> None:
-        self.given = (rows, cache_len, lanes)
-        self.load(Path(path), model_id, dtype=dtype)
+        self.given, self._answered = (rows, cache_len, lanes), False
+        try:
+            self.load(Path(path), model_id, dtype=dtype)
+        except LoadCalledOff:
+            pass
+        except Exception as exc:
+            if not self._answered:  # failed before its weights were in place: say so, and hear the outcome
+                self.replies.send((False, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+                self._outcome()
+            raise
+
+    def _weights_loaded(self, model_id: str) -> None:
+        self._answered = True
+        self.replies.send((True, None))
+        if not self._outcome():
+            raise LoadCalledOff(model_id)
+
+    def _outcome(self) -> bool:
+        """Rank 0's word on whether every process goes on with the load."""
+        message = self.inbox.recv()
+        if message[0] != "go":
+            raise RuntimeError(f"the shard process expected rank 0's word on a load, got {message[0]!r}")
+        return bool(message[1])
 
     def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> ServingPlan:
         from ..loading.tensor_shards import shard_device
@@ -63,7 +91,7 @@ class ShardRegistry(ModelRegistry):
 
 
 def run_shard(rank: int, size: int, address: str, settings: Any, limits: EngineLimits, log_level: str,
-              inbox: Connection) -> None:
+              inbox: Connection, replies: Connection) -> None:
     """The shard process of `rank`: join the group, then repeat rank 0's calls until it says stop."""
     _end_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
@@ -73,6 +101,7 @@ def run_shard(rank: int, size: int, address: str, settings: Any, limits: EngineL
     registry = ShardRegistry(settings.model_root, settings.device_map, settings.max_memory, settings.dtype,
                              quantization=settings.quantization, limits=limits,
                              random_weights=settings.random_weights, tensor_parallel=size)
+    registry.inbox, registry.replies = inbox, replies
     batches = ModelBatches(limits)
     opened: Any = None
     batch: Any = None
@@ -100,6 +129,7 @@ def run_shard(rank: int, size: int, address: str, settings: Any, limits: EngineL
                 batch.release(owners.setdefault(args[0], Owner(args[0])))
             elif kind == "collect":
                 batch.collect(everything=args[0])
+                batch.busy()  # the busy clock's windows, which nobody reads here, let go
             elif kind == "end" and opened is not None:
                 finished, opened, batch = opened, None, None
                 finished.__exit__(None, None, None)

@@ -29,7 +29,7 @@ from ..generation.continuous import ContinuousBatch, SlotRequest
 from ..generation.sampling import Sampling
 from ..generation.scores import Score
 from .batch_run import ModelBatches
-from .errors import EngineGone
+from .errors import EngineGone, ServiceError
 from .limits import EngineLimits
 from .registry import ModelRegistry
 from .resident import ResidentModel
@@ -47,15 +47,18 @@ class ShardProcesses:
         context = multiprocessing.get_context("spawn")
         address = f"tcp://127.0.0.1:{_free_port()}"
         self.size, self.lock, self.failure = size, threading.RLock(), None
-        self._pipes, self._processes = [], []
+        self._pipes, self._replies, self._processes = [], [], []
         for rank in range(1, size):
             reads, writes = context.Pipe(duplex=False)
+            replies, answers = context.Pipe(duplex=False)
             # not a daemon: its compiler starts processes of its own
             process = context.Process(target=run_shard, name=f"devmap-shard-{rank}",
-                                      args=(rank, size, address, settings, limits, log_level, reads))
+                                      args=(rank, size, address, settings, limits, log_level, reads, answers))
             process.start()
             reads.close()
+            answers.close()
             self._pipes.append(writes)
+            self._replies.append(replies)
             self._processes.append(process)
         self._on_failure = on_failure
         try:
@@ -74,6 +77,22 @@ class ShardProcesses:
                 pipe.send(message)
             except (OSError, EOFError):
                 raise EngineGone(self.failure or "a shard process has ended; restart the service") from None
+
+    def agree(self, ready: bool, what: str) -> None:
+        """After this process's part of `what` (`ready`: it went well), every shard process says how its part went;
+        all go on (True sent to them) or none does (False sent, and a ServiceError naming the first that failed)."""
+        failures = []
+        for rank, replies in enumerate(self._replies, start=1):
+            while not replies.poll(1.0):
+                if self.failure is not None:
+                    raise EngineGone(self.failure)
+            ok, reason = replies.recv()
+            if not ok:
+                failures.append(f"shard process {rank}: {reason}")
+        go = ready and not failures
+        self.send("go", go)
+        if failures:
+            raise ServiceError(f"{what} failed on {'; '.join(failures)}")
 
     def close(self) -> None:
         """Stop the shard processes (their models freed with them)."""
@@ -114,13 +133,27 @@ class SplitRegistry(ModelRegistry):
     def load(self, path: Path, model_id: str | None = None, device_map: Any = None,
              max_memory: str | Mapping[Any, Any] | None = None, dtype: str | None = None) -> ResidentModel:
         with self.shards.lock:  # the shard processes load in step (the warm-up's collectives)
-            self._loading_id = model_id or path.name
-            return super().load(path, model_id, device_map, max_memory, dtype)
+            self._loading_id, self._awaiting = model_id or path.name, False
+            try:
+                return super().load(path, model_id, device_map, max_memory, dtype)
+            except BaseException:
+                if self._awaiting:  # this process failed before the shards' weights were agreed on: none goes on
+                    self._awaiting = False
+                    with contextlib.suppress(ServiceError):
+                        self.shards.agree(False, f"loading {self._loading_id}")
+                raise
 
     def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> Any:
         serving = super()._serving_plan(path, device_map, budget, dtype)
         self.shards.send("load", str(path), self._loading_id, dtype, serving.rows, serving.cache_len, serving.lanes)
+        self._awaiting = True
         return serving
+
+    def _weights_loaded(self, model_id: str) -> None:
+        """Every shard process has its weights too, or the load ends here on every process (none waits in the
+        warm-up's collectives for one that failed)."""
+        self._awaiting = False
+        self.shards.agree(True, f"loading {model_id}")
 
     def unload(self, model_id: str, drain: float = 0.0) -> None:
         super().unload(model_id, drain)  # waits for its batch's end (sent to the shards already)

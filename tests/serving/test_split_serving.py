@@ -60,9 +60,24 @@ def shard_pids(server_pid: int) -> list[int]:
     return spawned(core)
 
 
+@pytest.fixture(scope="module")
+def mismatched(model_root):
+    """A directory whose config's MLP is narrower than its weights (every process's load fails reading them)."""
+    import json
+    import shutil
+
+    path = model_root / "mismatched"
+    if not path.exists():
+        shutil.copytree(model_root / "tiny", path)
+        config = json.loads((path / "config.json").read_text())
+        config["intermediate_size"] = 96
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the shard processes through /proc")
 @pytest.mark.parametrize("joining", ["--no-ride", "--ride"])
-def test_a_split_service_answers_as_the_whole_model_and_a_lost_shard_gives_503(model_root, joining):
+def test_a_split_service_answers_as_the_whole_model_and_a_lost_shard_gives_503(model_root, mismatched, joining):
     requests = [(SENTENCES[i % len(SENTENCES)] + " " * (i // len(SENTENCES)), 4 + (5 * i) % 13) for i in range(12)]
     with running_server(model_root, "--tensor-parallel", "2", "--max-tokens", "32", joining) as (url, process):
         answers = ask_together(url, "tiny", requests)
@@ -74,6 +89,10 @@ def test_a_split_service_answers_as_the_whole_model_and_a_lost_shard_gives_503(m
         second = whole_model_answers(model_root, "second")
         assert ask_together(url, "second", requests[:6]) == [second(p, n) for p, n in requests[:6]]
         assert httpx.delete(url + "/v1/models/second", timeout=60).status_code == 200
+        # weights that do not fit their config fail on every process: the load ends everywhere, the service goes on
+        refused = httpx.post(url + "/v1/models/load", json={"model": "mismatched"}, timeout=120)
+        assert refused.status_code in (400, 409) and "mismatched" in refused.json()["error"]["message"]
+        assert ask_together(url, "tiny", requests[:3]) == answers[:3]
 
         shards = shard_pids(process.pid)
         assert len(shards) == 1
