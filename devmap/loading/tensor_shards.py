@@ -48,7 +48,13 @@ def tensor_group(size: int) -> tuple[int, Any]:
         if not all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
             raise UsageError(f"tensor_parallel={size} runs one process per GPU: start {size} of them with "
                              f"`torchrun --nproc-per-node {size}`")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():  # NCCL's communicator on this process's own GPU, not on GPU 0
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+                                  % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     world = dist.get_world_size()
     if world != size:
         raise UsageError(f"tensor_parallel={size} splits the model over {size} processes, but {world} were started: "
