@@ -151,8 +151,10 @@ def join_group(rank: int, size: int, address: str) -> None:
 
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=address, rank=rank,
-                            world_size=size, timeout=GROUP_TIMEOUT)
+        dist.init_process_group("nccl", init_method=address, rank=rank, world_size=size, timeout=GROUP_TIMEOUT,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=size, timeout=GROUP_TIMEOUT)
 
 
 def _end_with_parent() -> None:
