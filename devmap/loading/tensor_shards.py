@@ -49,6 +49,7 @@ def tensor_group(size: int) -> tuple[int, Any]:
             raise UsageError(f"tensor_parallel={size} runs one process per GPU: start {size} of them with "
                              f"`torchrun --nproc-per-node {size}`")
         if torch.cuda.is_available():  # NCCL's communicator on this process's own GPU, not on GPU 0
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # see shard_worker.join_group
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
                                   % torch.cuda.device_count())
             torch.cuda.set_device(device)

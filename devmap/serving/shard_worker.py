@@ -150,6 +150,9 @@ def join_group(rank: int, size: int, address: str) -> None:
     import torch.distributed as dist
 
     if torch.cuda.is_available():
+        # NVLink multicast (NVLS) stays off unless asked for: on GPUs shared with other jobs a program using it can put
+        # them out of service; devmap's all-reduces are small
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=address, rank=rank, world_size=size, timeout=GROUP_TIMEOUT,
                                 device_id=torch.device("cuda", rank))
