@@ -132,6 +132,9 @@ class SplitRegistry(ModelRegistry):
 
     def load(self, path: Path, model_id: str | None = None, device_map: Any = None,
              max_memory: str | Mapping[Any, Any] | None = None, dtype: str | None = None) -> ResidentModel:
+        if device_map is not None:
+            raise ServiceError(f"this service splits every model over {self.shards.size} GPUs, one shard on each: "
+                               "leave device_map out", param="device_map")
         with self.shards.lock:  # the shard processes load in step (the warm-up's collectives)
             self._loading_id, self._awaiting = model_id or path.name, False
             try:

@@ -89,6 +89,8 @@ def test_a_split_service_answers_as_the_whole_model_and_a_lost_shard_gives_503(m
         second = whole_model_answers(model_root, "second")
         assert ask_together(url, "second", requests[:6]) == [second(p, n) for p, n in requests[:6]]
         assert httpx.delete(url + "/v1/models/second", timeout=60).status_code == 200
+        placed = httpx.post(url + "/v1/models/load", json={"model": "second", "device_map": "balanced"}, timeout=60)
+        assert placed.status_code == 400 and "leave device_map out" in placed.json()["error"]["message"]
         # weights that do not fit their config fail on every process: the load ends everywhere, the service goes on
         refused = httpx.post(url + "/v1/models/load", json={"model": "mismatched"}, timeout=120)
         assert refused.status_code in (400, 409) and "mismatched" in refused.json()["error"]["message"]
