@@ -112,6 +112,11 @@ class CausalLMStages:
     def devices(self) -> list[torch.device]:
         return [s.device for s in self.stages]
 
+    def captures(self, stage: int) -> bool:
+        """Whether the stage's steps can be captured as CUDA graphs: all its work on its own device (work on another
+        device would run once during the capture and never on replay; a copy across devices cannot be captured)."""
+        return not self.other_devices(stage)
+
     def other_devices(self, stage: int) -> list[torch.device]:
         """The devices besides its own that stage `stage`'s work runs on: the embedding's for the first stage, the
         final norm's and the head's for the last (tied embeddings put lm_head on the first GPU)."""
@@ -243,10 +248,6 @@ class CausalLMStages:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head (logits in the model's dtype, as transformers returns them)."""
         return own_forward(self.model.lm_head)(self.final_norm(hidden))
-
-    def head_is_on(self, device: torch.device) -> bool:
-        """The final norm and lm_head both live on `device` (a step ending in the head never changes device)."""
-        return self.norm_device == self.head_device == device
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm on its own device, its output on the head's."""

@@ -74,9 +74,9 @@ class LaneDecode:
         """Stage j's decode step reading `static_in` and `inputs` (a lane's, or its first rows'). Compiled, every
         step runs the same compiled regions (`devmap.generation.compiled`): the sizes marked here vary freely."""
         stage = self.s.stages[j]
-        # the last stage's step ends in the head: a copy to another device can't be captured (and a failed
-        # capture leaves the graph pool unusable), so that step stays eager when the head lives elsewhere
-        graphed = self.run.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
+        # a step touching another device (the head of the last stage, the embedding of the first, living elsewhere)
+        # can't be captured (and a failed capture leaves the graph pool unusable): it stays eager
+        graphed = self.run.graphs and self.s.captures(j)
         pool = cache.pool(stage.device, j) if cache is not None and graphed else None
         capture = self.run.capture_stream(j) if graphed else None
         if self.run.compile and self.run.dynamic:  # one compile for every rows × cache length (generation.compiled)
@@ -106,7 +106,7 @@ class LaneDecode:
     def _mixed_step(self, j: int, lane: Lane, rows: int, width: int, scratch: LaneCache,
                     cache: StepCache | None) -> tuple[GraphedStep, torch.Tensor, torch.Tensor]:
         stage = self.s.stages[j]
-        graphed = self.run.graphs and (j + 1 < len(self.s.stages) or self.s.head_is_on(stage.device))
+        graphed = self.run.graphs and self.s.captures(j)
         pool = cache.pool(stage.device, j) if cache is not None and graphed else None
         inputs = lane.inputs[j].first_rows(rows)  # views for every row count, the lane's own too: one compile
         tokens = lane.steps[0].static_in[:rows].view(-1)  # the rows' tokens (stage 0 reads them)

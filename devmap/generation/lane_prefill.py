@@ -172,6 +172,8 @@ class LanePrefill:
             return self.s.run(j, hidden, context, lane_cache)
 
         body = self.run.compiled_body(body)
-        step = GraphedStep(body, static_in, True, cache.pool(device, j), self.run.capture_stream(j))
+        graphed = j > 0 or self.s.embed_device == device  # an embedding elsewhere: eager (`CausalLMStages.captures`)
+        step = GraphedStep(body, static_in, graphed, cache.pool(device, j) if graphed else None,
+                           self.run.capture_stream(j) if graphed else None)
         return step, static_positions, static_mask
 
