@@ -112,16 +112,18 @@ class CausalLMStages:
     def devices(self) -> list[torch.device]:
         return [s.device for s in self.stages]
 
-    def captures(self, stage: int) -> bool:
-        """Whether the stage's steps can be captured as CUDA graphs: all its work on its own device (work on another
-        device would run once during the capture and never on replay; a copy across devices cannot be captured)."""
-        return not self.other_devices(stage)
+    def captures(self, stage: int, head: bool = True) -> bool:
+        """Whether the stage's steps can be captured as CUDA graphs: all their work on its own device (work on another
+        device would run once during the capture and never on replay; a copy across devices cannot be captured).
+        `head`: whether the last stage's steps end in the head (decode steps do, prefills do not)."""
+        return not self.other_devices(stage, head)
 
-    def other_devices(self, stage: int) -> list[torch.device]:
+    def other_devices(self, stage: int, head: bool = True) -> list[torch.device]:
         """The devices besides its own that stage `stage`'s work runs on: the embedding's for the first stage, the
-        final norm's and the head's for the last (tied embeddings put lm_head on the first GPU)."""
+        final norm's and the head's for the last (tied embeddings put lm_head on the first GPU); `head` False leaves
+        the head's work out."""
         touched = [self.embed_device] if stage == 0 else []
-        if stage == len(self.stages) - 1:
+        if head and stage == len(self.stages) - 1:
             touched += [self.norm_device, self.head_device]
         own = self.stages[stage].device
         return list(dict.fromkeys(d for d in touched if d != own))

@@ -252,16 +252,10 @@ class JoinedLayer:
             key, value = cache.update(key, value, attention.layer_idx)
         out, _ = attention_function(attention.config)(attention, query, key, value, context["attention_mask"],
                                                       dropout=0.0, scaling=attention.scaling)
-        out = self.out(out.reshape(*normed.shape[:-1], -1).contiguous())
-        if self.group is not None:  # the shards' partial sums, added up
-            dist.all_reduce(out, group=self.group)
-        hidden = hidden + out
+        hidden = hidden + self._summed(self.out(out.reshape(*normed.shape[:-1], -1).contiguous()))
         normed = own_forward(layer.post_attention_layernorm)(hidden)
         gate, up = self.gate_up.split(normed)
-        down = self.down(mlp.act_fn(gate) * up)
-        if self.group is not None:
-            dist.all_reduce(down, group=self.group)
-        return hidden + down
+        return hidden + self._summed(self.down(mlp.act_fn(gate) * up))
 
     def mixed(self, hidden: torch.Tensor, rows: int, caches: tuple[Any, Any],
               contexts: tuple[dict[str, Any], dict[str, Any]]) -> torch.Tensor:
@@ -283,16 +277,16 @@ class JoinedLayer:
             out, _ = attention_function(attention.config)(attention, query, key, value, context["attention_mask"],
                                                           dropout=0.0, scaling=attention.scaling)
             outs.append(out.reshape(-1, out.shape[-2] * out.shape[-1]))
-        out = self.out(torch.cat(outs))
-        if self.group is not None:  # the shards' partial sums, added up
-            dist.all_reduce(out, group=self.group)
-        hidden = hidden + out
+        hidden = hidden + self._summed(self.out(torch.cat(outs)))
         normed = own_forward(layer.post_attention_layernorm)(hidden)
         gate, up = self.gate_up.split(normed)
-        down = self.down(mlp.act_fn(gate) * up)
+        return hidden + self._summed(self.down(mlp.act_fn(gate) * up))
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product's output: on a tensor-parallel shard its partial sum, added up over the group."""
         if self.group is not None:
-            dist.all_reduce(down, group=self.group)
-        return hidden + down
+            dist.all_reduce(partial, group=self.group)
+        return partial
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

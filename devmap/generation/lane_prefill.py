@@ -172,7 +172,7 @@ class LanePrefill:
             return self.s.run(j, hidden, context, lane_cache)
 
         body = self.run.compiled_body(body)
-        graphed = j > 0 or self.s.embed_device == device  # an embedding elsewhere: eager (`CausalLMStages.captures`)
+        graphed = self.s.captures(j, head=False)  # a prompt's prefill ends before the head
         step = GraphedStep(body, static_in, graphed, cache.pool(device, j) if graphed else None,
                            self.run.capture_stream(j) if graphed else None)
         return step, static_positions, static_mask

@@ -94,8 +94,13 @@ class LaneStreams:
             yield None
             return
         stream = self.streams.get(kind, j, device)
+        spills = self._spill_streams(j, kind, stream)
+        if not spills:  # nearly every call: all the stage's work on its own device
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                yield stream
+            return
         with contextlib.ExitStack() as scope:
-            for other in self._spill_streams(j, kind, stream):  # first: entering a stream's context sets its device
+            for other in spills:  # first: entering a stream's context sets its device
                 check_delay(other)  # under DEVMAP_STREAM_CHECK, a reader that does not wait for it reads stale data
                 scope.enter_context(torch.cuda.stream(other))
             scope.enter_context(torch.cuda.device(device))
