@@ -120,9 +120,7 @@ def _check_split(model_source, size: int, device_map: str, max_memory: str | Non
     """Refuse, before any process starts, a split the model does not allow or options that place whole blocks."""
     from devmap.planning.tensor_parallel import check_split
 
-    if not model_source.is_causal_lm:
-        raise click.UsageError(f"--tensor-parallel splits LLaMA-family models; {model_source.name} is not one")
-    check_split(model_source.config, size, model_source.name)
+    check_split(model_source, size)
     placing = [flag for flag, value in (("--device-map", device_map != "auto"), ("--max-memory", max_memory),
                                         ("--quantize", quantize)) if value]
     if placing:

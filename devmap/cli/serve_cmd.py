@@ -171,7 +171,4 @@ def _check_splits(model_dirs: tuple[str, ...], size: int) -> None:
     if gpus and gpus < size:
         raise click.UsageError(f"--tensor-parallel {size} runs one process per GPU, and {gpus} are visible")
     for directory in model_dirs:
-        source = resolve_source(directory)
-        if not source.is_causal_lm:
-            raise click.UsageError(f"--tensor-parallel splits LLaMA-family models; {source.name} is not one")
-        check_split(source.config, size, source.name)
+        check_split(resolve_source(directory), size)

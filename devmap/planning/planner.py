@@ -20,7 +20,7 @@ from .placement import DeviceMap, kept_precision, module_sizes, place, usage, wi
 from .contiguous import contiguous_split
 from .runtime_memory import runtime_by_unit
 from .runtime_room import DeviceRuntime, by_device, gpu_limits_with_room, held_extras, transient_room
-from .tensor_parallel import TensorSplit, check_split, group_budget, local_config
+from .tensor_parallel import TensorSplit, group_budget, shard_source
 from .workload import Workload
 from .quantization import (Quantization, check_placement, extra_bytes, quantized_weights, resolve_quantization,
                            special_dtypes)
@@ -71,12 +71,8 @@ def _split_plan(model_source: ModelSource, size: int, device_map: DeviceMapSpec,
                 no_split: list[str] | None, quantization: Quantization | None, workload: Workload | None) -> Plan:
     """`plan` with tensor parallelism: the model one GPU of a group holds (`local_config`) planned over one budget per
     group, then spread over every GPU of each group."""
-    if not model_source.is_causal_lm:
-        raise UsageError(f"tensor parallelism splits LLaMA-family language models; {model_source.name} is not one: "
-                         "plan it without --tensor-parallel")
-    vocab = check_split(model_source.config, size, model_source.name)
+    local, vocab = shard_source(model_source, size)
     groups_budget, groups = group_budget(budget, size)
-    local = replace(model_source, config=local_config(model_source.config, size, vocab))
     plan_of_one = plan_model(local.build("meta"), local, device_map, groups_budget, dtype, no_split, quantization,
                              workload)
     return _spread(plan_of_one, TensorSplit(size, groups, vocab), budget)
@@ -89,10 +85,7 @@ def plan_shard(source: Union[str, Path], size: int, device: DeviceKey,
     whole on `device` within its budget (from `max_memory`, else the machine's), with room for `workload` (what
     that process's model runs: its own KV heads). Every process of the split holds a shard of the same size."""
     model_source = resolve_source(source)
-    if not model_source.is_causal_lm:
-        raise UsageError(f"tensor parallelism splits LLaMA-family language models; {model_source.name} is not one")
-    vocab = check_split(model_source.config, size, model_source.name)
-    local = replace(model_source, config=local_config(model_source.config, size, vocab))
+    local, vocab = shard_source(model_source, size)
     torch_dtype = parse_dtype(dtype) or model_source.default_dtype
     budget = resolve_budget(max_memory)
     if device not in budget.limits:

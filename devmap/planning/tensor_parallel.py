@@ -66,16 +66,18 @@ class TensorSplit:
         return {"size": self.size, "groups": [list(g) for g in self.groups], "vocab_split": self.vocab}
 
 
-def check_split(config: Any, size: int, name: str) -> bool:
-    """Refuse, in one line, a model `size` does not split: not LLaMA-family, or heads, KV heads or the MLP's
-    intermediate size not divisible by `size`. Returns whether the vocabulary splits too."""
+def check_split(source: Any, size: int) -> bool:
+    """Refuse, in one line, a model (`source`, a resolved ModelSource) that `size` does not split: not a LLaMA-family
+    language model, or heads, KV heads or the MLP's intermediate size not divisible by `size`. Returns whether the
+    vocabulary splits too."""
+    config, name = (source.config if source.is_causal_lm else None), source.name
     fields = ("num_attention_heads", "intermediate_size", "hidden_size")
     if config is None or any(not isinstance(getattr(config, f, None), int) for f in fields):
         raise UsageError(f"tensor parallelism splits LLaMA-family language models (attention heads and an MLP); "
-                         f"{name} is not one: plan it without --tensor-parallel")
+                         f"{name} is not one: run it without tensor parallelism")
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise UsageError(f"{name} has biases on its projections, which devmap's tensor parallelism does not split: "
-                         "plan it without --tensor-parallel")
+                         "run it without tensor parallelism")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     sizes = {"attention heads": heads, "KV heads": kv_heads, "MLP intermediate size": config.intermediate_size}
@@ -100,6 +102,15 @@ def local_config(config: Any, size: int, vocab: bool) -> Any:
     if vocab:
         local.vocab_size = config.vocab_size // size
     return local
+
+
+def shard_source(source: Any, size: int) -> tuple[Any, bool]:
+    """The source (a ModelSource) of the model one GPU of a split of `size` holds, and whether its vocabulary is
+    split: `check_split`, then `local_config`."""
+    from dataclasses import replace
+
+    vocab = check_split(source, size)
+    return replace(source, config=local_config(source.config, size, vocab)), vocab
 
 
 def group_budget(budget: Budget, size: int) -> tuple[Budget, tuple[tuple[int, ...], ...]]:
