@@ -69,3 +69,21 @@ def running_server(root: Path, *extra: str, max_memory: str | None = "cpu=2GB"):
 def server(model_root):
     with running_server(model_root, "--max-tokens", "64", "--max-prompt-tokens", "200") as (url, _):
         yield url
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The children of process `pid` that multiprocessing spawned (Linux /proc): a server's engine core, a split
+    engine core's shard processes."""
+    children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    return [int(c) for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+
+
+def first_refusal(url: str, tries: int = 100) -> httpx.Response:
+    """Completion requests until one is not answered 200 (a service noticing the loss of a process): that answer."""
+    for _ in range(tries):
+        answer = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                            timeout=30)
+        if answer.status_code != 200:
+            return answer
+        time.sleep(0.1)
+    return answer

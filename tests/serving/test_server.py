@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 import devmap
 from devmap.cli import main
 
-from .conftest import running_server
+from .conftest import first_refusal, running_server, spawned_children
 
 
 @pytest.fixture(scope="module")
@@ -207,31 +207,17 @@ def test_more_than_four_stop_strings_are_refused_as_openai_does(server):
     assert four.status_code == 200
 
 
-def _engine_core_pid(server_pid: int) -> int:
-    """The engine core's process: the server's child that multiprocessing spawned."""
-    children = open(f"/proc/{server_pid}/task/{server_pid}/children").read().split()
-    for child in children:
-        if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read():
-            return int(child)
-    raise AssertionError(f"no engine core process among {children}")
-
-
 def test_the_engine_core_runs_in_its_own_process_and_its_death_gives_503_not_a_hang(model_root):
     """The models and the batching loop live in a spawned process; if it dies (killed, out of memory), open
     requests and every later one get 503 at once, and the health check says so."""
     import os
 
     with running_server(model_root) as (url, process):
-        core = _engine_core_pid(process.pid)
+        core = spawned_children(process.pid)[0]
         assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
                           timeout=30).status_code == 200
         os.kill(core, signal.SIGKILL)
-        for _ in range(100):  # the API notices the pipe close at once
-            answer = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
-                                timeout=30)
-            if answer.status_code != 200:
-                break
-            time.sleep(0.1)
+        answer = first_refusal(url)  # the API notices the pipe close at once
         assert answer.status_code == 503 and "engine core" in answer.json()["error"]["message"]
         assert httpx.get(url + "/health", timeout=30).status_code == 503
         assert process.poll() is None  # the API itself still answers

@@ -6,7 +6,6 @@ leaves no process behind."""
 import asyncio
 import os
 import signal
-import time
 
 import httpx
 import pytest
@@ -15,7 +14,7 @@ from transformers import AutoTokenizer
 
 import devmap
 
-from .conftest import running_server
+from .conftest import first_refusal, running_server, spawned_children
 
 SENTENCES = ["Hello", "The quick brown fox jumps", "devmap spreads one model", "A pipeline", "0 1 2 3 4 5 6 7"]
 
@@ -48,16 +47,6 @@ def ask_together(url: str, model: str, requests: list[tuple[str, int]]) -> list[
                                           for i, (p, n) in enumerate(requests)))
 
     return asyncio.run(everyone())
-
-
-def shard_pids(server_pid: int) -> list[int]:
-    """The shard processes: children of the engine core's process (the server's spawned child)."""
-    def spawned(pid: int) -> list[int]:
-        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
-        return [int(c) for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
-
-    core = spawned(server_pid)[0]
-    return spawned(core)
 
 
 @pytest.fixture(scope="module")
@@ -96,19 +85,12 @@ def test_a_split_service_answers_as_the_whole_model_and_a_lost_shard_gives_503(m
         assert refused.status_code in (400, 409) and "mismatched" in refused.json()["error"]["message"]
         assert ask_together(url, "tiny", requests[:3]) == answers[:3]
 
-        shards = shard_pids(process.pid)
+        shards = spawned_children(spawned_children(process.pid)[0])  # the engine core's children
         assert len(shards) == 1
         os.kill(shards[0], signal.SIGKILL)
-        for _ in range(100):
-            answer = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
-                                timeout=30)
-            if answer.status_code != 200:
-                break
-            time.sleep(0.1)
+        answer = first_refusal(url)
         assert answer.status_code == 503 and "shard process 1 of 2 ended" in answer.json()["error"]["message"]
         health = httpx.get(url + "/health", timeout=30)
         assert health.status_code == 503 and "restart the service" in health.json()["error"]["message"]
         assert process.poll() is None  # the API still answers
-        assert not open(f"/proc/{process.pid}/task/{process.pid}/children").read().split() or all(
-            b"resource_tracker" in open(f"/proc/{c}/cmdline", "rb").read()
-            for c in open(f"/proc/{process.pid}/task/{process.pid}/children").read().split())
+        assert not spawned_children(process.pid)  # the engine core and its shard are gone
