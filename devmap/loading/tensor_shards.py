@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UsageError
-from ..planning.devices import device_label
+from ..planning.devices import DeviceKey, device_label
 from ..planning.memory import dtype_name
 from ..planning.models import ModelSource
 from ..planning.planner import Plan, plan_shard
@@ -71,6 +71,12 @@ def shard_device() -> torch.device:
     return torch.device("cuda", local)
 
 
+def shard_device_key() -> DeviceKey:
+    """`shard_device()` as a device key (`devmap.planning.devices`): what this process's shard plan places it on."""
+    device = shard_device()
+    return device.index if device.type == "cuda" else "cpu"
+
+
 def load_shard(model_source: ModelSource, size: int, dtype: torch.dtype, checkpoint: Path | None, *,
                plan: Plan | None = None, workload: Workload | None = None, allow_pickle: bool = False, seed: int = 0,
                workers: int | None = None, progress: Callable[[int], None] | None = None) -> nn.Module:
@@ -79,8 +85,7 @@ def load_shard(model_source: ModelSource, size: int, dtype: torch.dtype, checkpo
     (`devmap.planning.planner.plan_shard`, on this process's device), else planned here with room for `workload`."""
     start = time.perf_counter()
     rank, group = tensor_group(size)
-    device = shard_device()
-    key = device.index if device.type == "cuda" else "cpu"
+    device, key = shard_device(), shard_device_key()
     if plan is None:
         plan = plan_shard(model_source.path or model_source.name, size, key, dtype=dtype, workload=workload)
     elif set(plan.device_map.values()) != {key}:

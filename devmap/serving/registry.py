@@ -136,10 +136,9 @@ class ModelRegistry:
         from .load_plan import plan_serving
 
         if self.tensor_parallel > 1:  # this process's shard, whole on its device
-            from ..loading.tensor_shards import shard_device
+            from ..loading.tensor_shards import shard_device_key
 
-            device = shard_device()
-            key = device.index if device.type == "cuda" else "cpu"
+            key = shard_device_key()
             return plan_serving(resolve_source(str(path)), self.limits, lambda workload: plan_shard(
                 str(path), self.tensor_parallel, key, budget, dtype, workload))
         return plan_serving(resolve_source(str(path)), self.limits, lambda workload: plan(

@@ -77,14 +77,13 @@ class ShardRegistry(ModelRegistry):
         return bool(message[1])
 
     def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> ServingPlan:
-        from ..loading.tensor_shards import shard_device
+        from ..loading.tensor_shards import shard_device_key
         from ..planning.models import resolve_source
         from ..planning.planner import plan_shard
 
         rows, cache_len, lanes = self.given
         context = int(getattr(resolve_source(str(path)).config, "max_position_embeddings", 0) or 0)
-        device = shard_device()
-        key = device.index if device.type == "cuda" else "cpu"
+        key = shard_device_key()
         plan = plan_shard(str(path), self.tensor_parallel, key, budget, dtype,
                           serving_workload(context, rows, cache_len, lanes))
         return ServingPlan(rows, cache_len, plan, lanes)
