@@ -204,6 +204,53 @@ def test_bitsandbytes_four_bit_comes_apart_into_levels_absmax_and_its_table(nest
     assert compat.bitsandbytes_four_bit_levels(torch.ones(2, 2, device="cuda")) is None
 
 
+def test_dropping_blas_workspaces_needs_no_gpu():
+    with compat.own_blas_workspace():  # torch's private binding exists, and does nothing harmful without CUDA
+        assert torch.ones(2, 3) @ torch.ones(3, 2) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
+def test_a_captured_product_keeps_its_workspace_from_its_capture_streams_next_uses():
+    # cuBLAS keeps one workspace per stream and a graph the one of the stream it was captured on. Without
+    # own_blas_workspace, destroying another graph captured on that stream frees it, and the stream's next eager
+    # products (torch's stream pool hands streams out again) write it while the graph replays on another stream.
+    torch.backends.cuda.matmul.allow_tf32 = False  # restored by conftest's _float32_products
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 1 << 16, device="cuda"), torch.randn(1 << 16, 16, device="cuda")  # split-K: a workspace
+    x, y = torch.randn_like(a), torch.randn_like(b)
+    expected = a @ b
+    capture, replay = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def captured(product):
+        graph = torch.cuda.CUDAGraph()
+        capture.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(capture):
+            product()  # eager first: the stream's own workspace exists before the capture
+            with compat.own_blas_workspace():
+                compat.begin_capture(graph, compat.graph_pool())
+                out = product()
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(capture)
+        return graph, out
+
+    other, _ = captured(lambda: x @ y)
+    graph, out = captured(lambda: a @ b)
+    del other
+    results = []
+    replay.wait_stream(torch.cuda.current_stream())
+    for _ in range(200):
+        with torch.cuda.stream(replay):
+            graph.replay()
+            results.append(out.clone())
+        with torch.cuda.stream(capture):  # the capture stream in its next role, at the same time
+            for _ in range(4):
+                x @ y
+    torch.cuda.synchronize()
+    for result in results:
+        torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
 def test_graph_pool_capture_and_sleep_on_a_gpu():

@@ -14,6 +14,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `dynamic_dims`: `torch._dynamo.maybe_mark_dynamic` (its `_dynamo_weak_dynamic_indices` mark) | torch | a continuous batch's decode step compiled once for its rows and cache length only (every size symbolic took minutes to compile) | 2.11, 2.14 |
 | `distinct_sizes`: `torch.fx.experimental._config.use_duck_shape` (set directly) | torch | a dynamic decode step must not tie its rows to an equal-sized dimension of the weights (4 rows per lane, 4 KV heads), which specializes them and recompiles per batch shape | 2.11, 2.14 |
 | `graph_pool`, `begin_capture`: `graph_pool_handle`, `CUDAGraph.capture_begin(capture_error_mode=)` | torch | steps of one stream share a pool; captures don't sync the device | 2.11, 2.14 |
+| `own_blas_workspace`: `torch._C._cuda_clearCublasWorkspaces` | torch | cuBLAS keeps one workspace per (handle, stream) and a captured graph keeps the one of the stream it was captured on: pooled streams come back in other roles, so an eager product there (or a graph destroyed there) would share or free a replaying graph's scratch memory (what torch's own CUDA-graph trees clear around each capture too) | 2.11, 2.14 |
 | `gpu_sleep`: `torch.cuda._sleep` | torch | DEVMAP_STREAM_CHECK's delays on hand-off streams | 2.11, 2.14 |
 | `foreach_add_`, `foreach_zero_`, `foreach_copies`: `torch._foreach_*` | torch | gradient sums in one fused launch per group | 2.11, 2.14 |
 | `pipeline_stage_fixed`: `PipelineStage._shape_inference`, `_get_init_p2p_neighbors_ops` | torch | torch 2.11's shape inference moves BatchNorm statistics, and its start-up handshake sends to its own rank when a V schedule puts neighbouring stages on one rank (gloo refuses: "Pair is not connected") | 2.11, 2.14 |
@@ -214,6 +215,20 @@ def begin_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
     """Start capturing into `graph` on the current stream (into `pool`), with no device sync, garbage collection or
     emptied allocator first; "thread_local": another thread's CUDA calls (a load beside a capture) do no harm."""
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+
+
+@contextlib.contextmanager
+def own_blas_workspace() -> Iterator[None]:
+    """A capture with a cuBLAS / cuBLASLt workspace of its own: every stream's cached workspace is dropped before
+    (the capture's first product allocates one in the graph's pool, where only captures of that pool, which never
+    replay at the same time, can reuse it) and after (the capture stream, handed out again by torch's stream pool,
+    must not keep writing the graph's workspace eagerly, nor free it with a graph of its next role). Eager streams
+    simply allocate a new workspace on their next product."""
+    torch._C._cuda_clearCublasWorkspaces()
+    try:
+        yield
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
 
 
 def gpu_sleep(cycles: int) -> None:  # the current stream busy for about `cycles` GPU clock cycles, no data changed

@@ -4,7 +4,9 @@ A stage of a LLaMA-style model is hundreds of kernels issued from transformers' 
 every stage's work spends longer launching them than the GPUs take to run them, at decode sizes and even
 for a 1B model's prefill. Replaying a captured graph issues them as one launch. A step reads fixed
 buffers only (a decode step also advances its cache slot itself), so the same graph serves every token
-or every call. Where capture fails (an operation that syncs with the host, say) the step stays eager.
+or every call. Where capture fails (an operation that syncs with the host, say) the step stays eager. Each capture
+gets a cuBLAS workspace of its own (`compat.own_blas_workspace`): the one its capture stream had would be shared with
+that stream's next, eager, user.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..compat import begin_capture, fail_on_recompile
+from ..compat import begin_capture, fail_on_recompile, own_blas_workspace
 from ..pipelining.streams import check_cycles, poison
 
 
@@ -77,7 +79,7 @@ class GraphedStep:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.stream(side), fail_on_recompile():
+            with torch.cuda.stream(side), fail_on_recompile(), own_blas_workspace():
                 begin_capture(graph, self.pool)
                 try:
                     out = self.body(self.static_in)

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..compat import graph_pool
+from ..compat import graph_pool, own_blas_workspace
 from ..errors import PipelineError
 from .grad_sums import GradSums
 from .weight_grads import CallRecorder, close, deferrable, deferred_parameters, input_half, split_grads, weight_grads
@@ -95,7 +95,7 @@ class StageGraph:
     def capture_forward(self) -> None:
         with torch.cuda.device(self.static_in.device), torch.set_grad_enabled(self.backward):
             # torch.cuda.graph's default capture stream lives on the first device it was used on: pass ours
-            with torch.cuda.graph(self.fwd, pool=self.pool, stream=self.side), self.recorder:
+            with own_blas_workspace(), torch.cuda.graph(self.fwd, pool=self.pool, stream=self.side), self.recorder:
                 self.static_out = self.module(self._input())
 
     def capture_input_half(self) -> None:
@@ -105,8 +105,8 @@ class StageGraph:
         early = [p for p in self.params if id(p) not in deferred]
         self.static_grad_out = torch.zeros_like(self.static_out)
         self.bwd = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.static_in.device), torch.cuda.graph(self.bwd, pool=self.pool, stream=self.side), \
-                _quiet_if_empty():
+        with torch.cuda.device(self.static_in.device), own_blas_workspace(), \
+                torch.cuda.graph(self.bwd, pool=self.pool, stream=self.side), _quiet_if_empty():
             grads_in, early_grads, self.static_out_grads = input_half(
                 self.static_out, self.static_grad_out, self._grad_inputs([]), early, calls)
             self.sums.add_into([(p, g) for p, g in zip(early, early_grads) if g is not None])
@@ -119,7 +119,7 @@ class StageGraph:
         """Capture the deferred weight half, if the input half left one."""
         if self.calls:
             self.wgt = torch.cuda.CUDAGraph()
-            with torch.cuda.device(self.static_in.device), \
+            with torch.cuda.device(self.static_in.device), own_blas_workspace(), \
                     torch.cuda.graph(self.wgt, pool=self.pool, stream=self.side):
                 self.sums.add_into(list(weight_grads(self.calls, self.static_out_grads)))
         self.calls = []
