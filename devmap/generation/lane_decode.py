@@ -52,15 +52,17 @@ class LaneDecode:
         rows = lane.ids.shape[0]
         inputs = []
         for j, stage in enumerate(self.s.stages):
-            lane_cache = LaneCache(rows, max_len, stage.device)
-            layout = self.s.kv_layout(j)
-            if layout is not None:
-                lane_cache.allocate(*layout, self.s.dtype)
-            inputs.append(DecodeInputs(lane_cache, lane.mask, float_mask))
-            if j == 0:
-                static_in = torch.zeros(rows, 1, dtype=torch.long, device=self.s.embed_device)
-            else:
-                static_in = torch.zeros(rows, 1, self.s.config.hidden_size, dtype=self.s.dtype, device=stage.device)
+            with self.run.making(j):  # tokens and hidden states come into them from receive streams
+                lane_cache = LaneCache(rows, max_len, stage.device)
+                layout = self.s.kv_layout(j)
+                if layout is not None:
+                    lane_cache.allocate(*layout, self.s.dtype)
+                inputs.append(DecodeInputs(lane_cache, lane.mask, float_mask))
+                if j == 0:
+                    static_in = torch.zeros(rows, 1, dtype=torch.long, device=self.s.embed_device)
+                else:
+                    static_in = torch.zeros(rows, 1, self.s.config.hidden_size, dtype=self.s.dtype,
+                                            device=stage.device)
             lane.caches.append(lane_cache)
             lane.steps.append(self._decode_step(j, static_in, inputs[-1], cache))
         lane.inputs = inputs
@@ -110,12 +112,14 @@ class LaneDecode:
         pool = cache.pool(stage.device, j) if cache is not None and graphed else None
         inputs = lane.inputs[j].first_rows(rows)  # views for every row count, the lane's own too: one compile
         tokens = lane.steps[0].static_in[:rows].view(-1)  # the rows' tokens (stage 0 reads them)
-        if j == 0:  # stage 0 reads the pack's token ids, later stages the hidden state of the rows and the pack
-            static_in = torch.zeros(width, dtype=torch.long, device=self.s.embed_device)
-        else:
-            static_in = torch.zeros(rows + width, self.s.config.hidden_size, dtype=self.s.dtype, device=stage.device)
-        positions = torch.zeros(1, width, dtype=torch.long, device=stage.device)
-        mask = torch.zeros(1, 1, width, width, dtype=torch.bool, device=stage.device)
+        with self.run.on(j), self.run.making(j):  # made on the stage's stream, which fills them before each step
+            if j == 0:  # stage 0 reads the pack's token ids, later stages the hidden state of the rows and the pack
+                static_in = torch.zeros(width, dtype=torch.long, device=self.s.embed_device)
+            else:
+                static_in = torch.zeros(rows + width, self.s.config.hidden_size, dtype=self.s.dtype,
+                                        device=stage.device)
+            positions = torch.zeros(1, width, dtype=torch.long, device=stage.device)
+            mask = torch.zeros(1, 1, width, width, dtype=torch.bool, device=stage.device)
         if self.run.compile and self.run.dynamic:  # one compile for every rows × pack width × cache length
             for tensor, dims in ((static_in, (0,)), (tokens, (0,)), (positions, (1,)), (mask, (2, 3)),
                                  (inputs.attended, (0, 1)), (inputs.offset, (0,)), (inputs.live, (0,))):

@@ -148,15 +148,16 @@ class LanePrefill:
     def prefill_step(self, j: int, rows: int, length: int, mask: torch.Tensor | None, cache: StepCache,
                      lane_cache: LaneCache | None) -> tuple[GraphedStep, torch.Tensor, torch.Tensor | None]:
         """Stage j's layers over a whole prompt of this shape, reading fixed buffers (ids or hidden state,
-        positions, mask)."""
+        positions, mask), made on the stage's stream (called inside `on(j)`)."""
         stage = self.s.stages[j]
         device = stage.device
-        if j == 0:
-            static_in = torch.zeros(rows, length, dtype=torch.long, device=self.s.embed_device)
-        else:
-            static_in = torch.zeros(rows, length, self.s.config.hidden_size, dtype=self.s.dtype, device=device)
-        static_positions = torch.zeros(rows, length, dtype=torch.long, device=device)
-        static_mask = None if mask is None else torch.zeros(mask.shape, dtype=mask.dtype, device=device)
+        with self.run.making(j):  # the next stage's hand-offs write them from a receive stream
+            if j == 0:
+                static_in = torch.zeros(rows, length, dtype=torch.long, device=self.s.embed_device)
+            else:
+                static_in = torch.zeros(rows, length, self.s.config.hidden_size, dtype=self.s.dtype, device=device)
+            static_positions = torch.zeros(rows, length, dtype=torch.long, device=device)
+            static_mask = None if mask is None else torch.zeros(mask.shape, dtype=mask.dtype, device=device)
         if self.run.compile and self.run.dynamic:  # one compile for every prompt length (a continuous batch's packs)
             dynamic_dims(static_in, (1,))
             dynamic_dims(static_positions, (1,))

@@ -74,14 +74,24 @@ class LaneStreams:
         return stages, self.compile
 
     def start(self) -> None:
-        """Every stage's compute streams, on its own device and the others its work runs on, wait for the caller's
-        work so far (inputs, fresh buffers)."""
+        """Every stream of the call (each stage's compute streams, on its own device and the others its work runs on,
+        and any side stream made before) waits for the caller's work so far (inputs, fresh buffers)."""
         for j, stage in enumerate(self.s.stages):
             if stage.device.type == "cuda":
-                stream = self.streams.get("compute", j, stage.device)
-                stream.wait_stream(torch.cuda.current_stream(stage.device))
-                for other in self._spill_streams(j, "compute", stream):
-                    other.wait_stream(torch.cuda.current_stream(other.device))
+                self._spill_streams(j, "compute", self.streams.get("compute", j, stage.device))
+        self.streams.wait_for_caller()
+
+    @contextlib.contextmanager
+    def making(self, j: int) -> Iterator[None]:
+        """Fixed buffers of stage j made inside, on its device's current stream (stage j's, inside `on(j)`): the call's
+        other streams of that device, from which hand-offs write them, wait for them after. Under DEVMAP_STREAM_CHECK
+        that stream sleeps first, so a writer that does not wait has its write overwritten by the buffer's zeros."""
+        device = self.s.stages[j].device
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        check_delay(stream)
+        yield
+        if stream is not None:
+            self.streams.settle(stream)
 
     @contextlib.contextmanager
     def on(self, j: int, kind: str = "compute") -> Iterator[Any]:
@@ -117,16 +127,14 @@ class LaneStreams:
         return record_event(stream)
 
     def _spill_streams(self, j: int, kind: str, stream: Any) -> list[Any]:
-        """Stage j's streams of this kind on the other GPUs its work runs on; each waits, when made, for the caller's
-        work on its device so far."""
+        """Stage j's streams of this kind on the other GPUs its work runs on (each waits, when made, for the caller's
+        work on its device so far: `StreamSet.get`)."""
         spills = self._spills.get(id(stream))
         if spills is None:
             spills = self._spills[id(stream)] = []
             for device in self.s.other_devices(j):
                 if device.type == "cuda":
-                    other = self.streams.get(kind, j, device)
-                    other.wait_stream(torch.cuda.current_stream(device))
-                    spills.append(other)
+                    spills.append(self.streams.get(kind, j, device))  # a new stream waits for the caller's work
         return spills
 
     def compiled_body(self, body: Any) -> Any:

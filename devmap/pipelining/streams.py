@@ -10,6 +10,7 @@ Ownership of what crosses streams (who writes, who reads, what makes reuse safe)
 | a stage's output (eager, or a copy of a replayed graph's) | the stage's compute stream | the next stage's compute or receive stream | the reader waits for the writer's event; `record_stream(reader)` keeps the caching allocator from handing the memory to the writer's stream again before the reader is done (`hand_off`, `copy_into`, `copy_later`) |
 | a replayed graph's output (`GraphedStep.static_out`) | its stage's compute stream (the replay) | the same stream only | it lives in its stage's graph pool, which the next replay of any graph of that pool may overwrite: no allocator bookkeeping protects it, so before it goes to another stream it is copied on its own stream (`GraphedStep.handed_on`) |
 | a graph's fixed input (`GraphedStep.static_in`, positions, masks) | the reader's compute stream, or its receive stream after the writer's event | the replay, on the compute stream | the next write for the same (stage, lane) depends, through events, on the token of the step that read it, which needs that replay done |
+| a fixed buffer, when made (zeros, or memory the allocator hands back) | the stream it is made on (the caller's, or a stage's inside `LaneStreams.making`) | side streams that hand-offs write it from | a new stream waits for its device's current stream (`StreamSet.get`), a call's start makes every stream wait for the caller's (`StreamSet.wait_for_caller`), and buffers made mid-call make the device's other streams wait (`StreamSet.settle`): the first hand-off into a buffer must not land before its zeros |
 | graph pools | replays of one stage's graphs | the same stage's compute stream | one pool per stage (`StepCache.pool`): graphs sharing a pool never run at the same time |
 | a joining pack's scratch cache (one per stage, every width's) | its stage's prefill | `take_prompts`, on the same stream | the packs use it one after another on that stream |
 | a joiner's first token (`scatter_later`) | the last stage's compute stream | stage 0's receive stream, which writes it into the lane's fixed input after the lane's own tokens | the receive stream orders both writes; the lane's next step waits for the returned event |
@@ -20,8 +21,9 @@ DEVMAP_STREAM_CHECK=1 (or a number of GPU clock cycles) checks this rule at run 
 sleeps before it reads a handed-over tensor (a writer that is not properly waited for gets ahead and overwrites it
 first), a stage's stream on another GPU sleeps before the stage's work there (a reader that does not wait for it
 reads what was there before), a replayed graph's output is poisoned (NaN) once it has been copied, and a graph's
-fixed input is poisoned after each replay (a write ordered too early is lost). A violation then gives wrong tokens
-instead of rare ones.
+fixed input is poisoned after each replay (a write ordered too early is lost), and a stage's stream sleeps before it
+makes fixed buffers (a hand-off that does not wait for them is overwritten by their zeros). A violation then gives wrong
+tokens instead of rare ones.
 """
 
 from __future__ import annotations
@@ -67,10 +69,26 @@ class StreamSet:
         self._streams: dict[tuple, torch.cuda.Stream] = {}
 
     def get(self, kind: str, stage: int, device: torch.device) -> torch.cuda.Stream:
+        """The stream of this purpose; a new one first waits for its device's current stream: a side stream's first
+        write must not pass the zeros of a buffer made there before (or the last reads of memory it reuses)."""
         key = (kind, stage, device)
         if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device)
+            stream = self._streams[key] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
         return self._streams[key]
+
+    def settle(self, stream: torch.cuda.Stream) -> None:
+        """Every other stream of the set on `stream`'s device waits for the work issued there so far: buffers just
+        made on `stream` (zeros queued there) are then safe to write from any of them."""
+        for other in self._streams.values():
+            if other.device == stream.device and other != stream:
+                other.wait_stream(stream)
+
+    def wait_for_caller(self) -> None:
+        """Every stream of the set waits for the caller's current stream of its device (inputs and buffers made
+        there)."""
+        for stream in self._streams.values():
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
 
     def join(self, outputs: list[torch.Tensor]) -> None:
         """The caller's current streams wait for all of this set's work; `outputs` become safe to use (and
