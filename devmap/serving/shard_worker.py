@@ -19,8 +19,11 @@ from typing import Any
 
 import torch
 
+from ..errors import DevmapError
 from ..generation.continuous import SlotRequest
+from ..generation.row_types import StepFailed
 from .batch_run import ModelBatches
+from .errors import ServiceError
 from .limits import EngineLimits
 from .load_plan import ServingPlan, serving_workload
 from .registry import ModelRegistry
@@ -43,6 +46,27 @@ class LoadCalledOff(Exception):
     """Rank 0 or another shard process failed to load its weights: this process's load ends too."""
 
 
+class Diverged(Exception):
+    """A load failed here after every process had its weights (in its warm-up's collectives, say): the others may
+    have gone on, so the split cannot."""
+
+
+def same_everywhere(exc: BaseException) -> bool:
+    """Whether every process of the split fails this call this way, at the same point: devmap's refusals of the call's
+    input, which every process was given alike. Any other failure (out of memory, a CUDA error) may be one process's
+    alone, after some of the call's collectives and before others: the processes would no longer agree on which
+    collective comes next (a hang, or one step's sums added into another step's)."""
+    cause = exc.cause if isinstance(exc, StepFailed) else exc
+    return isinstance(cause, (DevmapError, ServiceError)) and not isinstance(exc, Diverged)
+
+
+def describe(exc: BaseException) -> str:
+    """"RuntimeError: CUDA out of memory ..." (its first line), the cause of a failed step's."""
+    cause = exc.cause if isinstance(exc, StepFailed) else exc
+    text = str(cause).splitlines()[0] if str(cause) else ""
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+
+
 class ShardRegistry(ModelRegistry):
     """A shard process's registry: each model planned with the rows, cache length and lanes rank 0 chose; between
     its weights and its warm-up, every process agrees that all have their weights (`ShardProcesses.agree`)."""
@@ -58,10 +82,13 @@ class ShardRegistry(ModelRegistry):
         except LoadCalledOff:
             pass
         except Exception as exc:
-            if not self._answered:  # failed before its weights were in place: say so, and hear the outcome
-                self.replies.send((False, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
-                self._outcome()
-            raise
+            if self._answered:  # every process has its weights, and the others may be in the warm-up's collectives
+                raise Diverged(f"loading {model_id}: {describe(exc)}") from exc
+            # failed before its weights were in place: say so and hear the outcome (no process goes on; rank 0
+            # answers the load with every process's reason)
+            self.replies.send((False, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+            self._outcome()
+            log.debug("loading %s failed here before every process had its weights", model_id, exc_info=exc)
 
     def _weights_loaded(self, model_id: str) -> None:
         self._answered = True
@@ -90,8 +117,10 @@ class ShardRegistry(ModelRegistry):
 
 
 def run_shard(rank: int, size: int, address: str, settings: Any, limits: EngineLimits, log_level: str,
-              inbox: Connection, replies: Connection) -> None:
-    """The shard process of `rank`: join the group, then repeat rank 0's calls until it says stop."""
+              inbox: Connection, replies: Connection, last_words: Connection) -> None:
+    """The shard process of `rank`: join the group, then repeat rank 0's calls until it says stop. A call that fails
+    here as it may not have elsewhere (`same_everywhere`) ends this process, its reason sent on `last_words` first:
+    rank 0 then ends the split's models with that reason, where going on would hang or mix up the collectives."""
     _end_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
     logging.basicConfig(format=f"%(levelname)s:     %(name)s [shard {rank}]: %(message)s")
@@ -134,8 +163,17 @@ def run_shard(rank: int, size: int, address: str, settings: Any, limits: EngineL
                 finished.__exit__(None, None, None)
             elif kind == "scores":
                 batches.prompt_scores(registry.serving(args[0]), args[1], args[2])
-        except Exception:  # noqa: BLE001 - rank 0 met the same failure in the same call, and answers it
-            log.debug("%s failed here as on rank 0", kind, exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - answered by rank 0, or the end of this process
+            if same_everywhere(exc):  # rank 0 met the same failure in the same call, and answers it
+                log.debug("%s failed here as on rank 0", kind, exc_info=True)
+                continue
+            reason = describe(exc)
+            log.error("%s failed in shard process %d: %s; it ends, and the split's models with it", kind, rank, reason,
+                      exc_info=exc)
+            with contextlib.suppress(OSError, EOFError):
+                last_words.send(f"its {kind} call failed: {reason}")
+            logging.shutdown()
+            os._exit(1)
     if opened is not None:
         with contextlib.suppress(Exception):
             opened.__exit__(None, None, None)

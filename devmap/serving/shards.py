@@ -10,7 +10,11 @@ and its batch holds the same rows. Requests are known to the shard processes by 
 
 A shard process that ends (killed, out of memory, a CUDA error) ends the service's models: rank 0 stops the other
 shard processes and its own process (`on_failure`), whose API side then answers every request 503 with the reason,
-as `/health` does. A shard process ends with the engine core's process (the kernel's parent-death signal).
+as `/health` does. A shard process ends with the engine core's process (the kernel's parent-death signal). A call
+that fails in one process in a way the others may not have (anything but devmap's refusals of the call's input:
+`shard_worker.same_everywhere`) ends the split the same way, on rank 0 as in a shard process, which sends its reason
+first: going on, the processes would disagree on which collective comes next, and hang or sum one step's numbers
+into another's.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from .limits import EngineLimits
 from .registry import ModelRegistry
 from .resident import ResidentModel
 from .scheduler import BatchShape
-from .shard_worker import join_group, run_shard
+from .shard_worker import describe, join_group, run_shard, same_everywhere
 
 log = logging.getLogger("devmap.serving")
 
@@ -47,18 +51,21 @@ class ShardProcesses:
         context = multiprocessing.get_context("spawn")
         address = f"tcp://127.0.0.1:{_free_port()}"
         self.size, self.lock, self.failure = size, threading.RLock(), None
-        self._pipes, self._replies, self._processes = [], [], []
+        self._failing = threading.Lock()  # not `lock`: the call holding it may wait in a collective for the dead
+        self._pipes, self._replies, self._last_words, self._processes = [], [], [], []
         for rank in range(1, size):
             reads, writes = context.Pipe(duplex=False)
             replies, answers = context.Pipe(duplex=False)
+            heard, said = context.Pipe(duplex=False)
             # not a daemon: its compiler starts processes of its own
             process = context.Process(target=run_shard, name=f"devmap-shard-{rank}",
-                                      args=(rank, size, address, settings, limits, log_level, reads, answers))
+                                      args=(rank, size, address, settings, limits, log_level, reads, answers, said))
             process.start()
-            reads.close()
-            answers.close()
+            for end in (reads, answers, said):
+                end.close()
             self._pipes.append(writes)
             self._replies.append(replies)
+            self._last_words.append(heard)
             self._processes.append(process)
         self._on_failure = on_failure
         try:
@@ -94,6 +101,32 @@ class ShardProcesses:
         if failures:
             raise ServiceError(f"{what} failed on {'; '.join(failures)}")
 
+    @contextlib.contextmanager
+    def mirrored(self, what: str) -> Iterator[None]:
+        """Around rank 0's part of a call the shard processes run too: a failure here that they may not have met
+        (`same_everywhere`) ends the split (`fail`)."""
+        try:
+            yield
+        except Exception as exc:
+            if self.failure is None and not same_everywhere(exc):
+                self.fail(f"{what} failed on rank 0 of {self.size}: {describe(exc)}; the models split over the GPUs "
+                          "cannot go on; restart the service")
+            if self.failure is not None:
+                raise EngineGone(self.failure) from exc
+            raise
+
+    def fail(self, reason: str) -> None:
+        """End the split: the shard processes are stopped, and `on_failure(reason)` is called (once)."""
+        with self._failing:
+            if self.failure is not None:
+                return
+            self.failure = reason
+        log.error("%s", reason)
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+        self._on_failure(reason)
+
     def close(self) -> None:
         """Stop the shard processes (their models freed with them)."""
         self.failure = self.failure or "the service is shutting down"
@@ -113,13 +146,12 @@ class ShardProcesses:
         rank = sentinels[ready[0]]
         self._processes[rank - 1].join(5)
         code = self._processes[rank - 1].exitcode
-        self.failure = (f"shard process {rank} of {self.size} ended (exit code {code}): the models split over the "
-                        "GPUs cannot run without it; restart the service")
-        log.error("%s", self.failure)
-        for process in self._processes:
-            if process.is_alive():
-                process.kill()
-        self._on_failure(self.failure)
+        words = self._last_words[rank - 1]
+        said = ""
+        with contextlib.suppress(OSError, EOFError):
+            said = f" ({words.recv()})" if words.poll(1.0) else ""
+        self.fail(f"shard process {rank} of {self.size} ended (exit code {code}){said}: the models split over the "
+                  "GPUs cannot run without it; restart the service")
 
 
 class SplitRegistry(ModelRegistry):
@@ -136,14 +168,18 @@ class SplitRegistry(ModelRegistry):
             raise ServiceError(f"this service splits every model over {self.shards.size} GPUs, one shard on each: "
                                "leave device_map out", param="device_map")
         with self.shards.lock:  # the shard processes load in step (the warm-up's collectives)
-            self._loading_id, self._awaiting = model_id or path.name, False
+            self._loading_id, self._awaiting, self._agreed = model_id or path.name, False, False
             try:
                 return super().load(path, model_id, device_map, max_memory, dtype)
-            except BaseException:
+            except Exception as exc:
                 if self._awaiting:  # this process failed before the shards' weights were agreed on: none goes on
                     self._awaiting = False
                     with contextlib.suppress(ServiceError):
                         self.shards.agree(False, f"loading {self._loading_id}")
+                elif self._agreed:  # after: the shard processes may be in the warm-up's collectives
+                    self.shards.fail(f"loading {self._loading_id} failed on rank 0 of {self.shards.size} after every "
+                                     f"process had its weights: {describe(exc)}; restart the service")
+                    raise EngineGone(self.shards.failure or "") from exc
                 raise
 
     def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> Any:
@@ -157,6 +193,7 @@ class SplitRegistry(ModelRegistry):
         warm-up's collectives for one that failed)."""
         self._awaiting = False
         self.shards.agree(True, f"loading {model_id}")
+        self._agreed = True
 
     def unload(self, model_id: str, drain: float = 0.0) -> None:
         super().unload(model_id, drain)  # waits for its batch's end (sent to the shards already)
@@ -177,19 +214,22 @@ class SplitBatches(ModelBatches):
         with self.shards.lock:
             self.shards.send("open", resident.id, shape, sampling, scores)
             opened = super().open(resident, shape, sampling, scores)
-            batch = opened.__enter__()
+            with self.shards.mirrored("starting a batch"):
+                batch = opened.__enter__()
         try:
             yield MirroredBatch(batch, self.shards)  # type: ignore[misc]
         finally:
             with self.shards.lock:
                 with contextlib.suppress(EngineGone):
                     self.shards.send("end")
-                opened.__exit__(None, None, None)
+                with self.shards.mirrored("ending a batch"):
+                    opened.__exit__(None, None, None)
 
     def prompt_scores(self, resident: ResidentModel, ids: list[int], top: int) -> list[Score | None]:
         with self.shards.lock:
             self.shards.send("scores", resident.id, ids, top)
-            return super().prompt_scores(resident, ids, top)
+            with self.shards.mirrored("scoring a prompt"):
+                return super().prompt_scores(resident, ids, top)
 
 
 class MirroredBatch:
@@ -206,17 +246,20 @@ class MirroredBatch:
     def step(self, joining: list[SlotRequest] | None = None) -> bool:
         with self._shards.lock:
             self._shards.send("step", [(r.prompt, r.max_new_tokens, self._number(r.owner)) for r in joining or []])
-            return self._batch.step(joining)
+            with self._shards.mirrored("a step"):
+                return self._batch.step(joining)
 
     def release(self, owner: Any) -> None:
         with self._shards.lock:
             self._shards.send("release", self._number(owner))
-            self._batch.release(owner)
+            with self._shards.mirrored("releasing a row"):
+                self._batch.release(owner)
 
     def collect(self, everything: bool = False, scored: bool = False) -> list[tuple]:
         with self._shards.lock:
             self._shards.send("collect", everything)
-            return self._batch.collect(everything, scored)
+            with self._shards.mirrored("collecting tokens"):
+                return self._batch.collect(everything, scored)
 
     def _number(self, owner: Any) -> int:
         known = self._numbers.get(id(owner))

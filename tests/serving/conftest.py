@@ -33,15 +33,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(root: Path, *extra: str, max_memory: str | None = "cpu=2GB"):
-    """`devmap serve ROOT/tiny --model-root ROOT ...` on a free port (within `max_memory`; None: the machine's);
-    always stopped (SIGTERM, then kill)."""
+def running_server(root: Path, *extra: str, max_memory: str | None = "cpu=2GB", env: dict | None = None):
+    """`devmap serve ROOT/tiny --model-root ROOT ...` on a free port (within `max_memory`; None: the machine's; `env`:
+    more environment variables); always stopped (SIGTERM, then kill)."""
     port = free_port()
     budget = ["--max-memory", max_memory] if max_memory else []
     command = [sys.executable, "-m", "devmap", "serve", str(root / "tiny"), "--model-root", str(root), *budget,
                "--port", str(port), "--log-level", "warning", *extra]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    environment = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **(env or {})}
+    process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT

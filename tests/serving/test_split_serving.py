@@ -6,6 +6,7 @@ leaves no process behind."""
 import asyncio
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -93,4 +94,73 @@ def test_a_split_service_answers_as_the_whole_model_and_a_lost_shard_gives_503(m
         health = httpx.get(url + "/health", timeout=30)
         assert health.status_code == 503 and "restart the service" in health.json()["error"]["message"]
         assert process.poll() is None  # the API still answers
+        assert not spawned_children(process.pid)  # the engine core and its shard are gone
+
+
+# Loaded by every process of the server under test (PYTHONPATH): when devmap's continuous batches are imported, the
+# `nth` step of the process of rank `rank` raises, as an out-of-memory error in one GPU's process would.
+ONE_PROCESS_FAULT = '''
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+RANK, NTH = (int(part) for part in os.environ["DEVMAP_TEST_FAULT"].split(":"))
+
+
+def fault(batches):
+    step, calls = batches.ContinuousBatch._step, [0]
+
+    def failing(self, *args, **kwargs):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == RANK:
+            calls[0] += 1
+            if calls[0] == NTH:
+                raise RuntimeError("out of memory (a test's fault)")
+        return step(self, *args, **kwargs)
+
+    batches.ContinuousBatch._step = failing
+
+
+class Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "devmap.generation.continuous":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            fault(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, Hook())
+'''
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the shard processes through /proc")
+@pytest.mark.parametrize("rank", [1, 0], ids=["in a shard process", "on rank 0"])
+def test_a_step_failing_in_one_process_ends_the_split_with_its_reason(model_root, tmp_path, rank):
+    # going on, the processes would disagree on which all-reduce comes next: a hang, or one step's sums in another's
+    (tmp_path / "sitecustomize.py").write_text(ONE_PROCESS_FAULT)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "DEVMAP_TEST_FAULT": f"{rank}:3"}
+    with running_server(model_root, "--tensor-parallel", "2", "--max-tokens", "32", env=env) as (url, process):
+        answer = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 8,
+                                                            "temperature": 0}, timeout=120)
+        assert answer.status_code == 503, answer.text
+        message = answer.json()["error"]["message"]
+        where = "shard process 1 of 2 ended (exit code 1) (its step call failed" if rank else "a step failed on rank 0"
+        assert where in message and "RuntimeError: out of memory (a test's fault)" in message
+        health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 503 and "restart the service" in health.json()["error"]["message"]
+        assert process.poll() is None  # the API still answers
+        deadline = time.monotonic() + 30
+        while spawned_children(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not spawned_children(process.pid)  # the engine core and its shard are gone
