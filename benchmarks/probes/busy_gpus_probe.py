@@ -5,8 +5,10 @@ Two processes multiply big matrices on both GPUs the whole time (the GPUs time-s
 devmap's streams runs late by a different amount: what a shared machine or pytest-xdist does), while one process per
 variant repeats a call of the tiny fp32 LLaMA of tests/generation/test_gpu_generation.py against transformers: three
 calls (eager, captured, replayed) after each `release_graphs`. Variants: `forward` (6 rows, 3 lanes over 2 stages),
-`eager` (graphs off), `no-front-head` (the head's rows all on the last stage), `one-gpu` (both stages on GPU 0) and
-`generate` (16 greedy tokens, 2 lanes). Each line: calls with a row off, and which (call of three, rows) they were.
+`eager` (graphs off), `no-front-head` (the head's rows all on the last stage), `one-gpu` (both stages on GPU 0),
+`generate` (16 greedy tokens, 2 lanes) and `served` (the served-lanes test's requests, 24 at once and 24 joining, to
+the tiny preset with a tied head over both GPUs, both ways of joining, against `devmap.generate` of each alone). Each
+line: calls with a row off, and which (call of three, rows) they were (`served`: requests answered otherwise).
 A buffer's zeros queued on a stage's stream and a hand-off that did not wait for them gave every wrong call here
 (the first of three: where the buffers are made), on two GPUs only, with graphs on.
 """
@@ -29,7 +31,7 @@ from devmap.generation import forward, lane_prefill
 sys.path.insert(0, "tests/generation")
 from test_gpu_generation import CONFIG, left_padded, two_gpu_copy  # noqa: E402
 
-VARIANTS = ("forward", "eager", "no-front-head", "one-gpu", "generate")
+VARIANTS = ("forward", "eager", "no-front-head", "one-gpu", "generate", "served")
 
 
 def busy(seconds: float) -> None:
@@ -44,7 +46,39 @@ def busy(seconds: float) -> None:
         torch.cuda.synchronize()
 
 
+def served(seconds: float) -> str:
+    """The served-lanes test's crowd of requests, repeated: how many were answered otherwise than alone."""
+    import itertools
+    import tempfile
+    from pathlib import Path
+
+    import devmap
+    from devmap.serving import EngineLimits, ModelRegistry
+
+    sys.path.insert(0, "tests/serving")
+    from lane_checks import served_and_alone
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    root = Path(tempfile.mkdtemp(prefix="devmap-probe-"))
+    devmap.save("llama-tiny", root / "tiny")
+    answered, wrong = 0, collections.Counter()
+    end = time.time() + seconds
+    for riding in itertools.cycle([False, True]):
+        if time.time() > end:
+            break
+        limits = EngineLimits(max_batch=4, compile=False, riding=riding)
+        registry = ModelRegistry(root, "balanced", {0: "8GiB", 1: "8GiB"}, limits=limits)
+        registry.load(root / "tiny")
+        for got, alone in served_and_alone(registry, limits, "tiny", 24):
+            answered += 1
+            wrong["riding" if riding else "own prefills"] += got != alone
+        registry.unload("tiny")
+    return f"served: {sum(wrong.values())} of {answered} requests answered otherwise; {dict(wrong)}"
+
+
 def probe(variant: str, seconds: float) -> str:
+    if variant == "served":
+        return served(seconds)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.float32).to("cuda:0").eval()
