@@ -97,12 +97,9 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
         _check_splits(model_dirs, tensor_parallel)
     from pathlib import Path
 
-    import uvicorn
-
-    from devmap.serving import Engine, EngineLimits
-    from devmap.serving.app import create_app
-    from devmap.serving.core_client import RegistrySettings
-    from devmap.serving.errors import ServiceError
+    from devmap.serving.core_parts import RegistrySettings
+    from devmap.serving.core_start import start_core
+    from devmap.serving.limits import EngineLimits
 
     limits = EngineLimits(max_batch=max_batch, max_queue=max_queue, join_tokens=join_tokens, riding=riding,
                           max_prompt_tokens=max_prompt_tokens,
@@ -110,10 +107,20 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
                           unload_drain=unload_drain, lanes=lanes, compile=compile_steps,
                           profile_dir=str(Path(profile_dir).expanduser().resolve()) if profile_dir else None)
     # the models and the loop that batches them run in a process of their own (the engine core); this one answers
-    # HTTP, tokenizes and detokenizes, so that no request's Python work holds the loop that issues the GPUs' work
+    # HTTP, tokenizes and detokenizes, so that no request's Python work holds the loop that issues the GPUs' work.
+    # The core starts first: its imports and loads run while this process imports its own stack below
     settings = RegistrySettings(model_root, device_map, max_memory, dtype, quantize,
                                 random_weights=load_format.lower() == "dummy", tensor_parallel=tensor_parallel)
-    engine = Engine.spawned(settings, limits, log_level=log_level)
+    started = start_core(settings, limits, log_level)
+
+    import uvicorn
+    from transformers import AutoTokenizer  # noqa: F401 - each model's tokenizer is read here once it is loaded
+
+    from devmap.serving import Engine
+    from devmap.serving.app import create_app
+    from devmap.serving.errors import ServiceError
+
+    engine = Engine.spawned(settings, limits, log_level=log_level, started=started)
     try:
         for directory in model_dirs:
             path = Path(directory).expanduser().resolve()

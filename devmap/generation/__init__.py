@@ -7,6 +7,19 @@ continuous batches (rows that requests join between steps, driven step by step b
 `timed` and `check_length` are re-exported here.
 """
 
-from .api import check_length, forward, generate, timed
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["check_length", "forward", "generate", "timed"]
+
+
+def __getattr__(name: str) -> Any:
+    """The re-exported functions, imported on first use: the package's light modules (`row_types`) come without the
+    model stack."""
+    if name in __all__:
+        value = getattr(importlib.import_module(".api", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,13 @@
-"""What the rows of a continuous batch hold: the request a row serves, and the row's bookkeeping."""
+"""What the rows of a continuous batch hold: the request a row serves, the row's bookkeeping, and a token's score. No
+torch here: the service's API process imports these types without the model stack."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+Score = tuple[float, tuple[tuple[int, float], ...]]
+"""A token's log-probability, and the `top` most likely tokens with theirs (most likely first): `generation.scores`."""
 
 
 @dataclass

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-Score = tuple[float, tuple[tuple[int, float], ...]]
-"""A token's log-probability, and the `top` most likely tokens with theirs (most likely first)."""
+from .row_types import Score
 
 
 def packed(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:

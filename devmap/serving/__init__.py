@@ -11,11 +11,19 @@ app. Imports generation, loading and planning; only the CLI imports this package
 
 from __future__ import annotations
 
-from .core_client import RegistrySettings
-from .engine import Engine
-from .limits import EngineLimits
-from .jobs import GenerationParams
-from .registry import ModelRegistry
-from .resident import ResidentModel
+import importlib
+from typing import Any
 
-__all__ = ["Engine", "EngineLimits", "GenerationParams", "ModelRegistry", "RegistrySettings", "ResidentModel"]
+# public names and their modules, imported on first use: `devmap serve` starts the engine core's process from the
+# light ones (`core_start`, `core_parts`, `limits`) before the rest imports torch and transformers
+_EXPORTS = {"Engine": "engine", "EngineLimits": "limits", "GenerationParams": "jobs", "ModelRegistry": "registry",
+            "RegistrySettings": "core_parts", "ResidentModel": "resident"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,8 @@ from ..errors import DevmapError
 from ..generation.continuous import ContinuousBatch, SlotRequest, continuous_batch
 from ..generation.row_types import StepFailed
 from ..generation.sampling import Sampling
-from ..generation.scores import Score, prompt_scores
+from ..generation.row_types import Score
+from ..generation.scores import prompt_scores
 from ..generation.step_cache import keep_shapes
 from .batch_trace import BatchTrace, PhaseClock
 from .errors import GenerationFailed, ModelUnloading, ServiceError

@@ -15,7 +15,6 @@ import atexit
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import os
 import signal
 import threading
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .core import CONTROL, EngineCore
+from .core_parts import RegistrySettings, StartedCore
 from .errors import EngineGone, ServiceError
 from .jobs import Job
 from .limits import EngineLimits
@@ -50,19 +50,6 @@ class ModelCard:
     context: int
     vocab_size: int
     tokenizer: Any
-
-
-@dataclass(frozen=True)
-class RegistrySettings:
-    """What the engine core's process builds its `ModelRegistry` from (see its arguments)."""
-
-    model_root: str | None = None
-    device_map: Any = "balanced"
-    max_memory: Any = None
-    dtype: str | None = None
-    quantization: Any = None
-    random_weights: bool = False
-    tensor_parallel: int = 1  # > 1: every model split over that many processes, one per GPU (`serving.shards`)
 
 
 class ThreadCore:
@@ -100,20 +87,12 @@ class ThreadCore:
 
 
 class ProcessCore:
-    """The engine core in a process of its own (spawned: it owns the GPUs; this process never touches CUDA),
-    talking over two pipes: requests, aborts and control calls in; each step's outputs, control replies and idle
-    unloads out."""
+    """The engine core in a process of its own (`core_start.start_core`: it owns the GPUs; this process never touches
+    CUDA), talking over two pipes: requests, aborts and control calls in; each step's outputs, control replies and
+    idle unloads out."""
 
-    def __init__(self, settings: RegistrySettings, limits: EngineLimits, log_level: str = "WARNING") -> None:
-        context = multiprocessing.get_context("spawn")
-        core_reads, self._to_core = context.Pipe(duplex=False)
-        self._from_core, core_writes = context.Pipe(duplex=False)
-        # not a daemon: the core's compiler starts worker processes of its own
-        self._process = context.Process(target=run_core_process, name="devmap-engine-core",
-                                        args=(settings, limits, log_level, core_reads, core_writes, time.time()))
-        self._process.start()
-        core_reads.close()
-        core_writes.close()
+    def __init__(self, started: StartedCore) -> None:
+        self._process, self._to_core, self._from_core = started.process, started.to_core, started.from_core
         self._send_lock = threading.Lock()
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
@@ -233,11 +212,18 @@ def _control(core: EngineCore, method: str, args: tuple) -> Any:
     return getattr(core, method)(*args)
 
 
+def import_model_stack() -> None:
+    """What every load needs (transformers' modeling code, accelerate), imported as the core's process starts, while
+    the API's process imports its own (`core_start`): a load's plan phase then times planning, not imports."""
+    import accelerate  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+
+
 def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level: str, inbox: Connection,
                      outbox: Connection, spawned_at: float | None = None) -> None:
     """The engine core's process: a registry of models, the core's loop in its thread, and this thread reading
     requests until the API asks it to close (or goes away). `spawned_at` (time.time()): when the API side started
-    it, for the seconds its start took (interpreter, imports) in the log and `/metrics`."""
+    it, for the seconds its start took (interpreter, imports: `import_model_stack`) in the log and `/metrics`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the API side stops us
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")  # uvicorn's look
@@ -248,6 +234,7 @@ def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level
         with lock:
             outbox.send(message)
 
+    import_model_stack()
     shards = None
     if settings.tensor_parallel > 1:
         from .shards import ShardProcesses, SplitBatches, SplitRegistry

@@ -17,7 +17,9 @@ import time
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from ..errors import UsageError
-from .core_client import ModelCard, ProcessCore, RegistrySettings, ThreadCore
+from .core_client import ModelCard, ProcessCore, ThreadCore
+from .core_parts import RegistrySettings, StartedCore
+from .core_start import start_core
 from .errors import ModelUnloading, QueueFull, RequestTimeout, ServiceError, ShuttingDown
 from .gc_pauses import watch_gc_pauses
 from .jobs import Completion, GenerationParams, Job, TokenOutput
@@ -59,11 +61,13 @@ class Engine:
         self.core.attach(self._deliver, self._lost)
 
     @classmethod
-    def spawned(cls, settings: RegistrySettings, limits: EngineLimits | None = None,
-                log_level: str = "WARNING") -> Engine:
-        """An engine whose core runs in a process of its own (what `devmap serve` runs)."""
+    def spawned(cls, settings: RegistrySettings, limits: EngineLimits | None = None, log_level: str = "WARNING",
+                started: StartedCore | None = None) -> Engine:
+        """An engine whose core runs in a process of its own (what `devmap serve` runs): the one `started` with these
+        settings and limits (`core_start.start_core`, which `devmap serve` calls before its heavy imports), or one
+        started now."""
         limits = limits or EngineLimits()
-        return cls(None, limits, ProcessCore(settings, limits, log_level))
+        return cls(None, limits, ProcessCore(started or start_core(settings, limits, log_level)))
 
     def start(self) -> None:
         self._unwatch_gc = watch_gc_pauses(observe=self.metrics.gc_pauses.observe)

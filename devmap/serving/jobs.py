@@ -7,7 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..generation.scores import Score
+from ..generation.row_types import Score
 from .errors import ServiceError
 from .kv_budget import KVBudget
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..generation.scores import Score
+from ..generation.row_types import Score
 
 
 class TokenTexts:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from ..generation.scores import Score
+from ..generation.row_types import Score
 from .errors import ServiceError
 from .jobs import Job, TokenOutput
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from ..generation.continuous import ContinuousBatch, SlotRequest
 from ..generation.sampling import Sampling
-from ..generation.scores import Score
+from ..generation.row_types import Score
 from .batch_run import ModelBatches
 from .errors import EngineGone, ServiceError
 from .limits import EngineLimits

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..generation.scores import Score
+from ..generation.row_types import Score
 from .jobs import GenerationParams
 
 
