@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import time
 
 import click
 
@@ -142,6 +143,11 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
         engine.close(timeout=30)
         raise
     app = create_app(engine, api_key=api_key)
+    age = _process_age()
+    if age is not None:
+        engine.metrics.ready_seconds.set(age)
+        click.echo(f"answering {age:.1f} s after devmap serve started (its engine core, the loads above and this "
+                   "process's imports; /metrics: devmap_serve_ready_seconds)", err=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import gc
     import logging
@@ -157,6 +163,18 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     # uvicorn handles SIGTERM and SIGINT: it stops accepting, lets in-flight requests finish, then the app's
     # lifespan drains the engine
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(request_timeout) + 5)
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/stat") as stat:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/stat") as system:
+            boot = next(int(line.split()[1]) for line in system if line.startswith("btime "))
+        return time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _loopback(host: str) -> bool:

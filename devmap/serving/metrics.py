@@ -31,6 +31,9 @@ class ApiMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.first_token = Histogram("devmap_time_to_first_token_seconds", "Arrival to the first generated token",
                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.ready_seconds = Gauge("devmap_serve_ready_seconds", "Seconds from devmap serve's start until it "
+                                   "starts answering HTTP: its engine core started, the models on its command line "
+                                   "loaded (the core's part: devmap_startup_seconds)", registry=r)
         self.gc_pauses = Histogram("devmap_api_gc_pause_seconds", "Python garbage collections in the API's process "
                                    "(each holds every stream of it)", buckets=GC_BUCKETS, registry=r)
 

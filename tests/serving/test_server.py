@@ -2,6 +2,7 @@
 
 import asyncio
 import signal
+import sys
 import time
 
 import httpx
@@ -107,6 +108,9 @@ def test_load_and_unload_a_second_model(server, model_root):
         shown = http.get("/metrics").text
         assert 'devmap_model_load_seconds{model="second",phase="weights"}' in shown
         assert 'devmap_startup_seconds{phase="core_process"}' in shown  # the engine core's process start
+        if sys.platform.startswith("linux"):  # devmap serve's start until it answered, from /proc
+            ready = next(line for line in shown.splitlines() if line.startswith("devmap_serve_ready_seconds "))
+            assert float(ready.split()[-1]) > 0
         assert sorted(m["id"] for m in http.get("/v1/models").json()["data"]) == ["second", "tiny"]
         answer = http.post("/v1/completions", json={"model": "second", "prompt": "Hello", "max_tokens": 3})
         assert answer.status_code == 200
