@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from .core import CONTROL, EngineCore
 from .core_parts import RegistrySettings, StartedCore
+from .shard_start import StartedShards
 from .errors import EngineGone, ServiceError
 from .jobs import Job
 from .limits import EngineLimits
@@ -220,9 +221,10 @@ def import_model_stack() -> None:
 
 
 def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level: str, inbox: Connection,
-                     outbox: Connection, spawned_at: float | None = None) -> None:
+                     outbox: Connection, spawned_at: float | None = None, shards: StartedShards | None = None) -> None:
     """The engine core's process: a registry of models, the core's loop in its thread, and this thread reading
-    requests until the API asks it to close (or goes away). `spawned_at` (time.time()): when the API side started
+    requests until the API asks it to close (or goes away); `shards`: a split's shard processes, started as this
+    process started (`core_start`), else started here. `spawned_at` (time.time()): when the API side started
     it, for the seconds its start took (interpreter, imports: `import_model_stack`) in the log and `/metrics`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the API side stops us
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -235,8 +237,9 @@ def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level
             outbox.send(message)
 
     import_model_stack()
-    shards = None
+    split = None
     if settings.tensor_parallel > 1:
+        from .shard_start import start_shards
         from .shards import ShardProcesses, SplitBatches, SplitRegistry
 
         def failed(reason: str) -> None:  # a shard process ended: so do the models, and this process
@@ -244,11 +247,11 @@ def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level
                 send(("failed", reason))
             os._exit(1)
 
-        shards = ShardProcesses(settings.tensor_parallel, settings, limits, log_level, failed)
+        split = ShardProcesses(shards or start_shards(settings, limits, log_level), failed)
         registry: ModelRegistry = SplitRegistry(
-            shards, settings.model_root, settings.device_map, settings.max_memory, settings.dtype,
+            split, settings.model_root, settings.device_map, settings.max_memory, settings.dtype,
             quantization=settings.quantization, limits=limits, random_weights=settings.random_weights)
-        batches = SplitBatches(limits, shards)
+        batches = SplitBatches(limits, split)
     else:
         registry = ModelRegistry(settings.model_root, settings.device_map, settings.max_memory, settings.dtype,
                                  quantization=settings.quantization, limits=limits,
@@ -286,13 +289,13 @@ def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level
             threading.Thread(target=answer, args=message[1:], daemon=True).start()
         elif kind == "close":
             core.close()
-            if shards is not None:
-                shards.close()
+            if split is not None:
+                split.close()
             try:
                 send(("closed",))
             except (OSError, EOFError):
                 pass
-            if shards is not None:  # no destroy_process_group, nor its destructor at exit: after CUDA graphs
+            if split is not None:  # no destroy_process_group, nor its destructor at exit: after CUDA graphs
                 logging.shutdown()  # captured NCCL collectives it can hang (pytorch#115388)
                 os._exit(0)
             return

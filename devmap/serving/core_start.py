@@ -29,7 +29,13 @@ def start_core(settings: RegistrySettings, limits: EngineLimits, log_level: str 
     return StartedCore(process, to_core, from_core)
 
 
-def _run(*args: Any) -> None:  # the spawned process's entry: its stack is imported here, in that process
+def _run(settings: RegistrySettings, *args: Any) -> None:
+    """The spawned process's entry: a split's shard processes start first, then this process imports its stack."""
+    shards = None
+    if settings.tensor_parallel > 1:
+        from .shard_start import start_shards
+
+        shards = start_shards(settings, args[0], args[1])  # limits, log level
     from .core_client import run_core_process
 
-    run_core_process(*args)
+    run_core_process(settings, *args, shards=shards)

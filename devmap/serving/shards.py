@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
-import socket
 import threading
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -38,7 +36,8 @@ from .limits import EngineLimits
 from .registry import ModelRegistry
 from .resident import ResidentModel
 from .scheduler import BatchShape
-from .shard_worker import describe, join_group, run_shard, same_everywhere
+from .shard_start import StartedShards
+from .shard_worker import describe, join_group, same_everywhere
 
 log = logging.getLogger("devmap.serving")
 
@@ -46,30 +45,15 @@ class ShardProcesses:
     """Rank 0's side of the split: the N - 1 shard processes, a pipe to each, the lock that keeps every call in one
     order, and a watchdog that calls `on_failure(reason)` once if one of them ends."""
 
-    def __init__(self, size: int, settings: Any, limits: EngineLimits, log_level: str,
-                 on_failure: Callable[[str], None]) -> None:
-        context = multiprocessing.get_context("spawn")
-        address = f"tcp://127.0.0.1:{_free_port()}"
-        self.size, self.lock, self.failure = size, threading.RLock(), None
+    def __init__(self, started: StartedShards, on_failure: Callable[[str], None]) -> None:
+        self.size, self.lock, self.failure = started.size, threading.RLock(), None
         self._failing = threading.Lock()  # not `lock`: the call holding it may wait in a collective for the dead
-        self._pipes, self._replies, self._last_words, self._processes = [], [], [], []
-        for rank in range(1, size):
-            reads, writes = context.Pipe(duplex=False)
-            replies, answers = context.Pipe(duplex=False)
-            heard, said = context.Pipe(duplex=False)
-            # not a daemon: its compiler starts processes of its own
-            process = context.Process(target=run_shard, name=f"devmap-shard-{rank}",
-                                      args=(rank, size, address, settings, limits, log_level, reads, answers, said))
-            process.start()
-            for end in (reads, answers, said):
-                end.close()
-            self._pipes.append(writes)
-            self._replies.append(replies)
-            self._last_words.append(heard)
-            self._processes.append(process)
+        self._hearing, self._heard = threading.Lock(), {}  # shard processes' last words, read once (`_ended`)
+        self._pipes, self._replies, self._last_words = started.calls, started.replies, started.last_words
+        self._processes = started.processes
         self._on_failure = on_failure
         try:
-            join_group(0, size, address)
+            join_group(0, self.size, started.address)
         except BaseException:
             self.close()
             raise
@@ -109,8 +93,13 @@ class ShardProcesses:
             yield
         except Exception as exc:
             if self.failure is None and not same_everywhere(exc):
-                self.fail(f"{what} failed on rank 0 of {self.size}: {describe(exc)}; the models split over the GPUs "
-                          "cannot go on; restart the service")
+                ended = next((rank for rank, process in enumerate(self._processes, start=1)
+                              if not process.is_alive()), None)
+                if ended is not None:  # the failure is rank 0 hearing of a shard process's end (gloo): say that
+                    self.fail(self._ended(ended))
+                else:
+                    self.fail(f"{what} failed on rank 0 of {self.size}: {describe(exc)}; the models split over the "
+                              "GPUs cannot go on; restart the service")
             if self.failure is not None:
                 raise EngineGone(self.failure) from exc
             raise
@@ -143,15 +132,21 @@ class ShardProcesses:
         ready = wait(list(sentinels))
         if self.failure is not None:  # closing
             return
-        rank = sentinels[ready[0]]
+        self.fail(self._ended(sentinels[ready[0]]))
+
+    def _ended(self, rank: int) -> str:
+        """Why the split ends, shard process `rank` having ended: its exit code and its last words, if it said any."""
         self._processes[rank - 1].join(5)
         code = self._processes[rank - 1].exitcode
-        words = self._last_words[rank - 1]
-        said = ""
-        with contextlib.suppress(OSError, EOFError):
-            said = f" ({words.recv()})" if words.poll(1.0) else ""
-        self.fail(f"shard process {rank} of {self.size} ended (exit code {code}){said}: the models split over the "
-                  "GPUs cannot run without it; restart the service")
+        with self._hearing:  # by the watchdog or a failed call, whichever asks first; kept for the other
+            if rank not in self._heard:
+                self._heard[rank] = ""
+                words = self._last_words[rank - 1]
+                with contextlib.suppress(OSError, EOFError):
+                    self._heard[rank] = f" ({words.recv()})" if words.poll(1.0) else ""
+        said = self._heard[rank]
+        return (f"shard process {rank} of {self.size} ended (exit code {code}){said}: the models split over the GPUs "
+                "cannot run without it; restart the service")
 
 
 class SplitRegistry(ModelRegistry):
@@ -266,10 +261,3 @@ class MirroredBatch:
         if known is None:
             known = self._numbers[id(owner)] = (owner, len(self._numbers))
         return known[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
