@@ -41,6 +41,8 @@ from .shard_worker import describe, join_group, same_everywhere
 
 log = logging.getLogger("devmap.serving")
 
+ENDING_SECONDS = 2.0  # how long a call failing on rank 0 waits for a shard process's end that may have caused it
+
 class ShardProcesses:
     """Rank 0's side of the split: the N - 1 shard processes, a pipe to each, the lock that keeps every call in one
     order, and a watchdog that calls `on_failure(reason)` once if one of them ends."""
@@ -93,10 +95,12 @@ class ShardProcesses:
             yield
         except Exception as exc:
             if self.failure is None and not same_everywhere(exc):
-                ended = next((rank for rank, process in enumerate(self._processes, start=1)
-                              if not process.is_alive()), None)
-                if ended is not None:  # the failure is rank 0 hearing of a shard process's end (gloo): say that
-                    self.fail(self._ended(ended))
+                # rank 0 may have failed hearing of a shard process's end (gloo's connection closes as it exits):
+                # then that end is the reason
+                sentinels = {process.sentinel: rank for rank, process in enumerate(self._processes, start=1)}
+                ended = wait(list(sentinels), timeout=ENDING_SECONDS)
+                if ended:
+                    self.fail(self._ended(sentinels[ended[0]]))
                 else:
                     self.fail(f"{what} failed on rank 0 of {self.size}: {describe(exc)}; the models split over the "
                               "GPUs cannot go on; restart the service")
