@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..generation.row_types import StepFailed
 from .batch_run import Batches, BatchRunner, ModelBatches, failure_for
-from .errors import GenerationFailed, ServiceError
+from .errors import EngineGone, GenerationFailed, ServiceError
 from .gc_pauses import watch_gc_pauses
 from .jobs import Job
 from .limits import EngineLimits
@@ -203,13 +203,18 @@ class EngineCore:
         """After a failed batch: the requests whose prompts ran in the failed step are suspects; one alone (or one
         failing a second time, or one that joined alone) ends with the reason, several each join alone from now on
         (so that the next failure names its request); the others continue in the next batch from the tokens they
-        got. A failure with no suspect (a step of rows that had run before, or the batch's start) ends them all."""
+        got. A failure with no suspect (a step of rows that had run before, or the batch's start) ends them all, as does
+        the engine's end (`EngineGone`: 503 with its reason, not a 500)."""
         self.metrics.failed_steps.inc()
         suspects = {id(owner) for owner in failure.owners} if isinstance(failure, StepFailed) else set()
         cause = failure.cause if isinstance(failure, StepFailed) else failure
         log.error("a step failed (%s: %s); %d of its %d requests ran their prompts in it", type(cause).__name__,
                   cause, len(suspects), len(jobs), exc_info=cause)
         unfinished = [job for job in jobs if not job.finished and not job.cancelled.is_set()]
+        if isinstance(cause, EngineGone):  # nothing can run any more (a split's process ended): 503, the reason
+            for job in unfinished:
+                self.outputs.end(job, error=cause)
+            return
         if not suspects:
             everyone = GenerationFailed(f"generation failed: {type(cause).__name__}: {cause}")
             for job in unfinished:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from devmap.serving.core import EngineCore
-from devmap.serving.errors import GenerationFailed, ModelUnloading
+from devmap.serving.errors import EngineGone, GenerationFailed, ModelUnloading
 from devmap.serving.jobs import GenerationParams, Job
 from devmap.serving.limits import EngineLimits
 from devmap.serving.registry import ModelRegistry
@@ -148,6 +148,28 @@ def test_a_step_that_fails_without_a_joiner_ends_its_batch_with_the_reason():
         later = request([5, 6], 8)
         core.add(later)
         assert collected.wait([later.id], 30) and collected.tokens[later.id] == alone([5, 6], 8)
+    finally:
+        core.close(30)
+
+
+def test_the_engines_end_reaches_every_request_as_503_with_its_reason():
+    # a split service's batch meeting a shard process that has ended: 503 and why, never a 500
+    batches = FakeBatches()
+    core, collected = core_over(batches, EngineLimits())
+    gone = EngineGone("shard process 1 of 2 ended (exit code -9): restart the service")
+
+    def failing_open(*args, **kwargs):
+        raise gone
+
+    batches.open = failing_open
+    try:
+        jobs = [request([5, 6], 8), request([7], 4)]
+        for job in jobs:
+            core.add(job)
+        assert collected.wait([job.id for job in jobs], 30)
+        for job in jobs:
+            error = collected.ended[job.id]
+            assert isinstance(error, EngineGone) and error.status == 503 and "shard process 1" in error.message
     finally:
         core.close(30)
 
