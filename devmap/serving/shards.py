@@ -50,7 +50,7 @@ class ShardProcesses:
     def __init__(self, started: StartedShards, on_failure: Callable[[str], None]) -> None:
         self.size, self.lock, self.failure = started.size, threading.RLock(), None
         self._failing = threading.Lock()  # not `lock`: the call holding it may wait in a collective for the dead
-        self._hearing, self._heard = threading.Lock(), {}  # shard processes' last words, read once (`_ended`)
+        self._hearing, self._heard = threading.Lock(), {}  # why each ended shard process ended (`_ended`)
         self._pipes, self._replies, self._last_words = started.calls, started.replies, started.last_words
         self._processes = started.processes
         self._on_failure = on_failure
@@ -115,9 +115,10 @@ class ShardProcesses:
                 return
             self.failure = reason
         log.error("%s", reason)
-        for process in self._processes:
-            if process.is_alive():
-                process.kill()
+        with self._hearing:  # no reaping beside `_ended`'s
+            for process in self._processes:
+                if process.is_alive():
+                    process.kill()
         self._on_failure(reason)
 
     def close(self) -> None:
@@ -139,18 +140,18 @@ class ShardProcesses:
         self.fail(self._ended(sentinels[ready[0]]))
 
     def _ended(self, rank: int) -> str:
-        """Why the split ends, shard process `rank` having ended: its exit code and its last words, if it said any."""
-        self._processes[rank - 1].join(5)
-        code = self._processes[rank - 1].exitcode
-        with self._hearing:  # by the watchdog or a failed call, whichever asks first; kept for the other
+        """Why the split ends, shard process `rank` having ended: its exit code and its last words, if it said any.
+        Worked out once (the watchdog and a failed call may both ask: two joins at once can lose the exit code)."""
+        with self._hearing:
             if rank not in self._heard:
-                self._heard[rank] = ""
-                words = self._last_words[rank - 1]
+                process, words = self._processes[rank - 1], self._last_words[rank - 1]
+                process.join(5)
+                said = ""
                 with contextlib.suppress(OSError, EOFError):
-                    self._heard[rank] = f" ({words.recv()})" if words.poll(1.0) else ""
-        said = self._heard[rank]
-        return (f"shard process {rank} of {self.size} ended (exit code {code}){said}: the models split over the GPUs "
-                "cannot run without it; restart the service")
+                    said = f" ({words.recv()})" if words.poll(1.0) else ""
+                self._heard[rank] = (f"shard process {rank} of {self.size} ended (exit code {process.exitcode}){said}: "
+                                     "the models split over the GPUs cannot run without it; restart the service")
+            return self._heard[rank]
 
 
 class SplitRegistry(ModelRegistry):
