@@ -65,11 +65,11 @@ class ShardProcesses:
         """Every shard process gets `message` (the caller holds `lock` and runs the same call next)."""
         if self.failure is not None:
             raise EngineGone(self.failure)
-        for pipe in self._pipes:
+        for rank, pipe in enumerate(self._pipes, start=1):
             try:
                 pipe.send(message)
             except (OSError, EOFError):
-                raise EngineGone(self.failure or "a shard process has ended; restart the service") from None
+                raise self._lost(rank) from None
 
     def agree(self, ready: bool, what: str) -> None:
         """After this process's part of `what` (`ready`: it went well), every shard process says how its part went;
@@ -79,7 +79,10 @@ class ShardProcesses:
             while not replies.poll(1.0):
                 if self.failure is not None:
                     raise EngineGone(self.failure)
-            ok, reason = replies.recv()
+            try:
+                ok, reason = replies.recv()
+            except (OSError, EOFError):
+                raise self._lost(rank) from None
             if not ok:
                 failures.append(f"shard process {rank}: {reason}")
         go = ready and not failures
@@ -131,6 +134,18 @@ class ShardProcesses:
             process.join(10)
             if process.is_alive():
                 process.kill()
+
+    def _lost(self, rank: int) -> EngineGone:
+        """Shard process `rank`'s pipe broke: the split ends with its end as the reason (waited for up to
+        `ENDING_SECONDS`: the pipe may break before the watchdog hears of the end)."""
+        process = self._processes[rank - 1]
+        if self.failure is None:
+            if wait([process.sentinel], timeout=ENDING_SECONDS):
+                self.fail(self._ended(rank))
+            else:
+                self.fail(f"shard process {rank} of {self.size} stopped answering: the models split over the GPUs "
+                          "cannot run without it; restart the service")
+        return EngineGone(self.failure or "")
 
     def _watch(self) -> None:
         sentinels = {process.sentinel: rank for rank, process in enumerate(self._processes, start=1)}
