@@ -59,6 +59,14 @@ def test_accelerate_hooks_are_bypassed_and_put_back(llama):
     with compat.device_hooks_bypassed(model):
         assert all(m.__dict__["forward"] == m._old_forward for m in hooked if m is not model)
     assert all(m.__dict__["forward"] is before[id(m)] for m in hooked)
+    # overlapping calls (a batch, and a compile in another thread): the hooks come back when the last one ends
+    first, second = compat.device_hooks_bypassed(model), compat.device_hooks_bypassed(model)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert all(m.__dict__["forward"] == m._old_forward for m in hooked if m is not model)
+    second.__exit__(None, None, None)
+    assert all(m.__dict__["forward"] is before[id(m)] for m in hooked)
     from accelerate.hooks import remove_hook_from_module
 
     remove_hook_from_module(model, recurse=True)

@@ -51,10 +51,11 @@ from .options import load_options
               help="Lanes (micro-batches) of each batch, each of up to --max-batch rows (default: the model's "
                    "pipeline stages).")
 @click.option("--compile/--no-compile", "compile_steps", default=None,
-              help="torch.compile each model's decode and prefill steps (fused kernels, one compile for all shapes, at "
-                   "load: see docs/serving.md). Default: on where every block is on a GPU and the weights are "
-                   "floating point, int8, int4 or nf4 (LLaMA layers read by devmap's kernels); --compile compiles "
-                   "other quantized models' steps too.")
+              help="torch.compile each model's decode and prefill steps (fused kernels, one compile for all shapes: "
+                   "see docs/serving.md). Default: where every block is on a GPU and the weights are floating point, "
+                   "int8, int4 or nf4 (LLaMA layers read by devmap's kernels), compiled while the model already "
+                   "serves (captured eager steps until then). --compile: compiled before the model serves (a compile "
+                   "that fails fails the load), other quantized models' steps too.")
 @click.option("--load-format", default="auto", show_default=True,
               type=click.Choice(["auto", "dummy"], case_sensitive=False),
               help="auto: the weights in each model directory; dummy: random weights made on their devices from the "
@@ -125,15 +126,14 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     try:
         for directory in model_dirs:
             path = Path(directory).expanduser().resolve()
-            click.echo(f"loading {path.name} (on GPUs its decode and prefill steps compile once now: a minute or "
-                       "more, less with inductor's on-disk cache; --no-compile skips it)", err=True)
+            click.echo(f"loading {path.name}", err=True)
             described = engine.load(str(path), under_root=False)
             lanes = f" in {described['lanes']} lanes" if described["lanes"] > 1 else ""
             click.echo(f"loaded {described['id']} from {path} onto "
                        f"{', '.join(sorted(set(described['device_map'].values())))}: batches of up to "
                        f"{described['max_batch']} rows{lanes} of {described['cache_tokens_per_row']} cache tokens "
                        f"(more rows of shorter caches), steps "
-                       f"{'compiled' if described['compiled'] else 'captured eagerly'}; "
+                       f"{_steps(described)}; "
                        + ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in described["load_seconds"].items()),
                        err=True)
     except ServiceError as exc:
@@ -163,6 +163,15 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     # uvicorn handles SIGTERM and SIGINT: it stops accepting, lets in-flight requests finish, then the app's
     # lifespan drains the engine
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(request_timeout) + 5)
+
+
+def _steps(described: dict) -> str:
+    """How a loaded model's steps run, for the console."""
+    if described["compiled"]:
+        return "steps compiled"
+    if described.get("compiling"):
+        return "steps captured eagerly while they compile (the log says when compiled ones take over)"
+    return "steps captured eagerly"
 
 
 def _process_age() -> float | None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -151,22 +152,36 @@ def device_hook_moved(old: nn.Module, new: nn.Module) -> bool:
 def device_hooks_bypassed(model: nn.Module) -> Iterator[None]:
     """accelerate's device hooks taken off `model`'s submodules for one call, put back after (also on error). Each
     AlignDevicesHook moves the arguments again and is `torch.compiler.disable`d, which broke every compiled stage
-    step into one graph per module. Hooks that bring offloaded weights in are left alone."""
-    swapped = []
-    for module in model.modules():
-        hook = getattr(module, "_hf_hook", None)
-        hooked = module.__dict__.get("forward")
-        own = getattr(module, "_old_forward", None)
-        if module is model or hook is None or hooked is None or own is None or hooked is own \
-                or not _only_moves_arguments(hook):
-            continue
-        swapped.append((module, hooked))
-        module.forward = own
+    step into one graph per module. Hooks that bring offloaded weights in are left alone. Calls that overlap (a
+    service's batch and its model's compile in another thread) share one bypass: the hooks come back when the last
+    of them ends."""
+    with _BYPASSING:
+        state = model.__dict__.get("_devmap_hooks_bypassed")
+        if state is None:
+            swapped = []
+            for module in model.modules():
+                hook = getattr(module, "_hf_hook", None)
+                hooked = module.__dict__.get("forward")
+                own = getattr(module, "_old_forward", None)
+                if module is model or hook is None or hooked is None or own is None or hooked is own \
+                        or not _only_moves_arguments(hook):
+                    continue
+                swapped.append((module, hooked))
+                module.forward = own
+            state = model.__dict__["_devmap_hooks_bypassed"] = [0, swapped]
+        state[0] += 1
     try:
         yield
     finally:
-        for module, hooked in swapped:
-            module.forward = hooked
+        with _BYPASSING:
+            state[0] -= 1
+            if state[0] == 0:
+                del model.__dict__["_devmap_hooks_bypassed"]
+                for module, hooked in state[1]:
+                    module.forward = hooked
+
+
+_BYPASSING = threading.Lock()
 
 
 # --- torch --------------------------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ Emit = Callable[[Any, int], bool]
 def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len: int, lanes: int | None = None,
                      sampling: Sampling | None = None, split_layers: list[int] | None = None, graphs: bool = True,
                      compile: bool = False, keep_graphs: bool = True, kv_room: int | None = None,
-                     riding: bool | None = None, scores: int | None = None) -> Iterator["ContinuousBatch"]:
+                     riding: bool | None = None, scores: int | None = None,
+                     every_shape: bool | None = None) -> Iterator["ContinuousBatch"]:
     """A continuous batch of `rows` rows on `model`, driven step by step by its caller:
     `batch.step(joining)` starts requests in free rows and issues one decode step, `batch.collect()` hands back
     the tokens that have come back since (a couple of steps behind the GPUs), `batch.release(owner)` frees the
@@ -64,7 +65,10 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     (`mixed_joins.rides_by_default`).
 
     `scores`: every token comes back with its log-probability and those of the `scores` most likely tokens
-    (`generation.scores`; `batch.collect(scored=True)`); None: tokens alone."""
+    (`generation.scores`; `batch.collect(scored=True)`); None: tokens alone.
+
+    `every_shape`: whether the steps of every join shape run once before the first step (None: with graphs, which
+    captures them there; True without graphs: compiling them, as a service's compile beside its serving does)."""
     sampling = sampling or Sampling()
     sampling.check()
     if rows < 1 or not 0 < first_slot <= cache_len:
@@ -101,7 +105,8 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
         for k, lane in enumerate(lane_list):
             run.decode.prepare_decode(k, lane, cache_len, entries, cache)
         vacant()
-        if run.graphs:  # every join shape captured up front (steps carrying packs run on the vacant rows: so again)
+        if run.graphs if every_shape is None else every_shape:
+            # every join shape captured (or compiled) up front (steps carrying packs run on the vacant rows: so again)
             run.start()
             batch.joins.capture()
             run.streams.join([])

@@ -11,6 +11,7 @@ that stream's next, eager, user.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Any, Callable
 
@@ -26,12 +27,14 @@ class GraphedStep:
     `static_in` is the buffer the step reads (token ids on stage 0, else the hidden state); fill it before
     each call. With `graph=True` the first call runs eagerly (it also warms up kernels and allocations),
     the second captures the step into `pool` and replays it, later calls only replay; a graph's output is
-    the same tensor each time, valid until the next replay of any graph of its pool (`handed_on`).
+    the same tensor each time, valid until the next replay of any graph of its pool (`handed_on`). A `compiled`
+    body (torch.compile regions) is captured with dynamo refusing to compile: a capture cannot hold a compile. An
+    eager one leaves dynamo alone (its stance is the process's: another thread may be compiling meanwhile).
     """
 
     def __init__(self, body: Callable[[torch.Tensor], torch.Tensor], static_in: torch.Tensor, graph: bool,
-                 pool: Any = None, capture_stream: torch.cuda.Stream | None = None) -> None:
-        self.body, self.static_in = body, static_in
+                 pool: Any = None, capture_stream: torch.cuda.Stream | None = None, compiled: bool = False) -> None:
+        self.body, self.static_in, self.compiled = body, static_in, compiled
         self.use_graph = graph and static_in.is_cuda
         self.pool, self.capture_stream = pool, capture_stream
         self.calls = 0
@@ -79,7 +82,8 @@ class GraphedStep:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.stream(side), fail_on_recompile(), own_blas_workspace():
+            with torch.cuda.stream(side), fail_on_recompile() if self.compiled else contextlib.nullcontext(), \
+                    own_blas_workspace():
                 begin_capture(graph, self.pool)
                 try:
                     out = self.body(self.static_in)

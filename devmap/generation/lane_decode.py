@@ -91,7 +91,7 @@ class LaneDecode:
         body = with_decode_attention(self.s.config,
                                      self.run.compiled_body(lambda x, j=j, item=inputs: self.s.decode(j, x, item)),
                                      decode_step_attention)
-        return GraphedStep(body, static_in, graphed, pool, capture)
+        return GraphedStep(body, static_in, graphed, pool, capture, compiled=self.run.compile)
 
     def mixed_steps(self, lane: Lane, rows: int, width: int, scratches: list[LaneCache],
                     cache: StepCache | None) -> list[tuple[GraphedStep, torch.Tensor, torch.Tensor]]:
@@ -137,7 +137,8 @@ class LaneDecode:
 
         compiled = self.run.compiled_body(body)
         step = GraphedStep(with_decode_attention(self.s.config, compiled, decode_step_attention),
-                           static_in, graphed, pool, self.run.capture_stream(j) if graphed else None)
+                           static_in, graphed, pool, self.run.capture_stream(j) if graphed else None,
+                           compiled=self.run.compile)
         return step, positions, mask
 
     def first_rows_steps(self, lane: Lane, rows: int, cache: StepCache | None) -> list[GraphedStep]:

@@ -173,8 +173,8 @@ class LanePrefill:
             return self.s.run(j, hidden, context, lane_cache)
 
         body = self.run.compiled_body(body)
-        graphed = self.s.captures(j, head=False)  # a prompt's prefill ends before the head
+        graphed = self.run.graphs and self.s.captures(j, head=False)  # a prompt's prefill ends before the head
         step = GraphedStep(body, static_in, graphed, cache.pool(device, j) if graphed else None,
-                           self.run.capture_stream(j) if graphed else None)
+                           self.run.capture_stream(j) if graphed else None, compiled=self.run.compile)
         return step, static_positions, static_mask
 

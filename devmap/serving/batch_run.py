@@ -71,11 +71,13 @@ class ModelBatches:
 
 @dataclass
 class Outcome:
-    """How a batch ended: `left`, the unfinished requests of a batch the scheduler stopped (they continue later);
-    `failure`, the `StepFailed` of a failed step (a batch that cannot start raises instead)."""
+    """How a batch ended: `left`, the unfinished requests of a batch that was stopped (they continue later), for
+    waiting requests or, `recompiled`, because its model's compiled steps became ready; `failure`, the `StepFailed`
+    of a failed step (a batch that cannot start raises instead)."""
 
     left: list[Job] = field(default_factory=list)
     failure: StepFailed | None = None
+    recompiled: bool = False
 
 
 def failure_for(cause: BaseException) -> ServiceError:
@@ -111,6 +113,7 @@ class BatchRunner:
         outcome = Outcome()
         stopped = False
         self._score_prompts(resident, jobs)
+        compiled = resident.compiled  # a model compiling beside its serving: its batches move to compiled steps
         with self.batches.open(resident, shape, sampling, params.logprobs) as batch:  # a start that fails raises
             running.riding = batch.mixing
             joining = [job for job in jobs if not job.finished]
@@ -131,6 +134,9 @@ class BatchRunner:
                 clock.mark("hand_back")
                 joining = []
                 if self._unloaded(resident, jobs):
+                    break
+                if resident.compiled and not compiled:  # its requests go on from their tokens in a compiled batch
+                    stopped = outcome.recompiled = True
                     break
                 admission, free = self._admission(batch, running, eos, trace, clock)
                 if admission.stop:

@@ -100,8 +100,6 @@ class EngineCore:
         path = self.registry.under_root(name) if under_root else Path(name).expanduser().resolve()
         resident = self.registry.load(path, model_id, device_map, max_memory, dtype)
         self.metrics.models.set(len(self.registry.all()))
-        for phase, seconds in resident.load_seconds.items():
-            self.metrics.load_seconds.labels(model=resident.id, phase=phase).set(seconds)
         return {**resident.describe(), "plan": resident.model.devmap_plan.to_dict(), "load_report": resident.report}
 
     def unload(self, model_id: str) -> None:
@@ -115,6 +113,9 @@ class EngineCore:
         self.unloaded(model_id)
 
     def render_metrics(self) -> bytes:
+        for resident in self.registry.all():  # a compile beside serving adds its phase when it ends
+            for phase, seconds in dict(resident.load_seconds).items():
+                self.metrics.load_seconds.labels(model=resident.id, phase=phase).set(seconds)
         return self.metrics.render(self.registry.planned())
 
     def start_profile(self) -> dict[str, Any]:
@@ -186,10 +187,15 @@ class EngineCore:
                 resident.last_used = time.monotonic()
                 outcome = self.runner.run(resident, jobs, shape, start.takes_joiners)
                 resident.last_used = time.monotonic()
-            if outcome.left:  # stopped for requests that could not join: its unfinished ones continue after those
-                self.scheduler.put_back(outcome.left, time.perf_counter())
-                self.metrics.preemptions.inc()
-                log.debug("batch stopped for waiting requests: %d continue", len(outcome.left))
+            if outcome.left:  # stopped for requests that could not join, or for compiled steps: its unfinished
+                # requests continue (after those)
+                self.scheduler.put_back(outcome.left, time.perf_counter(), first=outcome.recompiled)
+                if outcome.recompiled:
+                    log.info("%s: its batch moves to compiled steps: %d requests continue", resident.id,
+                             len(outcome.left))
+                else:
+                    self.metrics.preemptions.inc()
+                    log.debug("batch stopped for waiting requests: %d continue", len(outcome.left))
             if outcome.failure is not None:
                 self._isolate(jobs, outcome.failure)
         except Exception as exc:  # the batch failed outside its steps (its start): every request gets the reason

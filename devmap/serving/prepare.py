@@ -1,7 +1,8 @@
 """A loaded model made ready to serve: its LLaMA layers' input projections joined (two products where transformers
 runs five per decode step, `generation.joined_projections`), the variants of devmap's product kernels for its
-quantized weights compiled, its decode steps compiled and warmed up (or left as captured eager steps where compiling
-does not pay or fails), its tokenizer and end-of-sequence ids. The registry loads, this prepares, each phase timed.
+quantized weights compiled, its decode steps compiled and warmed up now or while it serves (or left as captured eager
+steps where compiling does not pay or fails), its tokenizer and end-of-sequence ids. The registry loads, this
+prepares, each phase timed.
 """
 
 from __future__ import annotations
@@ -24,19 +25,23 @@ log = logging.getLogger("devmap.serving")
 
 @dataclass(frozen=True)
 class Ready:
-    """What serving a prepared model needs beside it: its tokenizer, context (0: unbounded), end-of-sequence ids, and
-    whether its decode steps run compiled."""
+    """What serving a prepared model needs beside it: its tokenizer, context (0: unbounded), end-of-sequence ids,
+    whether its decode steps run compiled, and whether they are to be compiled while it serves (`compile_later`)."""
 
     tokenizer: Any
     context: int
     eos_ids: tuple[int, ...]
     compiled: bool
+    compile_later: bool = False
 
 
 def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: EngineLimits, rows: int,
-                        phases: LoadPhases) -> Ready:
+                        phases: LoadPhases, compile_beside: bool = False) -> Ready:
     """Prepare the loaded `model` (from `path`) for batches of up to `rows` rows under `limits`; the "prepare" and
-    "compile" phases timed in `phases`. The caller frees the model if this raises."""
+    "compile" phases timed in `phases`. The caller frees the model if this raises.
+
+    `compile_beside`: steps that compile by default are left to compile while the model serves (`Ready.compile_later`,
+    `step_compile`); asked for (`limits.compile`), they compile now, and a compile that fails fails the load."""
     from ..generation.joined_projections import join_projections
 
     with phases.timed("prepare"):
@@ -45,9 +50,18 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
         _prepare_product_kernels(model, model_id)
         tokenizer = load_tokenizer(path)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    eos_ids = end_of_sequence_ids(model, tokenizer)
+    if compile_beside and limits.compile is None and _compiles(model, limits):
+        return Ready(tokenizer, context, eos_ids, compiled=False, compile_later=True)
     with phases.timed("compile"):
         compiled = _compiled(model, limits, model.devmap_plan.quantization, rows, context)
-    return Ready(tokenizer, context, end_of_sequence_ids(model, tokenizer), compiled)
+    return Ready(tokenizer, context, eos_ids, compiled)
+
+
+def _compiles(model: nn.Module, limits: EngineLimits) -> bool:
+    from .warm_up import compiles
+
+    return compiles(model, limits.compile, model.devmap_plan.quantization)
 
 
 def _prepare_product_kernels(model: nn.Module, model_id: str) -> None:

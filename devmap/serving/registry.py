@@ -28,6 +28,7 @@ from .limits import EngineLimits
 from .load_phases import LoadPhases
 from .prepare import prepare_for_serving
 from .resident import ResidentModel
+from .step_compile import StepCompile
 
 if TYPE_CHECKING:
     from .load_plan import ServingPlan
@@ -98,7 +99,10 @@ class ModelRegistry:
                 raise ServiceError(f"cannot load {model_id}: {exc}") from None
             try:
                 self._weights_loaded(model_id)
-                ready = prepare_for_serving(model, path, model_id, self.limits, serving.rows, phases)
+                # a split's processes compile in step before serving (the warm-up's collectives); a whole model
+                # compiles while it serves
+                ready = prepare_for_serving(model, path, model_id, self.limits, serving.rows, phases,
+                                            compile_beside=self.tensor_parallel == 1)
             except BaseException:
                 _free(model)
                 raise
@@ -115,7 +119,23 @@ class ModelRegistry:
             )
             self.add(resident)
             _freeze_survivors()
+            if ready.compile_later:
+                self._compile_beside(resident)
             return resident
+
+    def _compile_beside(self, resident: ResidentModel) -> None:
+        """Compile the model's steps while it serves (`step_compile`); its batches move to them once ready."""
+        from .warm_up import warm_up
+
+        model, rows, context, riding = resident.model, resident.max_rows, resident.context, self.limits.riding
+
+        def done(seconds: float) -> None:
+            resident.load_seconds["compile"] = seconds
+            resident.compiled = True
+            _freeze_survivors()  # what the compile made and keeps, left out of later collections too
+
+        resident.compiling = StepCompile(resident.id, lambda stop: warm_up(
+            model, rows, context, riding, beside_serving=True, stop=stop), done)
 
     def add(self, resident: ResidentModel) -> None:
         """Make a model resident (one `load` made, or a caller's own) under its id."""
@@ -199,6 +219,8 @@ class ModelRegistry:
             if resident.unload_at is None:  # a second unload keeps the first one's bound
                 resident.unload_at = time.monotonic() + drain
             wait = max(resident.unload_at - time.monotonic(), 0.0) + UNLOAD_GRACE
+        if resident.compiling is not None:  # a compile beside its serving ends at its next step
+            resident.compiling.stop()
         if not resident.busy.acquire(timeout=wait):  # the engine ends its batch at its next step past the bound
             raise ServiceError(f"model {model_id!r} is still running a step {UNLOAD_GRACE:g} s past its drain bound; "
                                "it takes no new requests, try the unload again")

@@ -14,6 +14,7 @@ from torch import nn
 from ..planning.devices import DeviceKey
 from .kv_budget import KVBudget
 from .scheduler import BatchShape
+from .step_compile import StepCompile
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ResidentModel:
     cache_len: int = 0  # cache tokens per row its plan made room for
     lanes: int = 1  # the lanes its batches run in, each up to the service's max_batch rows (`load_plan`)
     compiled: bool = False  # its decode steps run as torch.compile code (devmap.serving.warm_up)
+    compiling: StepCompile | None = None  # its steps' compile while it serves (`step_compile`), once started
     eos_ids: tuple[int, ...] = ()  # tokens that end a request (the model's generation config and its tokenizer)
     last_used: float = field(default_factory=time.monotonic)
     busy: threading.Lock = field(default_factory=threading.Lock)
@@ -66,5 +68,6 @@ class ResidentModel:
                 "path": str(self.path), "context_length": self.context, "vocab_size": self.vocab_size,
                 "max_batch": self.max_rows, "lanes": self.lanes,
                 "cache_tokens_per_row": self.cache_len, "kv_cache_tokens": self.kv_budget.tokens,
-                "compiled": self.compiled, "load_seconds": self.load_seconds,
+                "compiled": self.compiled, "compiling": self.compiling is not None and self.compiling.running,
+                "load_seconds": dict(self.load_seconds),  # a copy: a compile beside serving adds to it
                 "device_map": {k: str(v) for k, v in self.model.hf_device_map.items()}}

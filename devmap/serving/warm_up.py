@@ -11,12 +11,17 @@ int8 tensor cores), where eager int8 steps had given 0.83×; int4 0.94× (and 1.
 eager tinygemm steps had given 0.15× (benchmarks/RESULTS.md). A cold start on one H200 with an empty inductor cache:
 45-54 s at 13B bf16 and 60-64 s int8 (steps compiled region by region; 261 and 283 s compiled whole), 60-74 s int4.
 Other quantized weights (bitsandbytes') stay eager unless `--compile` asks: their compiled speed is not measured.
-`--no-compile` turns compiling off. The compile happens at load, in a small continuous batch (its decode step, and its
-joins at every pack width), so the first request does not wait for it (inductor's on-disk cache makes a restart
-faster).
+`--no-compile` turns compiling off. The compile runs in a small continuous batch (its decode step, and its joins at
+every pack width), so that no request waits for it: beside the model's serving by default (`step_compile`: the model
+answers with captured eager steps at once, and its batches move to compiled steps once they are ready), at load before
+serving when `--compile` asks for it or when the model is split over processes (`--tensor-parallel`: their warm-ups
+meet in collectives, which a second thread's calls would interleave with). Inductor's on-disk cache makes a restart's
+compile faster.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -42,19 +47,26 @@ def compiles(model: nn.Module, wanted: bool | None, quantization: Quantization |
     return torch.cuda.is_available() and all(is_gpu(parse_device_key(d)) for d in devices)
 
 
-def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None = None) -> None:
-    """Run a small continuous batch with compiled steps (compiling its decode step, and on GPUs the steps carrying
-    joiners' prompts or their joins' prefill, as `riding` chooses, as it captures every pack width), then free what it
-    captured."""
+def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None = None, beside_serving: bool = False,
+            stop: Callable[[], bool] = lambda: False) -> None:
+    """Run a small continuous batch with compiled steps (compiling its decode step, and the steps carrying joiners'
+    prompts or their joins' prefill, as `riding` chooses, at every pack width).
+
+    Before the model serves: on GPUs its steps are captured too (a capture that would compile fails the warm-up),
+    then freed. `beside_serving`: while the model serves in another thread, its steps run uncaptured in a batch of
+    its own, leaving the model's kept steps alone (nothing is captured beside the serving thread's captures); `stop()`
+    True ends it between two steps."""
     cache_len = min(CACHE_BUCKET, context) if context else CACHE_BUCKET
     prompt = [1] * 4
     rows = min(MIN_ROWS, max_rows)
     with continuous_batch(model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True,
-                          riding=riding) as batch:
+                          riding=riding, graphs=not beside_serving, keep_graphs=not beside_serving,
+                          every_shape=True) as batch:
         # every row held: the batch's own decode step compiles; steps over its first rows reuse that compile
         batch.step([SlotRequest(prompt, WARM_UP_STEPS + 1, object()) for _ in range(rows)])
         for _ in range(WARM_UP_STEPS):
-            if not batch.step([]):
+            if stop() or not batch.step([]):
                 break
         batch.collect(everything=True)
-    release_graphs(model)
+    if not beside_serving:
+        release_graphs(model)

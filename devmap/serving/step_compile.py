@@ -1,0 +1,60 @@
+"""Compiling a resident model's steps while it serves: a model answers as soon as its weights are on their devices,
+with captured eager steps, while a thread of its own compiles its steps (`warm_up`, beside the serving thread:
+nothing captured there); once they are ready the model is marked compiled, and its running batch continues on them
+from its next step boundary (`batch_run`: the batch stops and its requests go on from their tokens so far, as a batch
+stopped for others does). A compile that fails leaves the model on its eager steps, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger("devmap.serving")
+
+Work = Callable[[Callable[[], bool]], None]
+"""The compile itself, given `stop()`: True when it should end early (its model is being unloaded)."""
+
+
+class StepCompile:
+    """One model's compile in a thread of its own; `done(seconds)` is called once it succeeded (not when it failed
+    or was stopped). `failure`: why it failed, if it did."""
+
+    def __init__(self, model_id: str, work: Work, done: Callable[[float], None]) -> None:
+        self.model_id, self.failure = model_id, None
+        self._work, self._done = work, done
+        self._stop, self._ended = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"devmap-compile-{model_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return not self._ended.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the compile to end (True if it did within `timeout` seconds)."""
+        return self._ended.wait(timeout)
+
+    def stop(self) -> None:
+        """End the compile at its next step and wait for it (its model is about to be freed)."""
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._work(self._stop.is_set)
+        except Exception as exc:
+            self.failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            log.warning("%s: decode steps stay eager (captured): compiling them failed: %s", self.model_id,
+                        self.failure)
+        else:
+            if not self._stop.is_set():
+                seconds = time.perf_counter() - started
+                self._done(seconds)
+                log.info("%s: compiled steps ready after %.1f s; its batches continue on them", self.model_id,
+                         seconds)
+        finally:
+            self._ended.set()

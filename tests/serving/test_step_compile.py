@@ -1,0 +1,116 @@
+"""A model whose steps compile while it serves (aot_eager on CPU: dynamo's tracing and guards): it answers before its
+compile ends, its running requests move to compiled steps at a step boundary with the tokens they would have had
+alone, and an unload stops the compile."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+import devmap
+from devmap.generation.continuous_rows import ContinuousBatch
+import devmap.serving.batch_run as batch_run
+import devmap.serving.warm_up as warm_up
+from devmap.serving import Engine, EngineLimits, GenerationParams, ModelRegistry
+
+from .lane_checks import _drain
+
+BESIDE = 3  # eager steps run beside the compile, after which the batch waits for its end (if it has not ended)
+
+
+@pytest.fixture
+def compile_beside(compiled_on_cpu, monkeypatch):
+    """Models compile beside their serving on this CPU, once `gate` is set; every batch's compile flag is recorded
+    as it opens (`opened`)."""
+    gate, opened = threading.Event(), []
+    real_warm_up, real_batch = warm_up.warm_up, batch_run.continuous_batch
+
+    def gated(*args, **kwargs):
+        assert gate.wait(120)
+        real_warm_up(*args, **kwargs)
+
+    def recorded(*args, **kwargs):
+        opened.append(kwargs["compile"])
+        return real_batch(*args, **kwargs)
+
+    monkeypatch.setattr(warm_up, "compiles", lambda model, wanted, quantization: wanted is not False)
+    monkeypatch.setattr(warm_up, "warm_up", gated)
+    monkeypatch.setattr(batch_run, "continuous_batch", recorded)
+    return gate, opened
+
+
+def test_a_model_answers_while_its_steps_compile_and_its_requests_move_to_them(model_root, compile_beside,
+                                                                               monkeypatch):
+    gate, opened = compile_beside
+    registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=EngineLimits())
+    resident = registry.load(model_root / "tiny")
+    assert not resident.compiled and resident.describe()["compiling"] and "compile" not in resident.load_seconds
+
+    steps = [0]
+    step = ContinuousBatch.step
+
+    def held(self, joining=None):  # the eager batch steps beside the compile, then waits for its end
+        if gate.is_set() and not self.run.compile:
+            steps[0] += 1
+            if steps[0] == BESIDE:
+                assert resident.compiling.wait(300)
+        return step(self, joining)
+
+    monkeypatch.setattr(ContinuousBatch, "step", held)
+    prompts = [[5 + (13 * i + 7 * k) % 400 for k in range(3 + (5 * i) % 11)] for i in range(5)]
+    budgets = [24 + 3 * i for i in range(5)]
+    engine = Engine(registry, EngineLimits())
+    engine.start()
+
+    async def crowd() -> list:
+        jobs = [engine.submit("tiny", p, GenerationParams(max_new_tokens=n, temperature=0))
+                for p, n in zip(prompts, budgets)]
+        done = [asyncio.ensure_future(_drain(engine, job)) for job in jobs]
+        while not all(job.generated for job in jobs):  # every request has tokens from eager steps
+            await asyncio.sleep(0.001)
+        gate.set()
+        await asyncio.gather(*done)
+        return [list(job.generated) for job in jobs]
+
+    try:
+        served = asyncio.run(crowd())
+    finally:
+        engine.close(timeout=120)
+    assert resident.compiled and not resident.describe()["compiling"] and resident.compiling.failure is None
+    assert resident.load_seconds["compile"] > 0
+    assert opened[0] is False and opened[-1] is True  # the requests went on in a compiled batch
+    eos = list(resident.eos_ids)
+    for ids, new, answer in zip(prompts, budgets, served):
+        out = devmap.generate(resident.model, torch.tensor([ids]), max_new_tokens=new, eos_token_id=eos,
+                              pad_token_id=eos[0])[0, len(ids):].tolist()
+        assert answer == out[:next((k for k, t in enumerate(out) if t in eos), len(out))]
+
+
+def test_an_unload_stops_the_compile_and_a_failed_compile_leaves_eager_steps(model_root, compile_beside,
+                                                                             monkeypatch, caplog):
+    gate, _ = compile_beside
+    registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=EngineLimits())
+    resident = registry.load(model_root / "tiny", model_id="stopped")
+    gate.set()
+    time.sleep(0.05)
+    registry.unload("stopped")  # waits for the compile to end at its next step
+    assert not resident.compiling.running and not resident.compiled
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("no C++ compiler (a test's)")
+
+    monkeypatch.setattr(warm_up, "warm_up", failing)
+    resident = registry.load(model_root / "tiny", model_id="failing")
+    assert resident.compiling.wait(60)
+    assert not resident.compiled and "no C++ compiler" in resident.compiling.failure
+    assert "decode steps stay eager" in caplog.text
+
+
+def test_asked_for_a_compile_happens_before_the_model_serves(model_root, compile_beside):
+    gate, _ = compile_beside
+    gate.set()
+    registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=EngineLimits(compile=True))
+    resident = registry.load(model_root / "tiny")
+    assert resident.compiled and resident.compiling is None and "compile" in resident.load_seconds
