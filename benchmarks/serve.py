@@ -28,7 +28,9 @@ least max(L × W / S + KV / S, W + KV / L) / bandwidth for weights W and the run
 holding requests, as many as the clients up to S unless `--devmap-args` sets `--lanes`), and its arithmetic spreads
 over min(L, S) GPUs.
 Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each devmap server once
-more after its runs, for a restart's time with the compile caches on disk that its first start filled.
+more after its runs, for a restart's time with the compile caches on disk that its first start filled. A devmap server
+answers on captured eager steps while its steps compile: from its first answer until its compiled steps serve it gets
+windows of the first client count (their TTFT and tok/s printed: the swap's cost), and the timed rows start after.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its release does
 not know are dropped one at a time, and the flags used are printed. `transformers+int8` (+int4, +nf4) serves a
 pre-quantized copy of the preset's checkpoint (`devmap save MODEL --quantize`, the same seed: torchao's or bitsandbytes'
@@ -105,6 +107,30 @@ def server(command: list[str], port: int, name: str, timeout: float = 600, env: 
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+def compiling(url: str) -> bool:
+    """Whether any model of a devmap server is still compiling its steps beside its serving."""
+    models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+    return any(m.get("compiling") for m in models)
+
+
+def while_compiling(url: str, model: str, clients: int, seconds: float, new: int, lengths: list[int],
+                    timeout: float = 900) -> tuple[list[dict[str, Any]], float]:
+    """Timed windows of `clients` clients from the server's first answer until its compiled steps serve (the
+    window in which they take over included), and the seconds until then."""
+    started, windows = time.monotonic(), []
+    while compiling(url) and time.monotonic() - started < timeout:
+        windows.append(load_test(url, model, clients, seconds, new, seed=len(windows), lengths=lengths))
+    return windows, time.monotonic() - started + wait_compiled(url, timeout)
+
+
+def wait_compiled(url: str, timeout: float = 900) -> float:
+    """Seconds until no model of a devmap server is compiling beside its serving."""
+    started = time.monotonic()
+    while compiling(url) and time.monotonic() - started < timeout:
+        time.sleep(0.5)
+    return time.monotonic() - started
 
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int) -> dict[str, Any]:
@@ -540,6 +566,17 @@ def main() -> None:
                 served = quantized_copy(args.model, path, schemes[system]) if schemes[system] else path
                 command, model = transformers_command(served, port), str(served)
             with server(command, port, name, env=env, cwd=tree) as (url, cold):
+                compiled = {}
+                if system.startswith("devmap"):  # it serves on eager steps until its compiled ones take over
+                    windows, waited = while_compiling(url, model, counts[0], args.seconds, args.new,
+                                                      [int(w) for w in args.prompt_words.split(",")])
+                    compiled = {"compiled_s": cold + waited, "while_compiling": windows}
+                    worst = max((w["ttft_p99"] or 0.0 for w in windows), default=None)
+                    print(f"  {name}: compiled steps serve {cold + waited:.1f} s after its process started; "
+                          f"{len(windows)} windows of {counts[0]} clients before that"
+                          + (f", TTFT p99 at most {worst:.2f} s, "
+                             f"{min(w['tokens_per_s'] for w in windows):,.0f}-"
+                             f"{max(w['tokens_per_s'] for w in windows):,.0f} tok/s" if windows else ""), flush=True)
                 for clients in counts:
                     before: dict[str, float] = {}
                     profiling: list[threading.Thread] = []
@@ -568,7 +605,7 @@ def main() -> None:
                     floor = floor_seconds(row, read.get(system, weights), kv_per_token, bandwidth, args.new, stages,
                                           lanes_of(args.devmap_args, stages, clients) if stages > 1 else 1,
                                           parameters, flops, split=splits(system))
-                    rows.setdefault(name, []).append({**row, "cold_start_s": cold,
+                    rows.setdefault(name, []).append({**row, **compiled, "cold_start_s": cold,
                                                       "floor_s": floor[0] if floor else None,
                                                       "floor_bound": floor[1] if floor else None,
                                                       "hbm_bytes_per_s": bandwidth, "bf16_flops": flops, "gpus": gpus})
@@ -585,8 +622,9 @@ def main() -> None:
             if args.restart and system.startswith("devmap") and rows.get(name):
                 port = free_port()
                 command[command.index("--port") + 1] = str(port)
-                with server(command, port, f"{name}-restart", env=env, cwd=tree) as (_, again):
+                with server(command, port, f"{name}-restart", env=env, cwd=tree) as (again_url, again):
                     rows[name][0]["restart_s"] = again
+                    rows[name][0]["restart_compiled_s"] = again + wait_compiled(again_url)
     report(args.model, rows, counts, args.out, schemes)
 
 
@@ -620,10 +658,18 @@ def report(model: str, rows: dict[str, list[dict[str, Any]]], counts: list[int],
                       f"steps): {r.get('stages_busy', '-')}")
     cold = ", ".join(f"{system} {results[0]['cold_start_s']:.1f} s" for system, results in rows.items() if results)
     print(f"cold start (a fresh server process until it answers): {cold}")
+    ready = ", ".join(f"{system} {results[0]['compiled_s']:.1f} s" for system, results in rows.items()
+                      if results and "compiled_s" in results[0])
+    if ready:
+        print(f"compiled steps serving (a fresh server process until its compile beside serving ended): {ready}")
     again = ", ".join(f"{system} {results[0]['restart_s']:.1f} s" for system, results in rows.items()
                       if results and "restart_s" in results[0])
     if again:
         print(f"restart (the same server started again, its on-disk compile caches filled): {again}")
+    again = ", ".join(f"{system} {results[0]['restart_compiled_s']:.1f} s" for system, results in rows.items()
+                      if results and "restart_compiled_s" in results[0])
+    if again:
+        print(f"restart until its compiled steps serve: {again}")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"serve_{model}.json").write_text(json.dumps(rows, indent=2))

@@ -1,0 +1,77 @@
+"""GPU-only: a model whose steps compile (inductor) while it serves. Requests that start on captured eager steps and
+move to compiled ones mid-stream get the greedy tokens of generating alone (float32), on one GPU and over two, both
+ways of joining; a service started again on the compile caches its first start filled answers the same."""
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+import devmap.serving.batch_run as batch_run
+from devmap.generation.continuous_rows import ContinuousBatch
+from devmap.serving import EngineLimits, ModelRegistry
+from devmap.testing import gpu_count, require_gpus
+
+from .conftest import running_server
+from .lane_checks import served_and_alone
+from .test_split_serving import SENTENCES, ask_together, whole_model_answers
+
+pytestmark = require_gpus(1)
+
+BESIDE = 4  # eager steps run beside the compile, after which the batch waits for its end (if it has not ended)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+@pytest.mark.parametrize("riding", [False, True], ids=["own prefills", "riding joiners"])
+def test_requests_moving_to_compiled_steps_mid_stream_get_the_tokens_of_generating_alone(model_root, gpus, riding,
+                                                                                       monkeypatch):
+    if gpu_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPUs, {gpu_count()} visible")
+    monkeypatch.setenv("DEVMAP_STREAM_CHECK", "1")  # a reader that does not wait for its writer reads stale data
+    torch.backends.cuda.matmul.allow_tf32 = False
+    limits = EngineLimits(max_batch=4, riding=riding)  # compiled by default: beside the serving
+    registry = ModelRegistry(model_root, "balanced", {i: "8GiB" for i in range(gpus)}, limits=limits)
+    resident = registry.load(model_root / "tiny")
+    assert not resident.compiled and resident.describe()["compiling"]
+
+    opened, steps, step, real_batch = [], [0], ContinuousBatch.step, batch_run.continuous_batch
+    lock = threading.Lock()
+
+    def recorded(*args, **kwargs):
+        opened.append(kwargs["compile"])
+        return real_batch(*args, **kwargs)
+
+    def held(self, joining=None):
+        if not self.run.compile:
+            with lock:
+                steps[0] += 1
+                wait = steps[0] == BESIDE
+            if wait:
+                assert resident.compiling.wait(600)
+        return step(self, joining)
+
+    monkeypatch.setattr(batch_run, "continuous_batch", recorded)
+    monkeypatch.setattr(ContinuousBatch, "step", held)
+    for served, alone in served_and_alone(registry, limits, "tiny", 4 * gpus):
+        assert served == alone
+    assert resident.compiled and resident.compiling.failure is None
+    assert opened[0] is False and True in opened
+
+
+def test_a_service_started_again_on_its_filled_compile_cache_answers_the_same(model_root, tmp_path):
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference's products in float32, as the service's
+    requests = [(SENTENCES[i % len(SENTENCES)] + " " * (i // len(SENTENCES)), 4 + (5 * i) % 13) for i in range(10)]
+    reference = whole_model_answers(model_root, "tiny", 0)
+    expected = [reference(p, n) for p, n in requests]
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    for _ in range(2):  # a fresh cache, then the one the first start filled
+        with running_server(model_root, "--max-tokens", "32", max_memory=None, env=env) as (url, _):
+            assert ask_together(url, "tiny", requests) == expected  # eager steps, or compiled ones by now
+            deadline = time.monotonic() + 600
+            while any(m["compiling"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]):
+                assert time.monotonic() < deadline, "the compile beside serving did not end"
+                time.sleep(0.2)
+            assert all(m["compiled"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"])
+            assert ask_together(url, "tiny", requests) == expected  # compiled steps
