@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import time
+from pathlib import Path
 
 import click
 
@@ -56,6 +57,10 @@ from .options import load_options
                    "int8, int4 or nf4 (LLaMA layers read by devmap's kernels), compiled while the model already "
                    "serves (captured eager steps until then). --compile: compiled before the model serves (a compile "
                    "that fails fails the load), other quantized models' steps too.")
+@click.option("--compile-cache", default=None, envvar="DEVMAP_COMPILE_CACHE", type=click.Path(file_okay=False),
+              help="Where compiled steps are kept for the next start (inductor's and Triton's on-disk caches, keyed "
+                   "by their graphs, the card and the releases; delete the folder to clear it). Default: "
+                   "~/.cache/devmap/compile, unless TORCHINDUCTOR_CACHE_DIR is set.")
 @click.option("--load-format", default="auto", show_default=True,
               type=click.Choice(["auto", "dummy"], case_sensitive=False),
               help="auto: the weights in each model directory; dummy: random weights made on their devices from the "
@@ -75,7 +80,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
           model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int,
           join_tokens: int, riding: bool | None, max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
-          unload_drain: float, lanes: int | None, compile_steps: bool | None, load_format: str,
+          unload_drain: float, lanes: int | None, compile_steps: bool | None, compile_cache: str | None,
+          load_format: str,
           profile_dir: str | None, tensor_parallel: int, log_level: str) -> None:
     """Serve models on their devices over an OpenAI-compatible HTTP API.
 
@@ -97,7 +103,6 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
             raise click.UsageError(f"--tensor-parallel puts each process's shard whole on its GPU: leave out "
                                    f"{', '.join(placing)}")
         _check_splits(model_dirs, tensor_parallel)
-    from pathlib import Path
 
     from devmap.serving.core_parts import RegistrySettings
     from devmap.serving.core_start import start_core
@@ -111,6 +116,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     # the models and the loop that batches them run in a process of their own (the engine core); this one answers
     # HTTP, tokenizes and detokenizes, so that no request's Python work holds the loop that issues the GPUs' work.
     # The core starts first: its imports and loads run while this process imports its own stack below
+    use_compile_cache(compile_cache)  # before the engine core's process starts: it inherits the environment
     settings = RegistrySettings(model_root, device_map, max_memory, dtype, quantize,
                                 random_weights=load_format.lower() == "dummy", tensor_parallel=tensor_parallel)
     started = start_core(settings, limits, log_level)
@@ -163,6 +169,17 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     # uvicorn handles SIGTERM and SIGINT: it stops accepting, lets in-flight requests finish, then the app's
     # lifespan drains the engine
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(request_timeout) + 5)
+
+
+def use_compile_cache(folder: str | None) -> None:
+    """Point inductor's and Triton's on-disk caches into `folder` (None: ~/.cache/devmap/compile, unless the
+    environment names inductor's cache already), for this process and those it starts."""
+    if folder is None and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return
+    root = Path(folder).expanduser() if folder else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                              "devmap", "compile")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root.resolve() / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(root.resolve() / "triton")
 
 
 def _steps(described: dict) -> str:

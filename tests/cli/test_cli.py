@@ -1,6 +1,7 @@
 """The CLI through click's CliRunner: plan, env, --json, and one-line errors with exit code 2."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -105,3 +106,17 @@ def test_generated_text_shows_control_characters_as_escapes():
     from devmap.cli.generate_cmd import shown
 
     assert shown("Hello\r\x00 wörld\n\tok\x1b[31m") == "Hello\\r\\x00 wörld\n\tok\\x1b[31m"
+
+
+def test_serve_keeps_compiled_steps_where_it_is_told_else_in_the_users_cache(tmp_path, monkeypatch):
+    from devmap.cli.serve_cmd import use_compile_cache
+
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    use_compile_cache(None)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(
+        (tmp_path / "home" / ".cache" / "devmap" / "compile" / "inductor").resolve())
+    use_compile_cache(None)  # inductor's own variable, set: left as it is
+    use_compile_cache(str(tmp_path / "mine"))  # named: always
+    assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "mine" / "triton").resolve())
