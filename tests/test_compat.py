@@ -45,6 +45,11 @@ def test_transformers_mask_is_built_for_a_prompt(llama):
 
 def test_attention_implementation_is_read_from_the_config(llama):
     assert compat.attention_implementation(llama.config) == "sdpa"
+    seen = []
+    step = compat.with_decode_attention(llama.config, lambda: seen.append(
+        (llama.config._attn_implementation, compat.attention_implementation(llama.config))), compat.sdpa_attention)
+    step()  # inside a decode step (another thread's, to anyone else) the model is still an sdpa model
+    assert seen == [(compat.DECODE_ATTENTION, "sdpa")] and llama.config._attn_implementation == "sdpa"
 
 
 def test_accelerate_hooks_are_bypassed_and_put_back(llama):

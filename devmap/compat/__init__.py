@@ -67,8 +67,11 @@ def transformers_causal_mask(config: Any, like: torch.Tensor, attention_mask: to
 
 
 def attention_implementation(config: Any) -> str:
-    """The attention implementation the model was loaded with ('sdpa', 'eager', 'flash_attention_2', ...)."""
-    return getattr(config, "_attn_implementation", None) or "eager"
+    """The attention implementation the model was loaded with ('sdpa', 'eager', 'flash_attention_2', ...): 'sdpa'
+    also while a decode step of another thread has it set to devmap's (`with_decode_attention`; a service compiles a
+    model's steps in one thread while another serves it)."""
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    return "sdpa" if implementation == DECODE_ATTENTION else implementation
 
 
 DECODE_ATTENTION = "devmap_decode_sdpa"
@@ -77,7 +80,11 @@ DECODE_ATTENTION = "devmap_decode_sdpa"
 def with_decode_attention(config: Any, step: Any, attention: Any) -> Any:
     """`step` (a decode step of a model whose attention is sdpa) run with `attention` in place of transformers' sdpa
     (registered through `AttentionInterface`, chosen by `config._attn_implementation` while the step runs; it takes
-    sdpa's arguments and may hand any call on to `sdpa_attention`). Steps of other attentions are returned as is."""
+    sdpa's arguments and may hand any call on to `sdpa_attention`). Steps of other attentions are returned as is.
+
+    The choice is the model's, not the thread's: a step of another thread on the same model (a compile beside its
+    serving) runs with whichever is set: the same computation either way (`attention` hands a prompt's call to
+    sdpa, and sdpa takes a decode step's mask as it is), by other kernels."""
     if attention_implementation(config) != "sdpa":
         return step
     from transformers import AttentionInterface
@@ -99,7 +106,7 @@ def attention_function(config: Any) -> Any:
     inside a `with_decode_attention` step, the step's)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return ALL_ATTENTION_FUNCTIONS[attention_implementation(config)]
+    return ALL_ATTENTION_FUNCTIONS[getattr(config, "_attn_implementation", None) or "eager"]
 
 
 def sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -32,6 +32,8 @@ from .scheduler import Scheduler, Start, batch_shape
 
 log = logging.getLogger("devmap.serving")
 
+CLOSE_COMPILE_SECONDS = 30.0  # how long closing waits for a compile beside serving to reach its next step
+
 # the core's methods the API may call
 CONTROL = ("models", "describe", "load", "unload", "render_metrics", "start_profile", "stop_profile")
 
@@ -69,6 +71,9 @@ class EngineCore:
             self._worker.join(timeout)
             self._worker = None
             self._unwatch_gc()
+        for resident in self.registry.all():  # a compile beside serving ends at its next step
+            if resident.compiling is not None:
+                resident.compiling.stop(CLOSE_COMPILE_SECONDS)
 
     def add(self, job: Job) -> None:
         """Queue a request (any thread). Its model is looked up when it starts: a model unloaded meanwhile ends it

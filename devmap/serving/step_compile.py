@@ -37,10 +37,11 @@ class StepCompile:
         """Wait for the compile to end (True if it did within `timeout` seconds)."""
         return self._ended.wait(timeout)
 
-    def stop(self) -> None:
-        """End the compile at its next step and wait for it (its model is about to be freed)."""
+    def stop(self, timeout: float | None = None) -> None:
+        """End the compile at its next step and wait for it, up to `timeout` seconds (its model is about to be
+        freed, or the service to end)."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         started = time.perf_counter()
