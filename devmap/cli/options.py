@@ -40,9 +40,11 @@ def load_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Budget per device, e.g. 0=20GiB,1=20GiB,cpu=64GiB,disk=200GB."),
         click.option("--dtype", default=None,
                      help="float32, float16, bfloat16, or auto (the checkpoint's; weights are cast on load)."),
-        click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4"], case_sensitive=False),
-                     help="Quantize the blocks' Linear layers as they load (int8, int4: torchao; nf4: bitsandbytes; "
-                          "int4 and nf4 on GPUs only); the dtype defaults to bfloat16."),
+        click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4", "fp8"],
+                                                                     case_sensitive=False),
+                     help="Quantize the blocks' Linear layers as they load (int8, int4, fp8: torchao; nf4: "
+                          "bitsandbytes; int4 and nf4 on GPUs only, fp8 on GPUs with FP8 tensor cores: compute "
+                          "capability 8.9 and up); the dtype defaults to bfloat16."),
     ]
     for option in reversed(options):
         func = option(func)

@@ -31,8 +31,8 @@ from .output import echo_json, table
 @click.option("--optimizer", default="adamw", show_default=True,
               type=click.Choice(["sgd", "momentum", "adam", "adamw"], case_sensitive=False),
               help="With --for train: the optimizer whose state is counted.")
-@click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4"], case_sensitive=False),
-              help="Count the blocks' Linear weights quantized (int8: torchao, int4: torchao, nf4: bitsandbytes); "
+@click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4", "fp8"], case_sensitive=False),
+              help="Count the blocks' Linear weights quantized (int8, int4, fp8: torchao; nf4: bitsandbytes); "
                    "embeddings, norms and lm_head stay at --dtype.")
 @click.option("--tensor-parallel", default=1, show_default=True, type=click.IntRange(min=1),
               help="Split every attention and MLP block of a LLaMA-family model over each group of N GPUs (their "

@@ -18,9 +18,10 @@ from .output import echo_json
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--weights", default=None, type=click.Path(dir_okay=False),
               help="A .safetensors file whose tensors to write instead of random ones.")
-@click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4"], case_sensitive=False),
-              help="Write pre-quantized weights (int8, int4: torchao; nf4: bitsandbytes) in the layout transformers' "
-                   "from_pretrained reads back; quantized on the devices of --device-map (4-bit needs GPUs).")
+@click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "nf4", "fp8"], case_sensitive=False),
+              help="Write pre-quantized weights (int8, int4, fp8: torchao; nf4: bitsandbytes) in the layout "
+                   "transformers' from_pretrained reads back; quantized on the devices of --device-map (4-bit needs "
+                   "GPUs, fp8 GPUs of compute capability 8.9 and up).")
 @click.option("--device-map", default="auto", show_default=True,
               help="Where the weights are quantized with --quantize (a strategy or one device, as for load).")
 @click.option("--config-only", is_flag=True,

@@ -62,8 +62,8 @@ def load(
     Weights go from safetensors straight to their device; the model is never built on the CPU first.
     Presets without `weights` are randomly initialized on their devices. The returned model carries
     `hf_device_map`, `devmap_plan` (the Plan) and `devmap_load_report` (a LoadReport). `quantization` ("int8",
-    "int4", "nf4" or a transformers BitsAndBytesConfig) quantizes the blocks' Linear layers block by block as they
-    arrive on their devices (devmap.loading.quantize); the dtype then defaults to bfloat16. `workload`
+    "int4", "nf4", "fp8" or a transformers BitsAndBytesConfig) quantizes the blocks' Linear layers block by block as
+    they arrive on their devices (devmap.loading.quantize); the dtype then defaults to bfloat16. `workload`
     (devmap.planning.workload) plans room for what the model will run, and refuses, before anything is read, a
     load whose workload would not fit. `random_weights` reads no weights: every tensor is initialized randomly
     (seeded) on its device, as for a preset, from the directory's config alone (vLLM's `--load-format dummy`: to
@@ -105,7 +105,8 @@ def load(
                           workload)
     shrink = set(quantized_weights(model, quantized)) if quantized is not None else set()
     if quantized is not None:
-        check_library(quantized)
+        owners = (owner_of(name, plan.device_map) for name in shrink)
+        check_library(quantized, {plan.device_map[owner] for owner in owners if owner is not None})
     with undo_offload_on_failure(folder):
         _check_devices(plan, folder)
         from accelerate.utils import find_tied_parameters

@@ -3,9 +3,9 @@
 The planner decides which weights shrink (devmap.planning.quantization); the loader hands this module each
 block's Linears with their full-precision weights already on their device, and this module swaps them for the
 library's quantized form, so a device never holds more than one block in full precision beyond its plan.
-No kernel is hand-written: torchao's `quantize_` (Int4WeightOnlyConfig; for int8 its `Int8Tensor.from_hp` per
-weight shape of a block, which is what `quantize_` runs per Linear) and bitsandbytes' Linear8bitLt / Linear4bit
-do the work, as they do under transformers.
+No kernel is hand-written: torchao's `quantize_` (Int4WeightOnlyConfig, Float8DynamicActivationFloat8WeightConfig;
+for int8 its `Int8Tensor.from_hp` per weight shape of a block, which is what `quantize_` runs per Linear) and
+bitsandbytes' Linear8bitLt / Linear4bit do the work, as they do under transformers.
 """
 
 from __future__ import annotations
@@ -21,20 +21,25 @@ from ..compat import stored_tensors, torchao_int8_rows
 from ..errors import UsageError
 from ..planning.device_maps import DeviceMap, owner_of
 from ..planning.planner import Plan
-from ..planning.quantization import INT4_GROUP, NF4_BLOCK, Quantization
+from ..planning.devices import DeviceKey, device_label, is_gpu
+from ..planning.quantization import INT4_GROUP, NF4_BLOCK, Quantization, check_fp8_cards
 from .checkpoint import TensorEntry
 from .transfer import CHUNK_BYTES, CopyJob, copy_into
 
 
-def check_library(quantization: Quantization) -> None:
-    """Refuse, before anything is allocated, a scheme whose library is not installed (where blocks go is the
-    planner's check: `devmap.planning.quantization.check_placement`)."""
+def check_library(quantization: Quantization, devices: set[DeviceKey] = frozenset()) -> None:
+    """Refuse, before anything is allocated, a scheme whose library is not installed, or fp8 on `devices` (those
+    holding quantized blocks) without FP8 tensor cores (where blocks go is the planner's check:
+    `devmap.planning.quantization.check_placement`)."""
     module = "torchao" if quantization.library == "torchao" else "bitsandbytes"
     try:
         __import__(module)
     except ImportError:
         raise UsageError(f"--quantize {quantization.scheme} uses {module}, which is not installed: "
                          f"pip install {module}") from None
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_fp8_cards(quantization, {device_label(key): torch.cuda.get_device_capability(key)
+                                   if is_gpu(key) and key < visible else None for key in devices})
 
 
 def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.device, TensorEntry | None]],
@@ -139,6 +144,10 @@ def torchao_config(quantization: Quantization) -> Any:
 
     if quantization.scheme == "int8":
         return Int8WeightOnlyConfig(set_inductor_config=False)
+    if quantization.scheme == "fp8":
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
     return Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d",
                                 set_inductor_config=False)
 

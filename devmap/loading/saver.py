@@ -55,7 +55,7 @@ def save(source: Union[str, Path], out_dir: Union[str, Path], dtype: str | torch
     the `weights` safetensors file; the directory appears only once everything is written. `config_only` writes the
     configs and tokenizer and no tensors: a directory that `load(..., random_weights=True)` and `devmap serve
     --load-format dummy` read (a 70B model's 138 GB written for random weights only costs minutes and disk).
-    With `quantization` ("int8", "int4", "nf4" or a BitsAndBytesConfig) the weights are quantized on the devices
+    With `quantization` ("int8", "int4", "nf4", "fp8" or a BitsAndBytesConfig) the weights are quantized on the devices
     of `device_map` by the same library as `load(..., quantization=...)` and written pre-quantized, in the layout
     transformers' `from_pretrained` reads back (its `quantization_config` in config.json).
     """

@@ -45,11 +45,11 @@ def plan(
     `device_map` is a strategy (auto, balanced, balanced_low_0, sequential), one device for the whole model (0,
     "cuda:1", "cpu", torch.device), an explicit {module name: device}, or a .json file holding one. Budgets come from
     `max_memory`, simulated `gpus` x `gpu_memory`, or this machine (see devmap.planning.budget.resolve_budget). `dtype`
-    sets the size of each weight; `quantization` ("int8", "int4", "nf4" or a transformers BitsAndBytesConfig) counts the
-    blocks' Linear weights at 1 or ½ byte. `workload` (`devmap.planning.workload.parse_workload`) plans the memory
-    running needs as well: KV cache, activations, gradients and optimizer state, each on the device of the block that
-    holds it. `tensor_parallel` N > 1 splits every attention and MLP block of a LLaMA-family model over each group of
-    N GPUs (`devmap.planning.tensor_parallel`); the groups are planned as the devices of the map.
+    sets the size of each weight; `quantization` ("int8", "int4", "nf4", "fp8" or a transformers BitsAndBytesConfig)
+    counts the blocks' Linear weights at 1 or ½ byte. `workload` (`devmap.planning.workload.parse_workload`) plans
+    the memory running needs as well: KV cache, activations, gradients and optimizer state, each on the device of
+    the block that holds it. `tensor_parallel` N > 1 splits every attention and MLP block of a LLaMA-family model
+    over each group of N GPUs (`devmap.planning.tensor_parallel`); the groups are planned as the devices of the map.
     """
     device_map = normalize_device_map(device_map)
     torch_dtype = parse_dtype(dtype)

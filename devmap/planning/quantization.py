@@ -2,10 +2,13 @@
 
 `int8` is 8-bit weight-only (torchao's Int8WeightOnlyConfig; bitsandbytes' LLM.int8 when a user passes
 transformers' `BitsAndBytesConfig(load_in_8bit=True)`), `int4` is 4-bit weight-only with groups of 128 (torchao),
-`nf4` is bitsandbytes' 4-bit NormalFloat (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`).
+`nf4` is bitsandbytes' 4-bit NormalFloat (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`),
+`fp8` is float8 (e4m3) weights with a scale per output row and activations quantized per token as they come
+(torchao's Float8DynamicActivationFloat8WeightConfig with PerRow granularity: FP8 tensor cores, GPUs of compute
+capability 8.9 and up).
 As in transformers, only the Linear layers inside the model's blocks are quantized: embeddings, norms and the
 output head (`lm_head`, and any module a BitsAndBytesConfig names in `llm_int8_skip_modules`) keep the model's
-dtype. Sizes are the libraries' layouts: 1 byte (int8) or half a byte (int4, nf4) per weight through accelerate's
+dtype. Sizes are the libraries' layouts: 1 byte (int8, fp8) or half a byte (int4, nf4) per weight through accelerate's
 accounting, plus the scales (and int4's padding) each library keeps beside them (`extra_bytes`).
 """
 
@@ -19,8 +22,9 @@ from torch import nn
 
 from ..errors import DoesNotFitError, UsageError
 
-SCHEMES = ("int8", "int4", "nf4")
-LIBRARIES = {"int8": "torchao", "int4": "torchao", "nf4": "bitsandbytes"}
+SCHEMES = ("int8", "int4", "nf4", "fp8")
+LIBRARIES = {"int8": "torchao", "int4": "torchao", "nf4": "bitsandbytes", "fp8": "torchao"}
+FP8_CAPABILITY = (8, 9)  # the first GPUs with FP8 tensor cores (Ada; Hopper is 9.0)
 DEFAULT_SKIP = ("lm_head",)
 INT4_GROUP = 128  # torchao Int4WeightOnlyConfig's group size
 NF4_BLOCK = 64  # bitsandbytes' 4-bit block size
@@ -36,7 +40,7 @@ class Quantization:
 
     @property
     def bits(self) -> int:
-        return 8 if self.scheme == "int8" else 4
+        return 8 if self.scheme in ("int8", "fp8") else 4
 
     def weight_dtype(self) -> Any:
         """What accelerate counts each quantized weight as."""
@@ -49,7 +53,7 @@ class Quantization:
 
 
 def parse_quantization(spec: Any) -> Quantization | None:
-    """None, "int8" / "int4" / "nf4", a Quantization, or transformers' BitsAndBytesConfig."""
+    """None, "int8" / "int4" / "nf4" / "fp8", a Quantization, or transformers' BitsAndBytesConfig."""
     if spec is None or isinstance(spec, Quantization):
         return spec
     if isinstance(spec, str):
@@ -91,6 +95,9 @@ def check_quantizable(quantization: Quantization, is_causal_lm: bool, name: str,
     if quantization.scheme == "int4" and dtype != torch.bfloat16:
         raise UsageError("--quantize int4 with --dtype float16: torchao's int4 kernel (tinygemm) computes in "
                          "bfloat16 only; use --dtype bfloat16, or --quantize nf4 for float16")
+    if quantization.scheme == "fp8" and dtype != torch.bfloat16:
+        raise UsageError("--quantize fp8 with --dtype float16: torchao's float8 products with a scale per row "
+                         "(torch._scaled_mm) give bfloat16 only; use --dtype bfloat16")
 
 
 def quantized_weights(model: nn.Module, quantization: Quantization) -> list[str]:
@@ -136,6 +143,22 @@ def check_placement(quantization: Quantization, devices: set[Any]) -> None:
         raise DoesNotFitError(f"{quantization.scheme} runs on GPUs only ({quantization.library}'s 4-bit kernels are "
                               "CUDA kernels), and the plan puts quantized blocks on the CPU: give the GPUs more "
                               "memory, or use --quantize int8 (torchao runs it on the CPU too)")
+    if quantization.scheme == "fp8" and "cpu" in devices:
+        raise DoesNotFitError("fp8 runs on GPUs with FP8 tensor cores only (compute capability 8.9 and up), and the "
+                              "plan puts quantized blocks on the CPU: give the GPUs more memory, or use --quantize "
+                              "int8 (torchao runs it on the CPU too)")
+
+
+def check_fp8_cards(quantization: Quantization, capabilities: dict[Any, tuple[int, int] | None]) -> None:
+    """Refuse fp8 on a device without FP8 tensor cores: `capabilities` maps each device that holds quantized blocks
+    to its CUDA compute capability (None: not a GPU, or none visible)."""
+    if quantization.scheme != "fp8":
+        return
+    for device, capability in capabilities.items():
+        if capability is None or capability < FP8_CAPABILITY:
+            found = "no CUDA GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+            raise UsageError(f"--quantize fp8 needs GPUs with FP8 tensor cores (compute capability 8.9 and up: Ada, "
+                             f"Hopper and later); {device} has {found}: use --quantize int8 instead")
 
 
 def larger_than_unquantized(quantization: Quantization) -> str:
@@ -149,11 +172,12 @@ def larger_than_unquantized(quantization: Quantization) -> str:
 
 
 def weight_extra_bytes(quantization: Quantization, out_features: int, in_features: int) -> int:
-    """Bytes a library keeps for one quantized weight of shape (out, in) beyond 1 (int8) or ½ (4-bit) byte per
-    weight: int8 (torchao and bitsandbytes) a float32 scale per output row; int4 (torchao's tinygemm layout)
-    rows padded to a multiple of 1024 columns and columns to a multiple of 8 rows, plus a bfloat16 scale and
-    zero point per group of 128 of the padded weight; nf4 (bitsandbytes, blocks of 64) a float32 absmax per block."""
-    if quantization.scheme == "int8":
+    """Bytes a library keeps for one quantized weight of shape (out, in) beyond 1 (int8, fp8) or ½ (4-bit) byte per
+    weight: int8 (torchao and bitsandbytes) and fp8 (torchao) a float32 scale per output row; int4 (torchao's
+    tinygemm layout) rows padded to a multiple of 1024 columns and columns to a multiple of 8 rows, plus a bfloat16
+    scale and zero point per group of 128 of the padded weight; nf4 (bitsandbytes, blocks of 64) a float32 absmax
+    per block."""
+    if quantization.scheme in ("int8", "fp8"):
         return 4 * out_features
     if quantization.scheme == "int4":
         rows, columns = -(-out_features // 8) * 8, -(-in_features // 1024) * 1024

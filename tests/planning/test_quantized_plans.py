@@ -20,7 +20,7 @@ def test_70b_in_int4_fits_one_gpu_where_bfloat16_does_not():
     assert plan.total_bytes < 40 * 2**30 < 128 * 2**30 < plan.unquantized_bytes
 
 
-@pytest.mark.parametrize("scheme, per_weight", [("int8", 1.0), ("int4", 0.5), ("nf4", 0.5)])
+@pytest.mark.parametrize("scheme, per_weight", [("int8", 1.0), ("int4", 0.5), ("nf4", 0.5), ("fp8", 1.0)])
 def test_block_linears_shrink_and_the_rest_stays_at_dtype(scheme, per_weight):
     plain = devmap.plan("llama-tiny", "auto", gpus=2, gpu_memory="1GiB", dtype="bfloat16")
     plan = devmap.plan("llama-tiny", "auto", gpus=2, gpu_memory="1GiB", dtype="bfloat16", quantization=scheme)
@@ -57,6 +57,7 @@ def test_bitsandbytes_configs_are_accepted():
     (["plan", "resnet50", "--quantize", "int8"], "applies to LLaMA-style models"),
     (["plan", "llama-tiny", "--quantize", "int8", "--dtype", "float32"], "use --dtype bfloat16 or float16"),
     (["plan", "llama-tiny", "--quantize", "int4", "--dtype", "float16"], "bfloat16 only"),
+    (["plan", "llama-tiny", "--quantize", "fp8", "--dtype", "float16"], "give bfloat16 only"),
     (["plan", "llama-tiny", "--quantize", "int3"], "'int3' is not one of"),
 ])
 def test_bad_combinations_are_refused(argv, message):
@@ -79,7 +80,7 @@ def test_cli_says_what_quantization_saves():
     assert data["quantization"] == {"scheme": "int8", "library": "torchao", "skip_modules": ["lm_head"]}
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4", "fp8"])
 def test_balanced_splits_quantized_blocks_evenly(scheme):
     """accelerate does not see the libraries' scales; the balanced split still halves the model (it once put a
     whole 4-bit 7B on the first GPU: its fills overshot every cap by the scales and no split was accepted)."""
@@ -96,6 +97,23 @@ def test_plan_refuses_int4_on_the_cpu_as_load_does():
         devmap.load("llama-tiny", "auto", "cpu=1GiB", quantization="int4")
     int8 = CliRunner().invoke(main, ["plan", "llama-tiny", "--quantize", "int8", "--max-memory", "cpu=1GiB"])
     assert int8.exit_code == 0, int8.output
+
+
+def test_fp8_is_refused_where_there_are_no_fp8_tensor_cores():
+    """On the CPU (the plan says so first, as the load does), and on a GPU older than compute capability 8.9."""
+    from devmap.planning.quantization import check_fp8_cards
+
+    result = CliRunner().invoke(main, ["plan", "llama-tiny", "--quantize", "fp8", "--max-memory", "cpu=1GiB"])
+    assert result.exit_code == 2 and "fp8 runs on GPUs with FP8 tensor cores only" in result.output, result.output
+    with pytest.raises(UsageError, match="fp8 runs on GPUs with FP8 tensor cores only"):
+        devmap.load("llama-tiny", "auto", "cpu=1GiB", quantization="fp8")
+    fp8 = parse_quantization("fp8")
+    with pytest.raises(UsageError, match="cuda:1 has compute capability 8.0: use --quantize int8"):
+        check_fp8_cards(fp8, {"cuda:0": (9, 0), "cuda:1": (8, 0)})
+    with pytest.raises(UsageError, match="cuda:0 has no CUDA GPU"):  # a map naming a GPU this machine lacks
+        check_fp8_cards(fp8, {"cuda:0": None})
+    check_fp8_cards(fp8, {"cuda:0": (8, 9), "cuda:1": (9, 0)})  # Ada and Hopper
+    check_fp8_cards(parse_quantization("int8"), {"cuda:0": (7, 5)})
 
 
 def test_an_int4_plan_larger_than_bfloat16_says_why():
