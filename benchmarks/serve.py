@@ -16,7 +16,7 @@ transformers. The floor is the larger of two: a decode step of that load reading
 requests' KV cache once at the HBM bandwidth measured on this GPU in the same run ("reads"), and its arithmetic at
 the bf16 rate measured the same way: every running request's token and the prompt tokens each round takes in beside
 them (the load's prompt tokens per output token), 2 operations per parameter ("FLOPs").
-`--systems devmap+int8` (+int4, +nf4; +compile, +no-compile; +ride, +no-ride) serves devmap with those flags, its
+`--systems devmap+int8` (+int4, +nf4, +fp8; +compile, +no-compile; +ride, +no-ride) serves devmap with those flags, its
 floor reading the quantized weights; `devmap+tp` serves each `--gpus` row with `--tensor-parallel` over its GPUs
 (instead of `--devmap-args`' --device-map and --lanes), its floor each GPU reading 1/N of the weights and KV cache;
 `devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline in the same run).
@@ -32,7 +32,7 @@ more after its runs, for a restart's time with the compile caches on disk that i
 answers on captured eager steps while its steps compile: from its first answer until its compiled steps serve it gets
 windows of the first client count (their TTFT and tok/s printed: the swap's cost), and the timed rows start after.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its release does
-not know are dropped one at a time, and the flags used are printed. `transformers+int8` (+int4, +nf4) serves a
+not know are dropped one at a time, and the flags used are printed. `transformers+int8` (+int4, +nf4, +fp8) serves a
 pre-quantized copy of the preset's checkpoint (`devmap save MODEL --quantize`, the same seed: torchao's or bitsandbytes'
 layout, which transformers loads itself), its floor reading the quantized weights; a devmap row of a scheme is compared
 with the transformers row of the same scheme where there is one.
@@ -376,17 +376,17 @@ def decoder_parameters_of(path: Path) -> int:
 
 def devmap_variant(system: str) -> tuple[list[str], str | None]:
     """`devmap+int8+compile@DIR` → (the extra flags of devmap serve, the --quantize scheme or None): `+int8`,
-    `+int4`, `+nf4` serve quantized, `+compile` / `+no-compile` set compiling, `+ride` / `+no-ride` whether joiners
-    ride the decode steps; `+tp` (tensor parallelism over the row's GPUs) is added per row (`split_flags`)."""
+    `+int4`, `+nf4`, `+fp8` serve quantized, `+compile` / `+no-compile` set compiling, `+ride` / `+no-ride` whether
+    joiners ride the decode steps; `+tp` (tensor parallelism over the row's GPUs) is added per row (`split_flags`)."""
     flags, scheme = [], None
     for part in system.split("@", 1)[0].split("+")[1:]:
-        if part in ("int8", "int4", "nf4"):
+        if part in ("int8", "int4", "nf4", "fp8"):
             flags, scheme = [*flags, "--quantize", part], part
         elif part in ("compile", "no-compile", "ride", "no-ride"):
             flags.append(f"--{part}")
         elif part != "tp":
-            raise SystemExit(f"unknown variant +{part} in {system!r}: use +int8, +int4, +nf4, +compile, +no-compile, "
-                             "+ride, +no-ride or +tp")
+            raise SystemExit(f"unknown variant +{part} in {system!r}: use +int8, +int4, +nf4, +fp8, +compile, "
+                             "+no-compile, +ride, +no-ride or +tp")
     return flags, scheme
 
 
@@ -413,11 +413,11 @@ def split_flags(system: str, devmap_args: str, gpus: int | None) -> list[str]:
 
 
 def transformers_scheme(system: str) -> str | None:
-    """`transformers+nf4` → "nf4" (the scheme of a pre-quantized checkpoint: +int8, +int4, +nf4), `transformers` →
-    None."""
+    """`transformers+nf4` → "nf4" (the scheme of a pre-quantized checkpoint: +int8, +int4, +nf4, +fp8),
+    `transformers` → None."""
     parts = system.split("+")[1:]
-    if len(parts) > 1 or any(p not in ("int8", "int4", "nf4") for p in parts):
-        raise SystemExit(f"unknown variant in {system!r}: use transformers, transformers+int8, +int4 or +nf4")
+    if len(parts) > 1 or any(p not in ("int8", "int4", "nf4", "fp8") for p in parts):
+        raise SystemExit(f"unknown variant in {system!r}: use transformers, transformers+int8, +int4, +nf4 or +fp8")
     return parts[0] if parts else None
 
 
@@ -493,9 +493,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64, help="max_tokens of each request")
     parser.add_argument("--systems", default="devmap,transformers",
                         help="devmap, transformers, or devmap@DIR: devmap's sources in DIR (another release of it, "
-                             "as a baseline in the same run); devmap+int8 (+int4, +nf4): served with --quantize, "
+                             "as a baseline in the same run); devmap+int8 (+int4, +nf4, +fp8): served with --quantize, "
                              "its floor reading the quantized weights; +compile / +no-compile; +ride / +no-ride; "
-                             "transformers+int8 (+int4, +nf4): a pre-quantized copy of the checkpoint")
+                             "transformers+int8 (+int4, +nf4, +fp8): a pre-quantized copy of the checkpoint")
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
     parser.add_argument("--devmap-args", default="--device-map balanced",
                         help="extra flags of devmap serve (e.g. add --no-compile: captured eager steps)")
