@@ -1,0 +1,241 @@
+"""Every quantized product devmap serves, against the libraries that do the same job, on one GPU in one run: GPU
+microseconds per product (captured in a CUDA graph, over copies of the weight that the L2 cannot hold at once) for
+int8, int4, nf4 and fp8 weights at 1, 32 and 256 rows, on LLaMA-2-13B's and 70B's layer shapes (query/key/value and
+gate/up joined, as devmap runs them), beside bf16 and the floor of reading the weights (and scales) once.
+
+Candidates per scheme: devmap's own kernels (`devmap.generation.int8_products`, `four_bit_products`) where it has
+them; torchao eager and under torch.compile (int8 weight-only and with int8 activations, int4 tinygemm, int4
+preshuffled through mslk, fp8 with a scale per row through torch._scaled_mm or mslk); bitsandbytes (int8, nf4);
+gemlite (int4). A candidate that cannot run here (a library not installed, a kernel this card lacks) is listed with
+its reason instead of a time. The table gives each candidate's time, the fastest library's, and devmap's ratio to
+it: devmap keeps its own kernel only where it beats every library by 10% or more at the rows serving uses.
+
+Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/products.py [--shapes 13b,70b] [--rows 1,32,256]
+[--schemes int8,int4,nf4,fp8] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_bandwidth, graph_timed_us  # noqa: E402
+
+SHAPES = {  # (out, in) of a layer's four products, as devmap runs them
+    "13b": {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)},
+    "70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)},
+}
+L2_OVER = 4 * 2**30 // 32  # copies of a weight until they hold at least this many bytes (past any L2)
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+def quantized_linear(weight: torch.Tensor, config: Any) -> nn.Module:
+    """A Linear of `weight` quantized in place by torchao's `quantize_` with `config`."""
+    from torchao.quantization import quantize_
+
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.weight.data.copy_(weight)
+    quantize_(linear, config)
+    return linear
+
+
+def devmap_linear(weight: torch.Tensor, scheme: str) -> nn.Module:
+    """The Linear as devmap's loader quantizes it (`loading.quantize.quantize_linears`)."""
+    from devmap.loading.quantize import quantize_linears
+    from devmap.planning.quantization import parse_quantization
+
+    holder = nn.Module()
+    holder.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    holder.linear.weight.data.copy_(weight)
+    quantize_linears(holder, ["linear"], parse_quantization(scheme))
+    return holder.linear
+
+
+def compiled(module: nn.Module) -> Product:
+    return torch.compile(module, dynamic=False)
+
+
+def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Product]]:
+    """{name: a function that makes the candidate's product of x (its own quantized copy of `weight`)}."""
+    made: dict[str, Callable[[], Product]] = {}
+    if scheme == "bf16":
+        made["cuBLAS"] = lambda: (lambda x: torch.nn.functional.linear(x, weight.clone()))
+    elif scheme == "int8":
+        made["devmap"] = lambda: devmap_int8(weight)
+        made["torchao"] = lambda: devmap_linear(weight, "int8")
+        made["torchao compiled"] = lambda: compiled(devmap_linear(weight, "int8"))
+        made["torchao w8a8 compiled"] = lambda: compiled(torchao_linear(weight, "int8 dynamic"))
+        made["bitsandbytes"] = lambda: bitsandbytes_linear(weight, "int8")
+    elif scheme == "int4":
+        made["devmap"] = lambda: devmap_four_bit(devmap_linear(weight, "int4"))
+        made["torchao tinygemm"] = lambda: devmap_linear(weight, "int4")
+        made["torchao tinygemm compiled"] = lambda: compiled(devmap_linear(weight, "int4"))
+        made["torchao preshuffled (mslk)"] = lambda: torchao_linear(weight, "int4 preshuffled")
+        made["gemlite"] = lambda: gemlite_linear(weight)
+    elif scheme == "nf4":
+        made["devmap"] = lambda: devmap_four_bit(bitsandbytes_linear(weight, "nf4"))
+        made["bitsandbytes"] = lambda: bitsandbytes_linear(weight, "nf4")
+    elif scheme == "fp8":
+        made["torchao"] = lambda: devmap_linear(weight, "fp8")
+        made["torchao compiled"] = lambda: compiled(devmap_linear(weight, "fp8"))
+        made["torchao _scaled_mm compiled"] = lambda: compiled(torchao_linear(weight, "fp8 torch"))
+        made["torchao mslk compiled"] = lambda: compiled(torchao_linear(weight, "fp8 mslk"))
+    return made
+
+
+def devmap_int8(weight: torch.Tensor) -> Product:
+    from devmap.compat import torchao_int8_parts
+    from devmap.generation.int8_products import int8_product
+
+    qdata, scale, _ = torchao_int8_parts(devmap_linear(weight, "int8").weight)
+    return lambda x: int8_product(x, qdata, scale)
+
+
+def devmap_four_bit(linear: nn.Module) -> Product:
+    from devmap.generation.four_bit_linear import four_bit_weight
+    from devmap.generation.four_bit_products import four_bit_product
+
+    four_bit = four_bit_weight(linear)
+    if four_bit is None:
+        raise RuntimeError("devmap's layout does not take this weight")
+    return lambda x: four_bit_product(x, four_bit)
+
+
+def torchao_linear(weight: torch.Tensor, kind: str) -> nn.Module:
+    """torchao's configs devmap's loader does not use: int8 activations, int4 through mslk, fp8 by kernel."""
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Int4WeightOnlyConfig,
+                                      Int8DynamicActivationInt8WeightConfig, PerRow)
+
+    if kind == "int8 dynamic":
+        return quantized_linear(weight, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False))
+    if kind == "int4 preshuffled":
+        return quantized_linear(weight, Int4WeightOnlyConfig(group_size=128, int4_packing_format="preshuffled",
+                                                             set_inductor_config=False))
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    return quantized_linear(weight, Float8DynamicActivationFloat8WeightConfig(
+        granularity=PerRow(), kernel_preference=KernelPreference(kind.split()[1]), set_inductor_config=False))
+
+
+def bitsandbytes_linear(weight: torch.Tensor, scheme: str) -> nn.Module:
+    """bitsandbytes' Linear8bitLt / Linear4bit (nf4) of `weight`, as devmap's loader makes them."""
+    from devmap.loading.quantize import quantize_linears
+    from devmap.planning.quantization import Quantization
+
+    holder = nn.Module()
+    holder.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    holder.linear.weight.data.copy_(weight)
+    quantize_linears(holder, ["linear"], Quantization(scheme, "bitsandbytes"))
+    return holder.linear
+
+
+def gemlite_linear(weight: torch.Tensor) -> Product:
+    """gemlite's 4-bit weight-only Linear (groups of 128) of `weight`."""
+    from gemlite.helper import A16W4  # type: ignore[import-not-found]
+
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.weight.data.copy_(weight)
+    return A16W4(device=str(weight.device)).from_linear(linear)
+
+
+def stored_bytes(weight: torch.Tensor, scheme: str) -> int:
+    """Bytes a product reads of its weight: the quantized weight and what its library keeps beside it."""
+    from devmap.planning.quantization import parse_quantization, weight_extra_bytes
+
+    if scheme == "bf16":
+        return weight.numel() * 2
+    quantization = parse_quantization(scheme)
+    return weight.numel() * quantization.bits // 8 + weight_extra_bytes(quantization, *weight.shape)
+
+
+def timed(build: Callable[[], Product], weight_bytes: int, x: torch.Tensor) -> float:
+    """Microseconds per product over enough copies of the weight to be read from HBM, each called in turn."""
+    copies = [build() for _ in range(max(1, min(8, -(-L2_OVER // weight_bytes))))]
+    turn = [0]
+
+    def call() -> None:
+        copies[turn[0] % len(copies)](x)
+        turn[0] += 1
+
+    return graph_timed_us(call, repeat=8 * len(copies))
+
+
+def why(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:160]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="13b,70b")
+    parser.add_argument("--rows", default="1,32,256")
+    parser.add_argument("--schemes", default="int8,int4,nf4,fp8")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from devmap.compat import raise_recompile_limit
+
+    raise_recompile_limit(256)  # compiled candidates: one entry per weight shape and rows
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; HBM {bandwidth / 1e12:.2f} TB/s", flush=True)
+    results = []
+    for shape_name in args.shapes.split(","):
+        for product_name, (out, inner) in SHAPES[shape_name].items():
+            weight = torch.randn(out, inner, dtype=torch.bfloat16, device="cuda") * 0.02
+            for scheme in ["bf16", *args.schemes.split(",")]:
+                size = stored_bytes(weight, scheme)
+                for rows in (int(r) for r in args.rows.split(",")):
+                    x = torch.randn(rows, inner, dtype=torch.bfloat16, device="cuda")
+                    row: dict[str, Any] = {"shape": f"{shape_name} {product_name}", "scheme": scheme, "rows": rows,
+                                           "floor_us": size / bandwidth * 1e6, "times_us": {}, "cannot": {}}
+                    for name, build in candidates(scheme, weight).items():
+                        try:  # a library missing, a kernel this card lacks: recorded with its reason
+                            row["times_us"][name] = timed(build, size, x)
+                        except Exception as exc:
+                            row["cannot"][name] = why(exc)
+                        torch.cuda.empty_cache()
+                    results.append(row)
+                    print(line(row), flush=True)
+            del weight
+            torch.cuda.empty_cache()
+    report(results)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "products.json").write_text(json.dumps(results, indent=2))
+
+
+def line(row: dict[str, Any]) -> str:
+    times = ", ".join(f"{name} {us:.1f}" for name, us in sorted(row["times_us"].items(), key=lambda kv: kv[1]))
+    return f"{row['shape']:>12} {row['scheme']:>4} {row['rows']:4d} rows: floor {row['floor_us']:.1f} us; {times}"
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    """One table row per (shape, scheme, rows): floor, devmap, the fastest library and devmap's ratio to it."""
+    print("\n| shape | scheme | rows | floor µs | devmap µs | fastest library (µs) | its time ÷ devmap's "
+          "| floor ÷ best |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in results:
+        times = row["times_us"]
+        ours = times.get("devmap")
+        libraries = {k: v for k, v in times.items() if k != "devmap"}
+        best_name, best = min(libraries.items(), key=lambda kv: kv[1]) if libraries else ("-", None)
+        fastest = min([t for t in (ours, best) if t is not None], default=None)
+        ratio = f"{best / ours:.2f}x" if ours and best else "-"
+        share = f"{row['floor_us'] / fastest:.0%}" if fastest else "-"
+        print(f"| {row['shape']} | {row['scheme']} | {row['rows']} | {row['floor_us']:.1f} | "
+              f"{f'{ours:.1f}' if ours else '-'} | {best_name} ({f'{best:.1f}' if best else '-'}) | {ratio} | "
+              f"{share} |")
+    cannot = {(row["scheme"], name): reason for row in results for name, reason in row["cannot"].items()}
+    for (scheme, name), reason in sorted(cannot.items()):
+        print(f"{scheme} {name}: cannot run here: {reason}")
+
+
+if __name__ == "__main__":
+    main()
