@@ -41,10 +41,12 @@ def compile_beside(compiled_on_cpu, monkeypatch):
     return gate, opened
 
 
+@pytest.mark.parametrize("riding", [False, True], ids=["own prefills", "riding joiners"])
 def test_a_model_answers_while_its_steps_compile_and_its_requests_move_to_them(model_root, compile_beside,
-                                                                               monkeypatch):
+                                                                               monkeypatch, riding):
     gate, opened = compile_beside
-    registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=EngineLimits())
+    limits = EngineLimits(riding=riding)
+    registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=limits)
     resident = registry.load(model_root / "tiny")
     assert not resident.compiled and resident.describe()["compiling"] and "compile" not in resident.load_seconds
 
@@ -61,7 +63,7 @@ def test_a_model_answers_while_its_steps_compile_and_its_requests_move_to_them(m
     monkeypatch.setattr(ContinuousBatch, "step", held)
     prompts = [[5 + (13 * i + 7 * k) % 400 for k in range(3 + (5 * i) % 11)] for i in range(5)]
     budgets = [24 + 3 * i for i in range(5)]
-    engine = Engine(registry, EngineLimits())
+    engine = Engine(registry, limits)
     engine.start()
 
     async def crowd() -> list:
