@@ -128,6 +128,21 @@ class ContinuousBatch:
             if k in riders:
                 self.joins.hand_in(k, riders[k], first, first_host, step)
 
+    def recompile(self) -> None:
+        """From the next step on, run compiled steps (its model's regions through torch.compile, which a compile
+        beside serving has made ready): every step is made anew over the same buffers and KV caches, so the rows,
+        their caches and the tokens still coming back stay as they are; each step is captured again at its second
+        use, as a new shape's steps are. The steps issued so far run to their end first (their graphs go)."""
+        if self.run.compile:
+            return
+        for device in {stage.device for stage in self.s.stages}:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        self.run.compile = True
+        for lane in self.run.lanes:
+            self.run.decode.remake_steps(lane, self.cache)
+        self.packs.forget_steps()
+
     def collect(self, everything: bool = False, scored: bool = False) -> list[tuple]:
         """(owner, token) of every token back from the steps up to the lag (`everything`: all issued steps, waiting
         for them), in order; (owner, token, score) with `scored` (the score None unless the batch scores its

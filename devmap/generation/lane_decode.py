@@ -71,6 +71,12 @@ class LaneDecode:
             entries[k] = (lane.caches, lane.steps, inputs)
             entries[("rows", k)] = lane.row_steps
 
+    def remake_steps(self, lane: Lane, cache: StepCache | None) -> None:
+        """The lane's decode steps made anew over the same buffers and caches (after `run.compile` changed): its
+        whole-lane steps now, its steps over first rows and carrying packs at their next use."""
+        lane.steps[:] = [self._decode_step(j, old.static_in, lane.inputs[j], cache) for j, old in enumerate(lane.steps)]
+        lane.row_steps.clear()
+
     def _decode_step(self, j: int, static_in: torch.Tensor, inputs: DecodeInputs,
                      cache: StepCache | None) -> GraphedStep:
         """Stage j's decode step reading `static_in` and `inputs` (a lane's, or its first rows'). Compiled, every

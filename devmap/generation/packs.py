@@ -69,6 +69,11 @@ class Packs:
                 event = run.record(compute)
         return out
 
+    def forget_steps(self) -> None:
+        """Drop every width's prefill steps (their scratch caches stay): each is made anew at its next use."""
+        for key in [key for key in self.entries if isinstance(key, tuple) and key[0] == "join"]:
+            del self.entries[key]
+
     def _step(self, j: int, width: int, mask: torch.Tensor) -> tuple[Any, LaneCache]:
         """Stage j's prefill of a pack of this width, into the stage's scratch cache (both kept). Every width
         writes the same scratch of `limit` columns from its first on, as packs run one after another on the

@@ -71,13 +71,11 @@ class ModelBatches:
 
 @dataclass
 class Outcome:
-    """How a batch ended: `left`, the unfinished requests of a batch that was stopped (they continue later), for
-    waiting requests or, `recompiled`, because its model's compiled steps became ready; `failure`, the `StepFailed`
-    of a failed step (a batch that cannot start raises instead)."""
+    """How a batch ended: `left`, the unfinished requests of a batch the scheduler stopped (they continue later);
+    `failure`, the `StepFailed` of a failed step (a batch that cannot start raises instead)."""
 
     left: list[Job] = field(default_factory=list)
     failure: StepFailed | None = None
-    recompiled: bool = False
 
 
 def failure_for(cause: BaseException) -> ServiceError:
@@ -113,7 +111,7 @@ class BatchRunner:
         outcome = Outcome()
         stopped = False
         self._score_prompts(resident, jobs)
-        compiled = resident.compiled  # a model compiling beside its serving: its batches move to compiled steps
+        compiled = resident.compiled  # a model compiling beside its serving: its batch moves to compiled steps
         with self.batches.open(resident, shape, sampling, params.logprobs) as batch:  # a start that fails raises
             running.riding = batch.mixing
             joining = [job for job in jobs if not job.finished]
@@ -135,9 +133,10 @@ class BatchRunner:
                 joining = []
                 if self._unloaded(resident, jobs):
                     break
-                if resident.compiled and not compiled:  # its requests go on from their tokens in a compiled batch
-                    stopped = outcome.recompiled = True
-                    break
+                if resident.compiled and not compiled:  # its compiled steps are ready: the batch runs them from now on
+                    batch.recompile()
+                    compiled = True
+                    log.info("%s: its running batch moved to compiled steps", resident.id)
                 admission, free = self._admission(batch, running, eos, trace, clock)
                 if admission.stop:
                     stopped = True

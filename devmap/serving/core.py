@@ -192,15 +192,10 @@ class EngineCore:
                 resident.last_used = time.monotonic()
                 outcome = self.runner.run(resident, jobs, shape, start.takes_joiners)
                 resident.last_used = time.monotonic()
-            if outcome.left:  # stopped for requests that could not join, or for compiled steps: its unfinished
-                # requests continue (after those)
-                self.scheduler.put_back(outcome.left, time.perf_counter(), first=outcome.recompiled)
-                if outcome.recompiled:
-                    log.info("%s: its batch moves to compiled steps: %d requests continue", resident.id,
-                             len(outcome.left))
-                else:
-                    self.metrics.preemptions.inc()
-                    log.debug("batch stopped for waiting requests: %d continue", len(outcome.left))
+            if outcome.left:  # stopped for requests that could not join: its unfinished ones continue after those
+                self.scheduler.put_back(outcome.left, time.perf_counter())
+                self.metrics.preemptions.inc()
+                log.debug("batch stopped for waiting requests: %d continue", len(outcome.left))
             if outcome.failure is not None:
                 self._isolate(jobs, outcome.failure)
         except Exception as exc:  # the batch failed outside its steps (its start): every request gets the reason

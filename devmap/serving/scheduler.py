@@ -188,15 +188,11 @@ class Scheduler:
         chosen = {id(j) for j in jobs}  # identity: jobs compare by value
         self.waiting = [j for j in self.waiting if id(j) not in chosen]
 
-    def put_back(self, jobs: list[Job], now: float, first: bool = False) -> None:
-        """Unfinished requests of a batch that stopped for others: they continue later, after those (`first`: before
-        every waiting request, as a batch that stopped for its own sake continues)."""
+    def put_back(self, jobs: list[Job], now: float) -> None:
+        """Unfinished requests of a batch that stopped for others: they continue later, after those."""
         for job in jobs:
             job.resumed, job.waiting_since = True, now
-        if first:
-            self.waiting[:0] = jobs
-        else:
-            self.waiting.extend(jobs)
+        self.waiting.extend(jobs)
 
     def within_rows(self, jobs: list[Job], rows: int, now: float) -> list[Job]:
         """The first `rows` of a starting batch's requests (its shape's rows); the others wait to continue after

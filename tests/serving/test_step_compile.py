@@ -1,6 +1,6 @@
 """A model whose steps compile while it serves (aot_eager on CPU: dynamo's tracing and guards): it answers before its
-compile ends, its running requests move to compiled steps at a step boundary with the tokens they would have had
-alone, and an unload stops the compile."""
+compile ends, its running batch moves to compiled steps at a step boundary and its requests get the tokens they would
+have had alone, and an unload stops the compile."""
 
 import asyncio
 import threading
@@ -11,7 +11,6 @@ import torch
 
 import devmap
 from devmap.generation.continuous_rows import ContinuousBatch
-import devmap.serving.batch_run as batch_run
 import devmap.serving.warm_up as warm_up
 from devmap.serving import Engine, EngineLimits, GenerationParams, ModelRegistry
 
@@ -22,29 +21,29 @@ BESIDE = 3  # eager steps run beside the compile, after which the batch waits fo
 
 @pytest.fixture
 def compile_beside(compiled_on_cpu, monkeypatch):
-    """Models compile beside their serving on this CPU, once `gate` is set; every batch's compile flag is recorded
-    as it opens (`opened`)."""
-    gate, opened = threading.Event(), []
-    real_warm_up, real_batch = warm_up.warm_up, batch_run.continuous_batch
+    """Models compile beside their serving on this CPU, once `gate` is set; `moved` gets each serving batch that
+    moved to compiled steps, with the steps it had run then."""
+    gate, moved = threading.Event(), []
+    real_warm_up, recompile = warm_up.warm_up, ContinuousBatch.recompile
 
     def gated(*args, **kwargs):
         assert gate.wait(120)
         real_warm_up(*args, **kwargs)
 
-    def recorded(*args, **kwargs):
-        opened.append(kwargs["compile"])
-        return real_batch(*args, **kwargs)
+    def recorded(self):
+        moved.append(self.steps)
+        recompile(self)
 
     monkeypatch.setattr(warm_up, "compiles", lambda model, wanted, quantization: wanted is not False)
     monkeypatch.setattr(warm_up, "warm_up", gated)
-    monkeypatch.setattr(batch_run, "continuous_batch", recorded)
-    return gate, opened
+    monkeypatch.setattr(ContinuousBatch, "recompile", recorded)
+    return gate, moved
 
 
 @pytest.mark.parametrize("riding", [False, True], ids=["own prefills", "riding joiners"])
 def test_a_model_answers_while_its_steps_compile_and_its_requests_move_to_them(model_root, compile_beside,
                                                                                monkeypatch, riding):
-    gate, opened = compile_beside
+    gate, moved = compile_beside
     limits = EngineLimits(riding=riding)
     registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=limits)
     resident = registry.load(model_root / "tiny")
@@ -82,7 +81,7 @@ def test_a_model_answers_while_its_steps_compile_and_its_requests_move_to_them(m
         engine.close(timeout=120)
     assert resident.compiled and not resident.describe()["compiling"] and resident.compiling.failure is None
     assert resident.load_seconds["compile"] > 0
-    assert opened[0] is False and opened[-1] is True  # the requests went on in a compiled batch
+    assert len(moved) == 1 and moved[0] > BESIDE  # the running batch went on with compiled steps
     eos = list(resident.eos_ids)
     for ids, new, answer in zip(prompts, budgets, served):
         out = devmap.generate(resident.model, torch.tensor([ids]), max_new_tokens=new, eos_token_id=eos,
