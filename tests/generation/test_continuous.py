@@ -363,14 +363,15 @@ def test_compiled_steps_join_like_eager_ones_and_compile_once(model, run, compil
         release_graphs(model)
 
 
-def test_a_batch_moved_to_compiled_steps_mid_way_gives_every_request_its_tokens(model, compiled_on_cpu):
+@pytest.mark.parametrize("at", [1, 3, 6])
+def test_a_batch_moved_to_compiled_steps_mid_way_gives_every_request_its_tokens(model, compiled_on_cpu, at):
     """`recompile` between two steps (what a service does once a compile beside its serving ends): the rows, their
     caches and the tokens still coming back stay; requests already running, and those joining after, get the tokens
     of generating alone, and the compiled steps trace whole."""
     from devmap.generation.step_cache import release_graphs
 
     counters = compiled_on_cpu
-    reqs = requests(8, seed=9)
+    reqs = requests(12, seed=9)
     got: dict = {r.owner: [] for r in reqs}
     try:
         with continuous_batch(model, rows=4, first_slot=12, cache_len=40, lanes=2, split_layers=[2]) as batch:
@@ -380,7 +381,7 @@ def test_a_batch_moved_to_compiled_steps_mid_way_gives_every_request_its_tokens(
                 if not batch.step(joining):
                     break
                 steps += 1
-                if steps == 3:
+                if steps == at:  # right after the first joins, with rows mid-way, with rows freed and rejoined
                     assert not batch.run.compile
                     batch.recompile()
                     assert batch.run.compile
@@ -390,6 +391,7 @@ def test_a_batch_moved_to_compiled_steps_mid_way_gives_every_request_its_tokens(
                         batch.release(owner)
             for owner, token in batch.collect(everything=True):
                 got[owner].append(token)
+        assert steps > at + 2  # compiled steps ran
         assert {o: t[:r.max_new_tokens] for r in reqs for o, t in got.items() if o == r.owner} == \
             {r.owner: alone(model, r.prompt, r.max_new_tokens) for r in reqs}
         assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
