@@ -176,10 +176,10 @@ def use_compile_cache(folder: str | None) -> None:
     environment names inductor's cache already), for this process and those it starts."""
     if folder is None and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return
-    root = Path(folder).expanduser() if folder else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
-                                                              "devmap", "compile")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root.resolve() / "inductor")
-    os.environ["TRITON_CACHE_DIR"] = str(root.resolve() / "triton")
+    root = (Path(folder).expanduser() if folder else
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "devmap", "compile")).resolve()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
 
 
 def _steps(described: dict) -> str:

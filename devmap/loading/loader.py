@@ -33,7 +33,7 @@ from ..planning.quantization import quantized_weights, resolve_quantization
 from ..planning.workload import Workload
 from ..compat import stored_tensors
 from .load_report import DeviceLoad, LoadReport
-from .quantize import check_library, load_quantized
+from .quantize import check_runnable, load_quantized
 from .transfer import CopyJob, copy_into
 
 
@@ -106,7 +106,7 @@ def load(
     shrink = set(quantized_weights(model, quantized)) if quantized is not None else set()
     if quantized is not None:
         owners = (owner_of(name, plan.device_map) for name in shrink)
-        check_library(quantized, {plan.device_map[owner] for owner in owners if owner is not None})
+        check_runnable(quantized, {plan.device_map[owner] for owner in owners if owner is not None})
     with undo_offload_on_failure(folder):
         _check_devices(plan, folder)
         from accelerate.utils import find_tied_parameters

@@ -22,12 +22,13 @@ from ..errors import UsageError
 from ..planning.device_maps import DeviceMap, owner_of
 from ..planning.planner import Plan
 from ..planning.devices import DeviceKey, device_label, is_gpu
+from ..planning.hardware import gpu_capability
 from ..planning.quantization import INT4_GROUP, NF4_BLOCK, Quantization, check_fp8_cards
 from .checkpoint import TensorEntry
 from .transfer import CHUNK_BYTES, CopyJob, copy_into
 
 
-def check_library(quantization: Quantization, devices: set[DeviceKey] = frozenset()) -> None:
+def check_runnable(quantization: Quantization, devices: set[DeviceKey]) -> None:
     """Refuse, before anything is allocated, a scheme whose library is not installed, or fp8 on `devices` (those
     holding quantized blocks) without FP8 tensor cores (where blocks go is the planner's check:
     `devmap.planning.quantization.check_placement`)."""
@@ -37,9 +38,8 @@ def check_library(quantization: Quantization, devices: set[DeviceKey] = frozense
     except ImportError:
         raise UsageError(f"--quantize {quantization.scheme} uses {module}, which is not installed: "
                          f"pip install {module}") from None
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    check_fp8_cards(quantization, {device_label(key): torch.cuda.get_device_capability(key)
-                                   if is_gpu(key) and key < visible else None for key in devices})
+    check_fp8_cards(quantization, {device_label(key): gpu_capability(key) if is_gpu(key) else None
+                                   for key in devices})
 
 
 def load_quantized(model: nn.Module, plan: Plan, later: dict[str, tuple[torch.device, TensorEntry | None]],

@@ -52,6 +52,11 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpu_capability(index: int) -> tuple[int, int] | None:
+    """The CUDA compute capability of visible GPU `index` (None if there is no such GPU)."""
+    return torch.cuda.get_device_capability(index) if 0 <= index < gpu_count() else None
+
+
 def start_gpus_in_background() -> threading.Thread | None:
     """Create every visible GPU's CUDA context on a helper thread, so that it overlaps work the caller does
     meanwhile (a cold load imports transformers' model classes first). Errors surface later, when the caller

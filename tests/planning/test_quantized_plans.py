@@ -114,6 +114,9 @@ def test_fp8_is_refused_where_there_are_no_fp8_tensor_cores():
         check_fp8_cards(fp8, {"cuda:0": None})
     check_fp8_cards(fp8, {"cuda:0": (8, 9), "cuda:1": (9, 0)})  # Ada and Hopper
     check_fp8_cards(parse_quantization("int8"), {"cuda:0": (7, 5)})
+    from devmap.planning.hardware import gpu_capability, gpu_count
+
+    assert gpu_capability(gpu_count()) is None  # a GPU index this machine lacks
 
 
 def test_an_int4_plan_larger_than_bfloat16_says_why():
