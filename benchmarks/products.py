@@ -36,25 +36,31 @@ L2_OVER = 4 * 2**30 // 32  # copies of a weight until they hold at least this ma
 Product = Callable[[torch.Tensor], torch.Tensor]
 
 
+def plain_linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free Linear holding a copy of `weight`."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.weight.data.copy_(weight)
+    return linear
+
+
 def quantized_linear(weight: torch.Tensor, config: Any) -> nn.Module:
     """A Linear of `weight` quantized in place by torchao's `quantize_` with `config`."""
     from torchao.quantization import quantize_
 
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    linear.weight.data.copy_(weight)
+    linear = plain_linear(weight)
     quantize_(linear, config)
     return linear
 
 
-def devmap_linear(weight: torch.Tensor, scheme: str) -> nn.Module:
-    """The Linear as devmap's loader quantizes it (`loading.quantize.quantize_linears`)."""
+def devmap_linear(weight: torch.Tensor, scheme: str, library: str | None = None) -> nn.Module:
+    """The Linear as devmap's loader quantizes it (`loading.quantize.quantize_linears`), with the scheme's library
+    or `library` (bitsandbytes' int8)."""
     from devmap.loading.quantize import quantize_linears
-    from devmap.planning.quantization import parse_quantization
+    from devmap.planning.quantization import LIBRARIES, Quantization
 
     holder = nn.Module()
-    holder.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    holder.linear.weight.data.copy_(weight)
-    quantize_linears(holder, ["linear"], parse_quantization(scheme))
+    holder.linear = plain_linear(weight)
+    quantize_linears(holder, ["linear"], Quantization(scheme, library or LIBRARIES[scheme]))
     return holder.linear
 
 
@@ -72,7 +78,7 @@ def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Prod
         made["torchao"] = lambda: devmap_linear(weight, "int8")
         made["torchao compiled"] = lambda: compiled(devmap_linear(weight, "int8"))
         made["torchao w8a8 compiled"] = lambda: compiled(torchao_linear(weight, "int8 dynamic"))
-        made["bitsandbytes"] = lambda: bitsandbytes_linear(weight, "int8")
+        made["bitsandbytes"] = lambda: devmap_linear(weight, "int8", "bitsandbytes")
     elif scheme == "int4":
         made["devmap"] = lambda: devmap_four_bit(devmap_linear(weight, "int4"))
         made["torchao tinygemm"] = lambda: devmap_linear(weight, "int4")
@@ -80,8 +86,8 @@ def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Prod
         made["torchao preshuffled (mslk)"] = lambda: torchao_linear(weight, "int4 preshuffled")
         made["gemlite"] = lambda: gemlite_linear(weight)
     elif scheme == "nf4":
-        made["devmap"] = lambda: devmap_four_bit(bitsandbytes_linear(weight, "nf4"))
-        made["bitsandbytes"] = lambda: bitsandbytes_linear(weight, "nf4")
+        made["devmap"] = lambda: devmap_four_bit(devmap_linear(weight, "nf4"))
+        made["bitsandbytes"] = lambda: devmap_linear(weight, "nf4")
     elif scheme == "fp8":
         made["torchao"] = lambda: devmap_linear(weight, "fp8")
         made["torchao compiled"] = lambda: compiled(devmap_linear(weight, "fp8"))
@@ -124,25 +130,11 @@ def torchao_linear(weight: torch.Tensor, kind: str) -> nn.Module:
         granularity=PerRow(), kernel_preference=KernelPreference(kind.split()[1]), set_inductor_config=False))
 
 
-def bitsandbytes_linear(weight: torch.Tensor, scheme: str) -> nn.Module:
-    """bitsandbytes' Linear8bitLt / Linear4bit (nf4) of `weight`, as devmap's loader makes them."""
-    from devmap.loading.quantize import quantize_linears
-    from devmap.planning.quantization import Quantization
-
-    holder = nn.Module()
-    holder.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    holder.linear.weight.data.copy_(weight)
-    quantize_linears(holder, ["linear"], Quantization(scheme, "bitsandbytes"))
-    return holder.linear
-
-
 def gemlite_linear(weight: torch.Tensor) -> Product:
     """gemlite's 4-bit weight-only Linear (groups of 128) of `weight`."""
     from gemlite.helper import A16W4  # type: ignore[import-not-found]
 
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    linear.weight.data.copy_(weight)
-    return A16W4(device=str(weight.device)).from_linear(linear)
+    return A16W4(device=str(weight.device)).from_linear(plain_linear(weight))
 
 
 def stored_bytes(weight: torch.Tensor, scheme: str) -> int:
