@@ -195,12 +195,12 @@ def main() -> None:
                         torch.cuda.empty_cache()
                     results.append(row)
                     print(line(row), flush=True)
+                    if args.out:  # after every row: a run cut short keeps what it measured
+                        Path(args.out).mkdir(parents=True, exist_ok=True)
+                        (Path(args.out) / "products.json").write_text(json.dumps(results, indent=2))
             del weight
             torch.cuda.empty_cache()
     report(results)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "products.json").write_text(json.dumps(results, indent=2))
 
 
 def line(row: dict[str, Any]) -> str:
