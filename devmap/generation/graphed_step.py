@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..compat import begin_capture, fail_on_recompile, own_blas_workspace
-from ..pipelining.streams import check_cycles, poison
+from ..pipelining.streams import check_cycles, new_stream, poison
 
 
 class GraphedStep:
@@ -73,7 +73,7 @@ class GraphedStep:
     def _capture(self) -> bool:
         """Capture the step (nothing runs while capturing); False, and eager from now on, where it can't be."""
         current = torch.cuda.current_stream(self.static_in.device)
-        side = self.capture_stream or torch.cuda.Stream(self.static_in.device)
+        side = self.capture_stream or new_stream(self.static_in.device, "capture")
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         # no cyclic garbage collection while capturing: it may free an earlier call's graphs, whose pools are then

@@ -26,6 +26,7 @@ from torch import nn
 from ..compat import graph_pool, own_blas_workspace
 from ..errors import PipelineError
 from .grad_sums import GradSums
+from .streams import new_stream
 from .weight_grads import CallRecorder, close, deferrable, deferred_parameters, input_half, split_grads, weight_grads
 
 
@@ -182,7 +183,7 @@ def capture_stage(module: nn.Module, samples: list[torch.Tensor], backward: bool
     to the GPU (milliseconds for a stage of hundreds of kernels), which would otherwise land in the first training
     step. The caller restores BatchNorm statistics afterwards (not in between: a copy between a slot's forward and
     its backward would fail autograd's version check); the gradient sums are zeroed when a pass opens."""
-    pool, side = graph_pool(), torch.cuda.Stream(samples[0].device)
+    pool, side = graph_pool(), new_stream(samples[0].device, "capture")
     splits = splits or [False] * len(samples)
     if sums is None:
         sums = GradSums([p for p in module.parameters() if p.requires_grad] if backward else [])

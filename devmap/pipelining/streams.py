@@ -62,6 +62,19 @@ def check_delay(stream: Any) -> None:
             gpu_sleep(cycles)
 
 
+CAPTURE_PRIORITY = -1
+"""Captures draw their streams from torch's high-priority pool, which nothing else in devmap draws from (`new_stream`)."""
+
+
+def new_stream(device: torch.device, kind: str = "compute") -> torch.cuda.Stream:
+    """A stream from torch's pool for this purpose. torch hands its pool's 32 streams per device out round robin, so a
+    stream is shared with whoever drew it before: for work that only orders it after unrelated work, but a stream
+    another thread launches on while it captures fails that thread's launch ("operation not permitted when stream is
+    capturing") or joins its work to the graph (a compile beside serving hit it). Capture streams come from the
+    high-priority pool, drawn only for captures, which one thread makes at a time (the serving loop's)."""
+    return torch.cuda.Stream(device, priority=CAPTURE_PRIORITY if kind == "capture" else 0)
+
+
 class StreamSet:
     """Lazily created CUDA streams, keyed by (purpose, stage, device)."""
 
@@ -73,7 +86,7 @@ class StreamSet:
         write must not pass the zeros of a buffer made there before (or the last reads of memory it reuses)."""
         key = (kind, stage, device)
         if key not in self._streams:
-            stream = self._streams[key] = torch.cuda.Stream(device)
+            stream = self._streams[key] = new_stream(device, kind)
             stream.wait_stream(torch.cuda.current_stream(device))
         return self._streams[key]
 
