@@ -344,6 +344,49 @@ def test_with_decode_attention_swaps_sdpa_for_the_step_only():
                                sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)[0])
 
 
+def test_decode_attention_held_by_overlapping_threads_stays_until_the_last_lets_go():
+    """A service's step and its model's compile in another thread overlap: the first to end must not put sdpa back
+    under the other (whose trace would then be compiled for sdpa); a served model's pin keeps the choice while its
+    config lives, and nothing is held once it is freed."""
+    import gc
+    import threading
+
+    from transformers import LlamaConfig
+
+    from devmap.compat import DECODE_ATTENTION, _ATTENTION_HOLDS, pin_decode_attention, with_decode_attention
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)
+    config._attn_implementation = "sdpa"
+    inside, ended, seen = threading.Event(), threading.Event(), []
+
+    def long_step() -> None:
+        inside.set()
+        assert ended.wait(10)
+        seen.append(config._attn_implementation)  # read after the other thread's step ended
+
+    other = threading.Thread(target=with_decode_attention(config, long_step, object()))
+    other.start()
+    assert inside.wait(10)
+    with_decode_attention(config, lambda: seen.append(config._attn_implementation), object())()
+    ended.set()
+    other.join()
+    assert seen == [DECODE_ATTENTION, DECODE_ATTENTION] and config._attn_implementation == "sdpa"
+    assert id(config) not in _ATTENTION_HOLDS
+
+    def pinned() -> int:
+        served = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)
+        served._attn_implementation = "sdpa"
+        pin_decode_attention(served, object())
+        with_decode_attention(served, lambda: None, object())()
+        assert served._attn_implementation == DECODE_ATTENTION  # pinned: a step's end leaves it
+        assert _ATTENTION_HOLDS[id(served)] == 1
+        return id(served)
+
+    key = pinned()
+    gc.collect()
+    assert key not in _ATTENTION_HOLDS
+
+
 @pytest.mark.parametrize("levels", ["int4", "table"])
 def test_gluon_names_build_hoppers_four_bit_kernel_for_sm90(levels):
     """Gluon's names (`compat.gluon`: TMA loads, barriers, warpgroup MMA) compile the 4-bit kernel for sm_90 here,

@@ -7,7 +7,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `call_decoder_layer`: the cache keyword of a decoder layer (`past_key_values`, renamed `cache`) | transformers | stages run the layers one run at a time with devmap's KV caches | 5.17, 5.24 |
 | `transformers_causal_mask`: `masking_utils.create_causal_mask` | transformers | prompt masks for attention kinds other than sdpa/eager (devmap builds those itself: `devmap.generation.masks`) | 5.17, 5.24 |
 | `attention_implementation`: `config._attn_implementation` | transformers | the decode mask's form (booleans for sdpa, floats for eager) | 5.17, 5.24 |
-| `with_decode_attention`, `sdpa_attention`, `attention_function`: `AttentionInterface.register`, `sdpa_attention_forward`, `ALL_ATTENTION_FUNCTIONS`, `config._attn_implementation` set for a step | transformers | decode steps attend over live cache columns only (`generation.decode_attention`); transformers' sdpa reads every column, and with grouped KV heads and a mask copies the cache to every query head (17% of a 1.1B step) | 5.17, 5.24 |
+| `with_decode_attention`, `decode_attention_held`, `pin_decode_attention`, `sdpa_attention`, `attention_function`: `AttentionInterface.register`, `sdpa_attention_forward`, `ALL_ATTENTION_FUNCTIONS`, `config._attn_implementation` set for a step | transformers | decode steps attend over live cache columns only (`generation.decode_attention`); transformers' sdpa reads every column, and with grouped KV heads and a mask copies the cache to every query head (17% of a 1.1B step) | 5.17, 5.24 |
 | `own_forward`, `hook_execution_device`, `device_hooks_bypassed`, `device_hook_moved`: `_hf_hook`, `_old_forward`, `AlignDevicesHook` | accelerate | a placed model's device hooks re-check every argument (2x a decode step) and break compiled steps; a module swapped for devmap's (4-bit Linear layers) keeps its hook | 1.15 |
 | `raise_recompile_limit`: `torch._dynamo.config.recompile_limit` | torch | one compiled entry per stage, lane shape and kind | 2.11, 2.14 |
 | `fail_on_recompile`: `torch.compiler.set_stance` | torch | a CUDA-graph capture must never compile | 2.11, 2.14 |
@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -80,25 +81,66 @@ DECODE_ATTENTION = "devmap_decode_sdpa"
 def with_decode_attention(config: Any, step: Any, attention: Any) -> Any:
     """`step` (a decode step of a model whose attention is sdpa) run with `attention` in place of transformers' sdpa
     (registered through `AttentionInterface`, chosen by `config._attn_implementation` while the step runs; it takes
-    sdpa's arguments and may hand any call on to `sdpa_attention`). Steps of other attentions are returned as is.
-
-    The choice is the model's, not the thread's: a step of another thread on the same model (a compile beside its
-    serving) runs with whichever is set: the same computation either way (`attention` hands a prompt's call to
-    sdpa, and sdpa takes a decode step's mask as it is), by other kernels."""
+    sdpa's arguments and may hand any call on to `sdpa_attention`). Steps of other attentions are returned as is."""
     if attention_implementation(config) != "sdpa":
         return step
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(DECODE_ATTENTION, attention)
 
     def with_attention(*args: Any, **kwargs: Any) -> Any:
-        config._attn_implementation = DECODE_ATTENTION
-        try:
+        with decode_attention_held(config, attention):
             return step(*args, **kwargs)
-        finally:
-            config._attn_implementation = "sdpa"
 
     return with_attention
+
+
+@contextlib.contextmanager
+def decode_attention_held(config: Any, attention: Any) -> Iterator[None]:
+    """`config` (of a model whose attention is sdpa) chooses `attention` while any thread holds it: the choice is the
+    model's, so calls that overlap (a service's steps and its model's compile in another thread) share one hold, and
+    sdpa comes back when the last of them ends. A step traced while another thread's hold ended half-way was compiled
+    for sdpa, and the serving thread's capture of it then needed a recompile and ran uncaptured. A thread that runs a
+    prompt meanwhile gets the same computation (`attention` hands a prompt's call to sdpa)."""
+    if attention_implementation(config) != "sdpa":
+        yield
+        return
+    _hold(config, attention)
+    try:
+        yield
+    finally:
+        _let_go(id(config), config)
+
+
+def pin_decode_attention(config: Any, attention: Any) -> None:
+    """Hold `decode_attention_held` for as long as `config` lives: a served model's steps, prompts and compiles (in
+    whichever thread) all see one attention choice, so none is traced for one and replayed under the other."""
+    if attention_implementation(config) == "sdpa":
+        _hold(config, attention)
+        weakref.finalize(config, _let_go, id(config), None)
+
+
+def _hold(config: Any, attention: Any) -> None:
+    from transformers import AttentionInterface
+
+    with _ATTENTION_HOLDS_LOCK:
+        key = id(config)
+        if key not in _ATTENTION_HOLDS:
+            AttentionInterface.register(DECODE_ATTENTION, attention)
+            config._attn_implementation = DECODE_ATTENTION
+            _ATTENTION_HOLDS[key] = 0
+        _ATTENTION_HOLDS[key] += 1
+
+
+def _let_go(key: int, config: Any) -> None:
+    """One hold of the config `key` ends (`config`: None once it was freed, at the end of a pin)."""
+    with _ATTENTION_HOLDS_LOCK:
+        _ATTENTION_HOLDS[key] -= 1
+        if _ATTENTION_HOLDS[key] == 0:
+            del _ATTENTION_HOLDS[key]
+            if config is not None:
+                config._attn_implementation = "sdpa"
+
+
+_ATTENTION_HOLDS: dict[int, int] = {}  # id(config): holds now (`decode_attention_held`, `pin_decode_attention`)
+_ATTENTION_HOLDS_LOCK = threading.Lock()
 
 
 def attention_function(config: Any) -> Any:

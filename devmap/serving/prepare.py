@@ -42,10 +42,14 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
 
     `compile_beside`: steps that compile by default are left to compile while the model serves (`Ready.compile_later`,
     `step_compile`); asked for (`limits.compile`), they compile now, and a compile that fails fails the load."""
+    from ..compat import pin_decode_attention
+    from ..generation.decode_attention import decode_step_attention
     from ..generation.joined_projections import join_projections
 
     with phases.timed("prepare"):
         joined = join_projections(model)  # the service owns the model and never saves it: see there
+        # one attention choice for every step, prompt and compile of the model, in any thread, while it lives
+        pin_decode_attention(model.config, decode_step_attention)
         log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
         _prepare_product_kernels(model, model_id)
         tokenizer = load_tokenizer(path)
