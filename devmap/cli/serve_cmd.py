@@ -53,10 +53,14 @@ from .options import load_options
                    "pipeline stages).")
 @click.option("--compile/--no-compile", "compile_steps", default=None,
               help="torch.compile each model's decode and prefill steps (fused kernels, one compile for all shapes: "
-                   "see docs/serving.md). Default: where every block is on a GPU and the weights are floating point, "
-                   "int8, int4 or nf4 (LLaMA layers read by devmap's kernels), compiled while the model already "
-                   "serves (captured eager steps until then). --compile: compiled before the model serves (a compile "
-                   "that fails fails the load), other quantized models' steps too.")
+                   "see docs/serving.md), before the model serves. Default: where every block is on a GPU and the "
+                   "weights are floating point, int8, int4 or nf4 (LLaMA layers read by devmap's kernels); a compile "
+                   "that fails leaves captured eager steps, with a warning. --compile: other quantized models' steps "
+                   "too, and a compile that fails fails the load.")
+@click.option("--compile-beside", is_flag=True, default=False,
+              help="Serve each model as soon as its weights are placed, on eager steps, and compile its steps while "
+                   "it serves (not with --compile, --no-compile or --tensor-parallel). Answers sooner; its steady "
+                   "speed after the switch is below a compile before serving (docs/serving.md).")
 @click.option("--compile-cache", default=None, envvar="DEVMAP_COMPILE_CACHE", type=click.Path(file_okay=False),
               help="Where compiled steps are kept for the next start (inductor's and Triton's on-disk caches, keyed "
                    "by their graphs, the card and the releases; delete the folder to clear it). Default: "
@@ -80,8 +84,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
           model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int,
           join_tokens: int, riding: bool | None, max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
-          unload_drain: float, lanes: int | None, compile_steps: bool | None, compile_cache: str | None,
-          load_format: str,
+          unload_drain: float, lanes: int | None, compile_steps: bool | None, compile_beside: bool,
+          compile_cache: str | None, load_format: str,
           profile_dir: str | None, tensor_parallel: int, log_level: str) -> None:
     """Serve models on their devices over an OpenAI-compatible HTTP API.
 
@@ -103,6 +107,9 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
             raise click.UsageError(f"--tensor-parallel puts each process's shard whole on its GPU: leave out "
                                    f"{', '.join(placing)}")
         _check_splits(model_dirs, tensor_parallel)
+    if compile_beside and (compile_steps is not None or tensor_parallel > 1):
+        raise click.UsageError("--compile-beside compiles a whole model's steps while it serves: leave out "
+                               "--compile / --no-compile and --tensor-parallel")
 
     from devmap.serving.core_parts import RegistrySettings
     from devmap.serving.core_start import start_core
@@ -111,7 +118,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     limits = EngineLimits(max_batch=max_batch, max_queue=max_queue, join_tokens=join_tokens, riding=riding,
                           max_prompt_tokens=max_prompt_tokens,
                           max_new_tokens=max_tokens, request_timeout=request_timeout, idle_timeout=idle_timeout,
-                          unload_drain=unload_drain, lanes=lanes, compile=compile_steps,
+                          unload_drain=unload_drain, lanes=lanes, compile=compile_steps, compile_beside=compile_beside,
                           profile_dir=str(Path(profile_dir).expanduser().resolve()) if profile_dir else None)
     # the models and the loop that batches them run in a process of their own (the engine core); this one answers
     # HTTP, tokenizes and detokenizes, so that no request's Python work holds the loop that issues the GPUs' work.

@@ -13,12 +13,32 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..compat import begin_capture, fail_on_recompile, own_blas_workspace
 from ..pipelining.streams import check_cycles, new_stream, poison
+
+
+_CAPTURING = threading.RLock()  # held by a capture, and to change `_PAUSES`
+_PAUSES = [0]  # `captures_paused` blocks open now, in any thread
+
+
+@contextlib.contextmanager
+def captures_paused() -> Iterator[None]:
+    """While inside (any thread), no step captures: a step due to capture runs eagerly and captures at a later use.
+    Entering waits for a capture in flight to end. For GPU work of another thread that must not overlap a capture: a
+    compile beside serving (its device synchronizations and kernel loads fail with "operation not permitted when
+    stream is capturing" while any stream of the device captures, whichever thread's)."""
+    with _CAPTURING:
+        _PAUSES[0] += 1
+    try:
+        yield
+    finally:
+        with _CAPTURING:
+            _PAUSES[0] -= 1
 
 
 class GraphedStep:
@@ -46,7 +66,9 @@ class GraphedStep:
     def __call__(self) -> torch.Tensor:
         self.calls += 1
         if self.graph is None and self.use_graph and self.calls > 1:
-            self._capture()
+            with _CAPTURING:
+                if not _PAUSES[0]:  # else eager now, captured at a later use
+                    self._capture()
         if self.graph is not None:
             self.graph.replay()
             out = self.static_out

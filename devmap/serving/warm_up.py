@@ -21,12 +21,14 @@ compile faster.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 from torch import nn
 
 from ..generation.continuous import SlotRequest, continuous_batch
+from ..generation.graphed_step import captures_paused
 from ..generation.joined_projections import every_layer_joined
 from ..generation.step_cache import release_graphs
 from ..planning.devices import is_gpu, parse_device_key
@@ -54,14 +56,15 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
 
     Before the model serves: on GPUs its steps are captured too (a capture that would compile fails the warm-up),
     then freed. `beside_serving`: while the model serves in another thread, its steps run uncaptured in a batch of
-    its own, leaving the model's kept steps alone (nothing is captured beside the serving thread's captures); `stop()`
-    True ends it between two steps."""
+    its own, leaving the model's kept steps alone; no step of any thread captures meanwhile (`captures_paused`: the
+    serving thread's steps run eagerly until then); `stop()` True ends it between two steps."""
     cache_len = min(CACHE_BUCKET, context) if context else CACHE_BUCKET
     prompt = [1] * 4
     rows = min(MIN_ROWS, max_rows)
-    with continuous_batch(model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True,
-                          riding=riding, graphs=not beside_serving, keep_graphs=not beside_serving,
-                          every_shape=True) as batch:
+    paused = captures_paused() if beside_serving else contextlib.nullcontext()
+    with paused, continuous_batch(model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True,
+                                  riding=riding, graphs=not beside_serving, keep_graphs=not beside_serving,
+                                  every_shape=True) as batch:
         # every row held: the batch's own decode step compiles; steps over its first rows reuse that compile
         batch.step([SlotRequest(prompt, WARM_UP_STEPS + 1, object()) for _ in range(rows)])
         for _ in range(WARM_UP_STEPS):

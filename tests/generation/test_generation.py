@@ -267,3 +267,32 @@ def test_a_replayed_graphs_output_is_copied_before_it_leaves_its_stream():
     moved = step.handed_on(out, crosses=True)
     assert moved is not out and moved.data_ptr() != out.data_ptr() and torch.equal(moved, out)
     assert step.handed_on(out, crosses=False) is out  # read on its own stream only: no copy
+
+
+def test_no_step_captures_while_another_thread_pauses_captures(monkeypatch):
+    """A compile beside serving pauses captures (its device syncs fail while any stream captures): a step due to
+    capture then runs eagerly and captures at its first use after the pause."""
+    import threading
+
+    from devmap.generation.graphed_step import GraphedStep, captures_paused
+
+    captured = []
+    step = GraphedStep(lambda x: x + 1, torch.zeros(2), graph=False)
+    step.use_graph = True  # as on a GPU
+    monkeypatch.setattr(step, "_capture", lambda: captured.append(step.calls))
+    entered, leave = threading.Event(), threading.Event()
+
+    def compiling() -> None:
+        with captures_paused():
+            entered.set()
+            assert leave.wait(10)
+
+    other = threading.Thread(target=compiling)
+    other.start()
+    assert entered.wait(10)
+    assert torch.equal(step(), torch.ones(2)) and torch.equal(step(), torch.ones(2))  # the second would capture
+    assert captured == []
+    leave.set()
+    other.join()
+    step()
+    assert captured == [3]

@@ -31,7 +31,7 @@ def test_requests_moving_to_compiled_steps_mid_stream_get_the_tokens_of_generati
         pytest.skip(f"needs {gpus} CUDA GPUs, {gpu_count()} visible")
     monkeypatch.setenv("DEVMAP_STREAM_CHECK", "1")  # a reader that does not wait for its writer reads stale data
     torch.backends.cuda.matmul.allow_tf32 = False
-    limits = EngineLimits(max_batch=4, riding=riding)  # compiled by default: beside the serving
+    limits = EngineLimits(max_batch=4, riding=riding, compile_beside=True)
     registry = ModelRegistry(model_root, "balanced", {i: "8GiB" for i in range(gpus)}, limits=limits)
     resident = registry.load(model_root / "tiny")
     assert not resident.compiled and resident.describe()["compiling"]

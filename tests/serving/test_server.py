@@ -170,6 +170,8 @@ def test_cli_refuses_an_open_bind_without_a_key(model_root):
     assert result.exit_code == 2 and "--api-key" in result.output
     result = CliRunner().invoke(main, ["serve"])
     assert result.exit_code == 2 and "nothing to serve" in result.output
+    result = CliRunner().invoke(main, ["serve", str(model_root / "tiny"), "--compile-beside", "--no-compile"])
+    assert result.exit_code == 2 and "--compile-beside" in result.output
 
 
 def test_a_request_that_ends_early_is_counted(server):

@@ -44,7 +44,7 @@ def compile_beside(compiled_on_cpu, monkeypatch):
 def test_a_model_answers_while_its_steps_compile_and_its_requests_move_to_them(model_root, compile_beside,
                                                                                monkeypatch, riding):
     gate, moved = compile_beside
-    limits = EngineLimits(riding=riding)
+    limits = EngineLimits(riding=riding, compile_beside=True)
     registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=limits)
     resident = registry.load(model_root / "tiny")
     assert not resident.compiled and resident.describe()["compiling"] and "compile" not in resident.load_seconds
@@ -92,7 +92,7 @@ def test_a_model_answers_while_its_steps_compile_and_its_requests_move_to_them(m
 def test_an_unload_stops_the_compile_and_a_failed_compile_leaves_eager_steps(model_root, compile_beside,
                                                                              monkeypatch, caplog):
     gate, _ = compile_beside
-    registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=EngineLimits())
+    registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=EngineLimits(compile_beside=True))
     resident = registry.load(model_root / "tiny", model_id="stopped")
     gate.set()
     time.sleep(0.05)
@@ -109,9 +109,10 @@ def test_an_unload_stops_the_compile_and_a_failed_compile_leaves_eager_steps(mod
     assert "decode steps stay eager" in caplog.text
 
 
-def test_asked_for_a_compile_happens_before_the_model_serves(model_root, compile_beside):
+@pytest.mark.parametrize("limits", [EngineLimits(), EngineLimits(compile=True)], ids=["by default", "asked for"])
+def test_a_compile_happens_before_the_model_serves_unless_beside_was_asked_for(model_root, compile_beside, limits):
     gate, _ = compile_beside
     gate.set()
-    registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=EngineLimits(compile=True))
+    registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=limits)
     resident = registry.load(model_root / "tiny")
     assert resident.compiled and resident.compiling is None and "compile" in resident.load_seconds
