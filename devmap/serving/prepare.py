@@ -48,14 +48,14 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
 
     with phases.timed("prepare"):
         joined = join_projections(model)  # the service owns the model and never saves it: see there
-        # one attention choice for every step, prompt and compile of the model, in any thread, while it lives
-        pin_decode_attention(model.config, decode_step_attention)
         log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
         _prepare_product_kernels(model, model_id)
         tokenizer = load_tokenizer(path)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     eos_ids = end_of_sequence_ids(model, tokenizer)
     if compile_beside and limits.compile is None and _compiles(model, limits):
+        # one attention choice for every step, prompt and compile of the model, in either thread, while it lives
+        pin_decode_attention(model.config, decode_step_attention)
         return Ready(tokenizer, context, eos_ids, compiled=False, compile_later=True)
     with phases.timed("compile"):
         compiled = _compiled(model, limits, model.devmap_plan.quantization, rows, context)
