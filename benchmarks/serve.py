@@ -16,9 +16,9 @@ transformers. The floor is the larger of two: a decode step of that load reading
 requests' KV cache once at the HBM bandwidth measured on this GPU in the same run ("reads"), and its arithmetic at
 the bf16 rate measured the same way: every running request's token and the prompt tokens each round takes in beside
 them (the load's prompt tokens per output token), 2 operations per parameter ("FLOPs").
-`--systems devmap+int8` (+int4, +nf4, +fp8; +compile, +no-compile; +ride, +no-ride) serves devmap with those flags, its
-floor reading the quantized weights; `devmap+tp` serves each `--gpus` row with `--tensor-parallel` over its GPUs
-(instead of `--devmap-args`' --device-map and --lanes), its floor each GPU reading 1/N of the weights and KV cache;
+`--systems devmap+int8` (+int4, +nf4, +fp8; +compile, +no-compile, +beside; +ride, +no-ride) serves devmap with those
+flags, its floor reading the quantized weights; `devmap+tp` serves each `--gpus` row with `--tensor-parallel` over its
+GPUs (instead of `--devmap-args`' --device-map and --lanes), its floor each GPU reading 1/N of the weights and KV cache;
 `devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline in the same run).
 `--gpus 1,2,4` serves each devmap system on the machine's first 1, 2 and 4 GPUs in turn (CUDA_VISIBLE_DEVICES, the
 same checkpoint), rows named `SYSTEM/NgpuS`, each with its ratio to the same system on one GPU at the same client count;
@@ -29,8 +29,9 @@ holding requests, as many as the clients up to S unless `--devmap-args` sets `--
 over min(L, S) GPUs.
 Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each devmap server once
 more after its runs, for a restart's time with the compile caches on disk that its first start filled. A devmap server
-answers on captured eager steps while its steps compile: from its first answer until its compiled steps serve it gets
-windows of the first client count (their TTFT and tok/s printed: the swap's cost), and the timed rows start after.
+that compiles beside its serving (`+beside`: --compile-beside) answers on eager steps while its steps compile: from its
+first answer until its compiled steps serve it gets windows of the first client count (their TTFT and tok/s printed:
+the swap's cost), and the timed rows start after.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its release does
 not know are dropped one at a time, and the flags used are printed. `transformers+int8` (+int4, +nf4, +fp8) serves a
 pre-quantized copy of the preset's checkpoint (`devmap save MODEL --quantize`, the same seed: torchao's or bitsandbytes'
@@ -376,17 +377,20 @@ def decoder_parameters_of(path: Path) -> int:
 
 def devmap_variant(system: str) -> tuple[list[str], str | None]:
     """`devmap+int8+compile@DIR` → (the extra flags of devmap serve, the --quantize scheme or None): `+int8`,
-    `+int4`, `+nf4`, `+fp8` serve quantized, `+compile` / `+no-compile` set compiling, `+ride` / `+no-ride` whether
-    joiners ride the decode steps; `+tp` (tensor parallelism over the row's GPUs) is added per row (`split_flags`)."""
+    `+int4`, `+nf4`, `+fp8` serve quantized, `+compile` / `+no-compile` set compiling (`+beside`: while serving),
+    `+ride` / `+no-ride` whether joiners ride the decode steps; `+tp` (tensor parallelism over the row's GPUs) is
+    added per row (`split_flags`)."""
     flags, scheme = [], None
     for part in system.split("@", 1)[0].split("+")[1:]:
         if part in ("int8", "int4", "nf4", "fp8"):
             flags, scheme = [*flags, "--quantize", part], part
         elif part in ("compile", "no-compile", "ride", "no-ride"):
             flags.append(f"--{part}")
+        elif part == "beside":
+            flags.append("--compile-beside")
         elif part != "tp":
             raise SystemExit(f"unknown variant +{part} in {system!r}: use +int8, +int4, +nf4, +fp8, +compile, "
-                             "+no-compile, +ride, +no-ride or +tp")
+                             "+no-compile, +beside, +ride, +no-ride or +tp")
     return flags, scheme
 
 
@@ -494,7 +498,8 @@ def main() -> None:
     parser.add_argument("--systems", default="devmap,transformers",
                         help="devmap, transformers, or devmap@DIR: devmap's sources in DIR (another release of it, "
                              "as a baseline in the same run); devmap+int8 (+int4, +nf4, +fp8): served with --quantize, "
-                             "its floor reading the quantized weights; +compile / +no-compile; +ride / +no-ride; "
+                             "its floor reading the quantized weights; +compile / +no-compile / +beside; "
+                             "+ride / +no-ride; "
                              "transformers+int8 (+int4, +nf4, +fp8): a pre-quantized copy of the checkpoint")
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")
     parser.add_argument("--devmap-args", default="--device-map balanced",
