@@ -3,7 +3,7 @@ microseconds per product (captured in a CUDA graph, over copies of the weight th
 int8, int4, nf4 and fp8 weights at 1, 32 and 256 rows, on LLaMA-2-13B's and 70B's layer shapes (query/key/value and
 gate/up joined, as devmap runs them), beside bf16 and the floor of reading the weights (and scales) once.
 
-Candidates per scheme: devmap's own kernels (`devmap.generation.int8_products`, `four_bit_products`) where it has
+Candidates per scheme: devmap's own kernels (`devmap.kernels.int8_products`, `four_bit_products`) where it has
 them; torchao eager and under torch.compile (int8 weight-only and with int8 activations, int4 tinygemm, int4
 preshuffled through mslk, fp8 with a scale per row through torch._scaled_mm or mslk); bitsandbytes (int8, nf4);
 gemlite (int4). A candidate that cannot run here (a library not installed, a kernel this card lacks) is listed with
@@ -98,15 +98,15 @@ def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Prod
 
 def devmap_int8(weight: torch.Tensor) -> Product:
     from devmap.compat import torchao_int8_parts
-    from devmap.generation.int8_products import int8_product
+    from devmap.kernels.int8_products import int8_product
 
     qdata, scale, _ = torchao_int8_parts(devmap_linear(weight, "int8").weight)
     return lambda x: int8_product(x, qdata, scale)
 
 
 def devmap_four_bit(linear: nn.Module) -> Product:
-    from devmap.generation.four_bit_linear import four_bit_weight
-    from devmap.generation.four_bit_products import four_bit_product
+    from devmap.kernels.four_bit_linear import four_bit_weight
+    from devmap.kernels.four_bit_products import four_bit_product
 
     four_bit = four_bit_weight(linear)
     if four_bit is None:

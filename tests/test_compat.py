@@ -392,8 +392,8 @@ def test_gluon_names_build_hoppers_four_bit_kernel_for_sm90(levels):
     """Gluon's names (`compat.gluon`: TMA loads, barriers, warpgroup MMA) compile the 4-bit kernel for sm_90 here,
     without a GPU, into asynchronous warpgroup products."""
     pytest.importorskip("triton.experimental.gluon")
-    from devmap.generation.four_bit_products_kernel import LEVELS_PTX, table_ptx
-    from devmap.generation.four_bit_products_wgmma import WgmmaShape, compile_sm90
+    from devmap.kernels.four_bit_products_kernel import LEVELS_PTX, table_ptx
+    from devmap.kernels.four_bit_products_wgmma import WgmmaShape, compile_sm90
 
     ptx = LEVELS_PTX[torch.bfloat16] if levels == "int4" else table_ptx(torch.bfloat16, tuple(range(-8, 8)))
     for shape, span, paired in ((WgmmaShape(64, 64, 4, 1), 128, False), (WgmmaShape(256, 128, 2, 2), 128, True),

@@ -1,6 +1,6 @@
 """GPU time of one decode step's attention (one query token per row against the cache, with the decode mask):
 transformers' sdpa path (its default backend, over every column) against devmap's live-columns kernel
-(`devmap.generation.decode_attention`), and the floor of reading the live columns' keys and values once.
+(`devmap.kernels.decode_attention`), and the floor of reading the live columns' keys and values once.
 
 Run on one GPU:  PYTHONPATH=. python3 benchmarks/probes/decode_attention.py [--chunks 64,32,128]
 Shapes: 13B (40 heads of 128, no grouping) and 1.1B (32 query heads over 4 KV heads of 64; sdpa gets each KV
@@ -24,8 +24,8 @@ from common import copy_bandwidth, graph_timed_us  # noqa: E402
 def main() -> None:
     import argparse
 
-    from devmap.generation import decode_attention
-    from devmap.generation.decode_attention import live_columns_attention
+    from devmap.kernels import decode_attention
+    from devmap.kernels.decode_attention import live_columns_attention
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--live", type=float, default=0.8, help="the largest share of a row's columns that is live")

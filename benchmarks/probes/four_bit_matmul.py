@@ -1,6 +1,6 @@
 """GPU time of a LLaMA-2-13B layer's four products with 4-bit weights, against bf16 and the floor of reading the weights
 once: the libraries' kernels (torchao's int4 in tinygemm's layout, bitsandbytes' nf4: what `--quantize int4|nf4` ran
-before devmap read the weights itself) and devmap's 4-bit products (`devmap.generation.four_bit_products`, int4's
+before devmap read the weights itself) and devmap's 4-bit products (`devmap.kernels.four_bit_products`, int4's
 levels or nf4's table): its rows kernel at the rule's block shape (up to TILED_ROWS rows), the values kernel + cuBLAS,
 what `four_bit_product` picks (on an sm_90 GPU, Hopper's kernel at 33-256 rows), and, with `--grid`, the best over a
 grid of shapes (the rows kernel's output columns, shares, warps, stages; Hopper's tiles, output columns, stages,
@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
-from devmap.generation.four_bit_linear import four_bit_weight  # noqa: E402
-from devmap.generation.four_bit_products import (  # noqa: E402
+from devmap.kernels.four_bit_linear import four_bit_weight  # noqa: E402
+from devmap.kernels.four_bit_products import (  # noqa: E402
     DECODE_ROWS, PROGRAMS, TILED_ROWS, BlockShape, block_shape, four_bit_rows_product, kernel_product, values,
     wgmma_levels)
 
@@ -58,7 +58,7 @@ def grid(rows: int, outs: int, spans: int) -> list[BlockShape]:
 def wgmma_grid(rows: int, outs: int, spans: int, span: int, table: bool) -> list:
     """Hopper's kernel's shapes to time: the rule's tile (in its parts) and the power of two that holds the rows,
     64 or 128 output columns, 2-4 stages that fit, one share or the count that makes PROGRAMS programs."""
-    from devmap.generation.four_bit_products_wgmma import SHARED, WgmmaShape, stage_bytes, wgmma_shape
+    from devmap.kernels.four_bit_products_wgmma import SHARED, WgmmaShape, stage_bytes, wgmma_shape
 
     rule = wgmma_shape(rows, outs, spans, span, table)
     shapes = {rule}
@@ -120,7 +120,7 @@ def main() -> None:
                             best, best_shape = us, str(tuple(shape))
                     ptx = wgmma_levels(x, ours) if DECODE_ROWS < rows <= TILED_ROWS else ""
                     if ptx:
-                        from devmap.generation.four_bit_products_wgmma import wgmma_product
+                        from devmap.kernels.four_bit_products_wgmma import wgmma_product
 
                         for shape in wgmma_grid(rows, outs, ins // ours.span, ours.span, not ours.affine):
                             us = graph_timed_us(lambda shape=shape: wgmma_product(x, ours, ptx, shape),

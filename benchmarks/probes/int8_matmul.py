@@ -1,6 +1,6 @@
 """GPU time of a decode step's products with int8 weights (one scale per output row, as `--quantize int8` stores
 them), against the same products in bf16 and the floor of reading the weights once: torchao's `Int8Tensor` in
-eager mode, the same under torch.compile, and devmap's Triton kernel (`devmap.generation.int8_products`: it reads
+eager mode, the same under torch.compile, and devmap's Triton kernel (`devmap.kernels.int8_products`: it reads
 the int8 weights and converts them in registers) over 36 block shapes (output columns per program, inner block,
 shares of the inner dimension, warps, stages), beside the shape devmap's rule picks. torchao's per-row int8
 product is `mm(x, w.to(bf16)) * scale`: eager, the conversion writes a bf16 copy of the weight on every call.
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
-from devmap.generation.int8_products import (  # noqa: E402
+from devmap.kernels.int8_products import (  # noqa: E402
     DECODE_ROWS,
     BlockShape,
     int8_product,

@@ -1,5 +1,5 @@
 """Triton's Gluon (`triton.experimental.gluon`: layouts, shared memory, TMA, mbarriers and Hopper's warpgroup MMA
-spelled out), in the names each Triton release gives them, for `generation.four_bit_products_wgmma`. Gluon is
+spelled out), in the names each Triton release gives them, for `kernels.four_bit_products_wgmma`. Gluon is
 experimental and renames between releases: checked on Triton 3.6 (torch 2.11) and 3.8 (torch 2.14).
 
 | name here | Triton 3.6 | Triton 3.8 |

@@ -3,7 +3,8 @@
 Owns the causal-LM stage view (embedding, layers, norm and head per device), lanes with static KV caches
 on every stage (their prefill and decode halves), captured steps and their cache on the model, sampling, and
 continuous batches (rows that requests join between steps, driven step by step by their caller). Imports
-`devmap.pipelining` (its streams), `devmap.planning`, `devmap.compat` and `devmap.errors`. `generate`, `forward`,
+`devmap.pipelining` (its streams), `devmap.planning`, `devmap.kernels` (the products and attention its steps call),
+`devmap.compat` and `devmap.errors`. `generate`, `forward`,
 `timed` and `check_length` are re-exported here.
 """
 

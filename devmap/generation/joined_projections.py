@@ -24,10 +24,10 @@ from torch.nn import functional as F
 
 from ..compat import attention_function, own_forward, torchao_int8_parts, torchao_int8_weight
 from ..loading.tensor_layers import RowParallelLinear
-from .four_bit_linear import FourBitLinear, own_four_bit_linears
-from .four_bit_layout import FourBitWeight
-from .four_bit_products import four_bit_product
-from .int8_products import int8_product
+from ..kernels.four_bit_linear import FourBitLinear, own_four_bit_linears
+from ..kernels.four_bit_layout import FourBitWeight
+from ..kernels.four_bit_products import four_bit_product
+from ..kernels.int8_products import int8_product
 
 JOINED_MODEL_TYPES = ("llama",)  # whose decoder layer `JoinedLayer.__call__` redoes (qwen3 adds norms of q and k,
 # mistral and qwen2 pass sliding windows to their attention)

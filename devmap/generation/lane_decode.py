@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..compat import dynamic_dims, with_decode_attention
-from .decode_attention import decode_step_attention
+from ..kernels.decode_attention import decode_step_attention
 from .lane_cache import DecodeInputs, LaneCache
 from .lane_prefill import LanePrefill
 from .graphed_step import GraphedStep

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..pipelining.streams import scatter_later, to_host
-from .four_bit_linear import FourBitLinear
+from ..kernels.four_bit_linear import FourBitLinear
 from .packs import Packs, onto
 from .joins import on_device, pack_width, pack_widths, prompt_columns, to_device
 from .lane_decode import computed_rows

@@ -43,7 +43,7 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
     `compile_beside`: steps that compile by default are left to compile while the model serves (`Ready.compile_later`,
     `step_compile`); asked for (`limits.compile`), they compile now, and a compile that fails fails the load."""
     from ..compat import pin_decode_attention
-    from ..generation.decode_attention import decode_step_attention
+    from ..kernels.decode_attention import decode_step_attention
     from ..generation.joined_projections import join_projections
 
     with phases.timed("prepare"):
@@ -71,7 +71,7 @@ def _compiles(model: nn.Module, limits: EngineLimits) -> bool:
 def _prepare_product_kernels(model: nn.Module, model_id: str) -> None:
     """Compile the variants of devmap's product kernels for the model's joined int8 and 4-bit weights now, at load,
     rather than in its first requests (nothing to do without such weights or off GPUs)."""
-    from ..generation import four_bit_products, int8_products
+    from ..kernels import four_bit_products, int8_products
     from ..generation.joined_projections import joined_products
 
     started = time.monotonic()

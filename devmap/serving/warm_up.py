@@ -4,7 +4,7 @@ A service compiles a model's decode steps and its joins (`devmap.generation.comp
 every batch shape and pack width): the steps carrying joiners' prompts where they ride
 (`devmap.generation.mixed_joins`), else the joins' prefill. It compiles them where that wins: every block on a GPU, and
 weights that devmap's own products read (floating point, or torchao's int8 with a scale per row or int4 in layers
-whose projections are joined: `devmap.generation.int8_products`, `devmap.generation.four_bit_products`; a layer left
+whose projections are joined: `devmap.kernels.int8_products`, `devmap.kernels.four_bit_products`; a layer left
 unjoined would run torchao's product, which compiles to something slower than eager). Compiled, a 13B int8 model at
 32 clients gave 1.18× bf16's tokens/s on an H200 and 1.35× on an H100 (riding, by regions, products past 32 rows on
 int8 tensor cores), where eager int8 steps had given 0.83×; int4 0.94× (and 1.42× at one client) on an H200, where

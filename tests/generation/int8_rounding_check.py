@@ -4,7 +4,7 @@ quantized by `quantize_rows_kernel`'s arithmetic and by a correctly rounded divi
 import triton
 import triton.language as tl
 
-from devmap.generation.int8_products_kernel import ROUNDING, _rounded_int8, _token_scale
+from devmap.kernels.int8_products_kernel import ROUNDING, _rounded_int8, _token_scale
 
 
 @triton.jit

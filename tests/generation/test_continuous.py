@@ -512,8 +512,8 @@ def test_steps_carry_prompts_by_default_where_the_weights_bound_them(monkeypatch
     not cannot ride."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from devmap.generation.four_bit_linear import FourBitLinear
-    from devmap.generation.four_bit_layout import FourBitWeight
+    from devmap.kernels.four_bit_linear import FourBitLinear
+    from devmap.kernels.four_bit_layout import FourBitWeight
     from test_four_bit_products import int4_layers
 
     monkeypatch.setattr(mixed_joins, "RIDING_MIN_PARAMETERS", 10_000_000_000)  # the default (the tests set it to 0)

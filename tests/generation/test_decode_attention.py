@@ -6,12 +6,12 @@ import textwrap
 import pytest
 import torch
 
-from devmap.generation import decode_attention
-from devmap.generation.decode_attention import decode_step_attention, reference_attention
+from devmap.kernels import decode_attention
+from devmap.kernels.decode_attention import decode_step_attention, reference_attention
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from devmap.generation.decode_attention import live_columns_attention, reference_attention
+    from devmap.kernels.decode_attention import live_columns_attention, reference_attention
 
     torch.manual_seed(0)
     # (rows, heads, KV heads, columns, head size): grouped and plain heads; columns over several chunks, one not whole,

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from devmap import generate
-from devmap.generation.four_bit_linear import FourBitLinear, own_four_bit_linears
-from devmap.generation.four_bit_layout import (
+from devmap.kernels.four_bit_linear import FourBitLinear, own_four_bit_linears
+from devmap.kernels.four_bit_layout import (
     INT4_LEVELS, FourBitWeight, dequantize, levels, packed_halves, quantize_int4, span_of)
-from devmap.generation.four_bit_products import four_bit_product, kernel_applies
+from devmap.kernels.four_bit_products import four_bit_product, kernel_applies
 from devmap.generation.joined_projections import JoinedLayer, every_layer_joined, join_projections, joined_products
 
 
@@ -136,8 +136,8 @@ def test_int4_joined_steps_compile_once_for_every_batch_size(model, compiles_onc
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from devmap.generation.four_bit_layout import dequantize, quantize_int4
-    from devmap.generation.four_bit_products import BlockShape, block_shape, kernel_product, values
+    from devmap.kernels.four_bit_layout import dequantize, quantize_int4
+    from devmap.kernels.four_bit_products import BlockShape, block_shape, kernel_product, values
     torch.manual_seed(0)
     # one block of rows (split or not, uneven output blocks), tiles of rows, and the rule's shape
     for rows, outs, ins, shape in ((1, 96, 256, None), (5, 64, 384, BlockShape(64, 2)),
@@ -192,7 +192,7 @@ def test_the_kernels_bit_patterns_give_each_weight_exactly(dtype):
     mantissa of the dtype's magic give magic + q, adding minus gives q - 8 exactly, and the four bytes of a register
     come out as the levels of weights j..j+3 (low halves) and GROUP / 2 + j.. (high halves), in order."""
     pytest.importorskip("triton")
-    from devmap.generation.four_bit_products_kernel import LEVEL_PATTERNS, _levels_ptx
+    from devmap.kernels.four_bit_products_kernel import LEVEL_PATTERNS, _levels_ptx
 
     magic, one, minus, kind = LEVEL_PATTERNS[dtype]
     ptx = _levels_ptx(magic, one, minus, kind)
@@ -258,7 +258,7 @@ def test_a_tables_ptx_gives_each_weight_its_level(dtype):
     + j.. (high halves), in order, two a register, before the scales and zeros: the low halves' pair ($5-$8), then
     the high halves' ($9-$12), as `OPERANDS` counts them."""
     pytest.importorskip("triton")
-    from devmap.generation.four_bit_products_kernel import LEVEL_PATTERNS, OPERANDS, table_ptx
+    from devmap.kernels.four_bit_products_kernel import LEVEL_PATTERNS, OPERANDS, table_ptx
 
     ptx = table_ptx(dtype, NF4)
     kind = LEVEL_PATTERNS[dtype][3]
@@ -283,7 +283,7 @@ def test_hoppers_kernel_cuts_every_step_it_runs_into_tiles_that_fit():
     none, output columns of whole warpgroups, a ring that fits the SM's shared memory, shares only where the
     blocks are few, and no share without a group of its own."""
     pytest.importorskip("triton.experimental.gluon")
-    from devmap.generation.four_bit_products_wgmma import SHARED, SPREAD, stage_bytes, wgmma_shape
+    from devmap.kernels.four_bit_products_wgmma import SHARED, SPREAD, stage_bytes, wgmma_shape
 
     for outs, ins, group in ((15360, 5120, 128), (5120, 5120, 128), (27648, 5120, 64), (5120, 13824, 64)):
         span = span_of(ins, group)
@@ -303,8 +303,8 @@ def test_a_service_prepares_every_variant_of_hoppers_kernel_a_step_can_run():
     (its tile, parts, output columns and stages: what Triton compiles apart) that a step of 33-256 rows can take, so
     that none compiles in the middle of a service's requests (or of a CUDA graph's capture)."""
     pytest.importorskip("triton.experimental.gluon")
-    from devmap.generation.four_bit_products import DECODE_ROWS, PREPARED_ROWS, TILED_ROWS
-    from devmap.generation.four_bit_products_wgmma import wgmma_shape
+    from devmap.kernels.four_bit_products import DECODE_ROWS, PREPARED_ROWS, TILED_ROWS
+    from devmap.kernels.four_bit_products_wgmma import wgmma_shape
 
     for outs, ins, group in ((15360, 5120, 128), (5120, 13824, 64), (2048, 2048, 64)):
         for table in (False, True):

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from devmap import dispatch
-from devmap.generation import decode_attention
-from devmap.generation.decode_attention import live_columns_attention, reference_attention
+from devmap.kernels import decode_attention
+from devmap.kernels.decode_attention import live_columns_attention, reference_attention
 from devmap.testing import require_gpus
 
 pytestmark = require_gpus(1)

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from devmap.generation.four_bit_linear import FourBitLinear, four_bit_weight, own_four_bit_linears
-from devmap.generation.four_bit_layout import dequantize
-from devmap.generation.four_bit_products import four_bit_product, kernel_applies
+from devmap.kernels.four_bit_linear import FourBitLinear, four_bit_weight, own_four_bit_linears
+from devmap.kernels.four_bit_layout import dequantize
+from devmap.kernels.four_bit_products import four_bit_product, kernel_applies
 from devmap.loading.quantize import quantize_linears
 from devmap.planning.quantization import parse_quantization
 from devmap.testing import require_gpus
@@ -100,9 +100,9 @@ def test_a_four_bit_llama_decodes_the_librarys_greedy_tokens(scheme):
 def test_the_rows_kernels_bit_patterns_give_the_dequantized_product(dtype):
     """Both half-precision dtypes' PTX (`levels_ptx`: int4's bit patterns and a table's), every block shape of the
     rule, against the product of the weights made in float32: within a last bit of each weight."""
-    from devmap.generation.four_bit_layout import quantize_int4
-    from devmap.generation.four_bit_products import kernel_product, values
-    from devmap.generation.four_bit_products_kernel import levels_ptx
+    from devmap.kernels.four_bit_layout import quantize_int4
+    from devmap.kernels.four_bit_products import kernel_product, values
+    from devmap.kernels.four_bit_products_kernel import levels_ptx
 
     torch.manual_seed(0)
     weight = quantize_int4(torch.randn(320, 512, device="cuda", dtype=dtype), group=64)
@@ -127,10 +127,10 @@ def test_hoppers_kernel_gives_the_dequantized_product(dtype):
     output columns that end mid-block, tiles of 64, 128 and 256 rows and tiles in two parts (96, 160, 192 rows), one
     share and several, against the product of the weights made in float32, and what `four_bit_product` picks equals
     it."""
-    from devmap.generation.four_bit_layout import quantize_int4
-    from devmap.generation.four_bit_products import wgmma_levels
-    from devmap.generation.four_bit_products_kernel import levels_ptx
-    from devmap.generation.four_bit_products_wgmma import WgmmaShape, wgmma_product, wgmma_shape
+    from devmap.kernels.four_bit_layout import quantize_int4
+    from devmap.kernels.four_bit_products import wgmma_levels
+    from devmap.kernels.four_bit_products_kernel import levels_ptx
+    from devmap.kernels.four_bit_products_wgmma import WgmmaShape, wgmma_product, wgmma_shape
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("Hopper's kernel runs on sm_90 only")

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from devmap.generation import int8_products
-from devmap.generation.int8_products import DECODE_ROWS, int8_product, kernel_applies
+from devmap.kernels import int8_products
+from devmap.kernels.int8_products import DECODE_ROWS, int8_product, kernel_applies
 from devmap.testing import require_gpus
 
 pytestmark = require_gpus(1)
@@ -56,7 +56,7 @@ def test_tokens_round_as_torch_for_every_value_of_the_dtype(dtype):
     """A token's int8 (x · 1/scale corrected by its residual, rounded half to even) equals torch's
     `(x / scale).round()` for every finite value of the dtype as the row's max and every value up to it: exhaustive
     (~10⁹ pairs), then the kernel against torch itself on rows with exact halves."""
-    from devmap.generation.int8_products_kernel import SMALLEST_NORMAL, quantize_rows_kernel
+    from devmap.kernels.int8_products_kernel import SMALLEST_NORMAL, quantize_rows_kernel
 
     from int8_rounding_check import rounding_mismatches_kernel  # beside this file (pytest puts its folder on the path)
 

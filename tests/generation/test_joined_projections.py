@@ -143,7 +143,7 @@ def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(
     """A service prepares the kernels' variants at load: each distinct int8 weight shape once per prepared row
     count (every block shape and Triton's specializations, and each tile height past DECODE_ROWS), none on the CPU,
     where the kernels do not run."""
-    from devmap.generation import int8_products
+    from devmap.kernels import int8_products
     from devmap.generation.joined_projections import joined_products
 
     pytest.importorskip("torchao")
@@ -167,8 +167,8 @@ def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(
 
 INT8_KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from devmap.generation import int8_products
-    from devmap.generation.int8_products import BlockShape, kernel_product, tokens_product
+    from devmap.kernels import int8_products
+    from devmap.kernels.int8_products import BlockShape, kernel_product, tokens_product
 
     torch.manual_seed(0)
     # every decode block shape: narrow (split in 4 and 8 shares, more than inner blocks), wide (no split)

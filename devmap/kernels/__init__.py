@@ -1,0 +1,10 @@
+"""Kernels: the GPU code devmap writes itself, where measurement says it beats the libraries that do the same job
+(docs/kernels.md keeps that table and the command behind it).
+
+Decode attention over a lane's live cache columns (`decode_attention`), matrix products with int8 weights carrying a
+scale per output row (`int8_products`), and with 4-bit weights in devmap's plain layout (`four_bit_layout`,
+`four_bit_products`; Hopper's asynchronous tensor-core kernel in `four_bit_products_wgmma`; the Linear modules that
+hold such weights in `four_bit_linear`). Each family's module chooses where its kernel applies and falls back to
+torch or the library otherwise; its `*_kernel` module holds the Triton code, imported only where it runs. Imports
+`devmap.compat` only: generation and serving call these, never the other way.
+"""
