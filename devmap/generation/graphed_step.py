@@ -22,8 +22,8 @@ from ..compat import begin_capture, fail_on_recompile, own_blas_workspace
 from ..pipelining.streams import check_cycles, new_stream, poison
 
 
-_CAPTURING = threading.RLock()  # held by a capture, and to change `_PAUSES`
-_PAUSES = [0]  # `captures_paused` blocks open now, in any thread
+_CAPTURING = threading.RLock()  # held by a capture, and to change `_paused`
+_paused = 0  # `captures_paused` blocks open now, in any thread
 
 
 @contextlib.contextmanager
@@ -32,13 +32,14 @@ def captures_paused() -> Iterator[None]:
     Entering waits for a capture in flight to end. For GPU work of another thread that must not overlap a capture: a
     compile beside serving (its device synchronizations and kernel loads fail with "operation not permitted when
     stream is capturing" while any stream of the device captures, whichever thread's)."""
+    global _paused
     with _CAPTURING:
-        _PAUSES[0] += 1
+        _paused += 1
     try:
         yield
     finally:
         with _CAPTURING:
-            _PAUSES[0] -= 1
+            _paused -= 1
 
 
 class GraphedStep:
@@ -67,7 +68,7 @@ class GraphedStep:
         self.calls += 1
         if self.graph is None and self.use_graph and self.calls > 1:
             with _CAPTURING:
-                if not _PAUSES[0]:  # else eager now, captured at a later use
+                if not _paused:  # else eager now, captured at a later use
                     self._capture()
         if self.graph is not None:
             self.graph.replay()
