@@ -37,6 +37,8 @@ from .registry import ModelRegistry
 
 log = logging.getLogger("devmap.serving")
 
+GONE_SECONDS = 10.0  # how long a send that found the core's process gone waits to hear why it ended
+
 Lost = Callable[[ServiceError], None]
 """Called once if the core can no longer answer (its process ended): every open request gets this error."""
 
@@ -164,6 +166,9 @@ class ProcessCore:
             with self._send_lock:
                 self._to_core.send(message)
         except (OSError, EOFError):
+            # the core's process ended: its last words (why it ended) may still be in the pipe the reader drains
+            if threading.current_thread() is not self._reader:
+                self._reader.join(GONE_SECONDS)
             raise self.gone or EngineGone("the engine core's process has ended; restart the service") from None
 
     def _read(self) -> None:
