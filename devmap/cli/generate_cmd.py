@@ -28,8 +28,8 @@ from .output import echo_json
 @click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
               help="Generate this many times; reports the first call and the fastest later one.")
 @click.option("--tensor-parallel", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Split every attention and MLP block over N processes, one per GPU (started here, or by torchrun); "
-                   "rank 0 reports.")
+              help="Split every attention and MLP block over N processes (started here, or by torchrun; on a "
+                   "multiple of N GPUs each group of N is a pipeline stage); rank 0 reports.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(source: str, device_map: str, max_memory: str | None, dtype: str | None, quantize: str | None,
              batch_size: int,
@@ -124,8 +124,8 @@ def _check_split(model_source, size: int, device_map: str, max_memory: str | Non
     placing = [flag for flag, value in (("--device-map", device_map != "auto"), ("--max-memory", max_memory),
                                         ("--quantize", quantize)) if value]
     if placing:
-        raise click.UsageError(f"--tensor-parallel puts each process's shard whole on its GPU: leave out "
-                               f"{', '.join(placing)}")
+        raise click.UsageError("--tensor-parallel places each process's shard itself (its GPU of each group of "
+                               f"N, the groups the pipeline's stages): leave out {', '.join(placing)}")
 
 
 def shown(text: str) -> str:

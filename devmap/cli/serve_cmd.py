@@ -75,8 +75,8 @@ from .options import load_options
                    "(host ops, CUDA calls, kernels) and write a Chrome trace and an op table here (vLLM's profiler "
                    "endpoints); without it those answer 404.")
 @click.option("--tensor-parallel", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Split every attention and MLP block of each model over N processes, one per GPU (GPUs 0 to "
-                   "N-1), started and stopped with the service.")
+              help="Split every attention and MLP block of each model over N processes, started and stopped with "
+                   "the service; on a multiple of N GPUs each group of N is a pipeline stage.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, dtype: str | None,
@@ -104,8 +104,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
         placing = [flag for flag, value in (("--device-map", device_map != "auto"), ("--quantize", quantize),
                                             ("--lanes", lanes)) if value]
         if placing:
-            raise click.UsageError(f"--tensor-parallel puts each process's shard whole on its GPU: leave out "
-                                   f"{', '.join(placing)}")
+            raise click.UsageError("--tensor-parallel places each process's shard itself (its GPU of each group of "
+                                   f"N, the groups the pipeline's stages): leave out {', '.join(placing)}")
         _check_splits(model_dirs, tensor_parallel)
     if compile_beside and (compile_steps is not None or tensor_parallel > 1):
         raise click.UsageError("--compile-beside compiles a whole model's steps while it serves: leave out "

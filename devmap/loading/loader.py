@@ -70,8 +70,9 @@ def load(
     measure a model whose weights are not at hand; a directory `devmap save --config-only` wrote has no others).
     `plan`, a finished `devmap.plan(source, ...)`, is loaded as it is (its map, dtype, quantization and workload),
     without planning again; the options it already settled are then left out. `tensor_parallel` N > 1 loads this
-    process's shard of a LLaMA-family model split over N processes, one per GPU (started by torchrun): each holds 1/N
-    of every attention and MLP block and runs with the others (`devmap.loading.tensor_shards`).
+    process's shard of a LLaMA-family model split over N processes (started by torchrun): each holds 1/N of every
+    attention and MLP block and runs with the others (`devmap.loading.tensor_shards`); on a multiple of N GPUs the
+    groups of N are pipeline stages, and each process holds its GPU of every group.
     """
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise UsageError(f"invalid tensor_parallel={tensor_parallel!r}: it must be a positive integer")
@@ -141,7 +142,8 @@ def _load_shard(source: Any, size: int, plan: Plan | None, device_map: Any, max_
 
     if plan is not None:
         split = plan.tensor_parallel
-        if split is None or len(plan.devices) != 1:
+        gpus = [usage.key for usage in plan.devices.values() if isinstance(usage.key, int)]
+        if split is None or len({split.first_of(g) for g in gpus}) != len(gpus):  # a shard holds one GPU a group
             raise UsageError("a plan of whole blocks or of every GPU of a split cannot load one process's shard: "
                              "give tensor_parallel=N alone, or a shard's plan (devmap.planning.planner.plan_shard)")
         if size not in (1, split.size):
@@ -153,7 +155,8 @@ def _load_shard(source: Any, size: int, plan: Plan | None, device_map: Any, max_
         ("allow_missing", allow_missing, False), ("dtype", dtype if plan is not None else None, None),
         ("workload", workload if plan is not None else None, None)) if value != default]
     if placing:
-        raise UsageError(f"tensor_parallel={size} puts each process's shard whole on its GPU: leave out "
+        raise UsageError(f"tensor_parallel={size} plans each process's shard itself (its GPU of each group of {size}, "
+                         f"the groups the pipeline's stages): leave out "
                          f"{', '.join(placing)}")
     model_source = resolve_source(source)
     if model_source.kind == "module":

@@ -8,12 +8,13 @@ back together, so every process holds the same logits and picks the same tokens 
 
 The layers are the shard's own `nn.Linear` and `nn.Embedding` modules with their class changed (`parallelize`): the
 weights stay where the loader put them, and transformers' forward, devmap's stages and torch.compile call them as
-they call any module. The collectives are torch.distributed's own, over the group the loader was given.
+they call any module. The collectives are torch.distributed's own, over the group the loader gave each layer's
+device (a shard spread over pipeline stages has one group per stage: an NCCL communicator runs on one GPU).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -62,9 +63,10 @@ class VocabParallelHead(nn.Linear):
         return torch.cat(parts, dim=-1)
 
 
-def parallelize(model: nn.Module, split: TensorSplit, rank: int, group: Any) -> None:
+def parallelize(model: nn.Module, split: TensorSplit, rank: int, groups: Mapping[torch.device, Any]) -> None:
     """Turn the shard's row-parallel projections, and where the vocabulary is split its embedding and head, into
-    the layers above (over `group`, in which this process is `rank`)."""
+    the layers above, each over the group of its device (`groups`: one per pipeline stage, in each of which this
+    process is `rank`)."""
     for name, module in model.named_modules():
         leaf = name.rpartition(".")[2]
         if leaf in ROW_PARALLEL:
@@ -76,7 +78,7 @@ def parallelize(model: nn.Module, split: TensorSplit, rank: int, group: Any) -> 
             module.__class__ = VocabParallelHead
         else:
             continue
-        module.group = group
+        module.group = groups[module.weight.device]
 
 
 def check_plain(model: nn.Module) -> None:

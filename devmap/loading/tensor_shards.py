@@ -1,13 +1,16 @@
-"""One process's shard of a tensor-parallel model (`devmap.load(..., tensor_parallel=N)`, one process per GPU).
+"""One process's shard of a tensor-parallel model (`devmap.load(..., tensor_parallel=N)`, one process per group
+member).
 
 The process's model is the one a local config describes (`devmap.planning.tensor_parallel`), built on the meta
-device and made on the process's device: each tensor is read from the full checkpoint as the slice this rank holds.
-Row slices (column-parallel weights, vocabulary rows) are byte ranges of the file and go straight to the device
-through the loader's parallel reads; a row-parallel weight's column slice is read whole into host memory and its
-columns copied over (the processes of one machine share the file's pages). The layers where the group's partial
-results meet come last (`tensor_layers.parallelize`).
+device and made on the process's GPU of each group of N (groups of N GPUs are the pipeline's stages: with 2 processes
+on 4 GPUs, process 0 holds cuda:0 and cuda:2, process 1 cuda:1 and cuda:3), as process 0 planned it: each tensor is
+read from the full checkpoint as the slice this rank holds. Row slices (column-parallel weights, vocabulary rows) are
+byte ranges of the file and go straight to the device through the loader's parallel reads; a row-parallel weight's
+column slice is read whole into host memory and its columns copied over (the processes of one machine share the
+file's pages). The layers where the group's partial results meet come last (`tensor_layers.parallelize`), each over
+its stage's process group (`stage_groups`).
 
-The group is torch.distributed's default one: the processes started by torchrun (or any launcher that sets RANK,
+The processes are torch.distributed's default group: those started by torchrun (or any launcher that sets RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT), initialized here when the caller has not (NCCL on GPUs, gloo on CPUs).
 """
 
@@ -17,17 +20,18 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..errors import UsageError
-from ..planning.devices import DeviceKey, device_label
+from ..planning.device_maps import owner_of
+from ..planning.devices import DeviceKey, device_label, torch_device
 from ..planning.memory import dtype_name
 from ..planning.models import ModelSource
-from ..planning.planner import Plan, plan_shard
+from ..planning.planner import Plan, plan_shard, split_map
 from ..planning.tensor_parallel import TensorSplit
 from ..planning.workload import Workload
 from .checkpoint import TensorEntry, index_checkpoint, match_state
@@ -60,6 +64,7 @@ def tensor_group(size: int) -> tuple[int, Any]:
     if world != size:
         raise UsageError(f"tensor_parallel={size} splits the model over {size} processes, but {world} were started: "
                          f"start {size} (torchrun --nproc-per-node {size})")
+    open_stage_groups(size)
     return dist.get_rank(), dist.group.WORLD
 
 
@@ -80,45 +85,100 @@ def shard_device_key() -> DeviceKey:
 def load_shard(model_source: ModelSource, size: int, dtype: torch.dtype, checkpoint: Path | None, *,
                plan: Plan | None = None, workload: Workload | None = None, allow_pickle: bool = False, seed: int = 0,
                workers: int | None = None, progress: Callable[[int], None] | None = None) -> nn.Module:
-    """This process's shard of `model_source` split `size` ways, on its device, ready to run with the others
-    (`devmap.load`'s tensor-parallel path: see the module's docstring). `plan`: the shard's plan
-    (`devmap.planning.planner.plan_shard`, on this process's device), else planned here with room for `workload`."""
+    """This process's shard of `model_source` split `size` ways, on its GPU of each group (or the CPU), ready to run
+    with the others (`devmap.load`'s tensor-parallel path: see the module's docstring). `plan`: the shard's plan
+    (`devmap.planning.planner.plan_shard` for this process's rank), else planned here with room for `workload`."""
     start = time.perf_counter()
     rank, group = tensor_group(size)
-    device, key = shard_device(), shard_device_key()
     if plan is None:
-        plan = plan_shard(model_source.path or model_source.name, size, key, dtype=dtype, workload=workload)
-    elif set(plan.device_map.values()) != {key}:
-        raise UsageError(f"the shard's plan places it on {', '.join(plan.devices)}, but this process runs on "
-                         f"{device_label(key)}: plan each process's shard on its own device")
+        plan = _agreed_plan(model_source, size, rank, dtype, workload)
     split = plan.tensor_parallel
     assert split is not None and plan.model_source is not None
+    held = {g[rank] for g in split.groups} if shard_device_key() != "cpu" else {"cpu"}
+    theirs = [label for label, usage in plan.devices.items() if usage.key not in held]
+    if theirs:
+        raise UsageError(f"the shard's plan places it on {', '.join(theirs)}, which process {rank} of {size} does not "
+                         "hold: plan each process's shard for its rank (devmap.planning.planner.plan_shard)")
     dtype = plan.dtype
     model = plan.model_source.build(cpu_buffers=True)
     check_plain(model)
     entries = index_checkpoint(checkpoint, allow_pickle) if checkpoint is not None else None
-    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    read, initialized = _fill(model, split, rank, device, dtype, entries, seed + rank, workers, progress)
-    parallelize(model, split, rank, group)
+    devices = {key: torch_device(key) for key in set(plan.device_map.values())}
+    before = {key: _allocated(device) for key, device in devices.items()}
+    read, initialized = _fill(model, split, rank, plan.device_map, dtype, entries, seed + rank, workers, progress)
+    parallelize(model, split, rank, stage_groups(split, rank, group, devices.values()))
     model.eval()
-    model.hf_device_map = {"": key}
+    model.hf_device_map = dict(plan.device_map)
     model.devmap_plan = plan
     seconds = time.perf_counter() - start
-    usage = plan.devices[device_label(key)]
+    loads = {}
+    for key, device in devices.items():
+        usage = plan.devices[device_label(key)]
+        allocated = _allocated(device)
+        loads[usage.device] = DeviceLoad(usage.device, len(usage.modules), usage.bytes,
+                                         None if allocated is None else allocated - (before[key] or 0), seconds)
     model.devmap_load_report = LoadReport(
         source=model_source.name, checkpoint=str(checkpoint) if checkpoint else None, random_init=entries is None,
-        dtype=dtype_name(dtype), seconds=seconds, bytes_read=read, initialized=initialized,
-        devices={usage.device: DeviceLoad(usage.device, len(usage.modules), usage.bytes,
-                                          torch.cuda.memory_allocated(device) - before if device.type == "cuda"
-                                          else None, seconds)})
+        dtype=dtype_name(dtype), seconds=seconds, bytes_read=read, initialized=initialized, devices=loads)
     return model
 
 
-def _fill(model: nn.Module, split: TensorSplit, rank: int, device: torch.device, dtype: torch.dtype,
+def _agreed_plan(model_source: ModelSource, size: int, rank: int, dtype: torch.dtype,
+                 workload: Workload | None) -> Plan:
+    """This process's shard plan, its blocks in the stages process 0 chose: each process measures its own free
+    memory, so process 0 plans and the others place each block in the same stage (`plan_shard(stages=...)`)."""
+    source = model_source.path or model_source.name
+    own = plan_shard(source, size, 0, dtype=dtype, workload=workload) if rank == 0 else None
+    stages: list[Any] = [split_map(own) if own is not None else None]
+    dist.broadcast_object_list(stages, src=0)
+    return own or plan_shard(source, size, rank, dtype=dtype, workload=workload, stages=stages[0])
+
+
+_STAGE_GROUPS: dict[tuple[int, ...], Any] = {}  # a process group per later stage (by its GPUs), made once
+
+
+def open_stage_groups(size: int) -> None:
+    """Make, on every process of a split of `size` just after the group starts, the process group of each later
+    pipeline stage the visible GPUs allow (GPUs size..2·size-1, and so on), bound to this process's GPU of it: made
+    before any load, a load that fails on one process leaves no other waiting for it to make one."""
+    if not torch.cuda.is_available():
+        return
+    rank = dist.get_rank()
+    for first in range(size, torch.cuda.device_count() // size * size, size):
+        members = tuple(range(first, first + size))
+        if members not in _STAGE_GROUPS:
+            _STAGE_GROUPS[members] = dist.new_group(list(range(size)), device_id=torch.device("cuda", members[rank]))
+
+
+def stage_groups(split: TensorSplit, rank: int, group: Any, devices: Iterable[torch.device]) -> dict[Any, Any]:
+    """The process group of each of the shard's devices: `group` (torch.distributed's default one, whose NCCL
+    communicator is on this process's own GPU) for the stage on the first `size` GPUs, and a group of its own for each
+    other stage, bound to this process's GPU of it (an NCCL communicator runs on one GPU): those `open_stage_groups`
+    made, else made here, by every process in the same order (stage by stage), once per process."""
+    groups: dict[Any, Any] = {}
+    for device in sorted(devices, key=lambda d: (d.type, d.index or 0)):
+        if device.type != "cuda":
+            groups[device] = group
+            continue
+        members = next(g for g in split.groups if device.index in g)
+        if members == tuple(range(split.size)):
+            groups[device] = group
+            continue
+        if members not in _STAGE_GROUPS:
+            _STAGE_GROUPS[members] = dist.new_group(list(range(split.size)), device_id=device)
+        groups[device] = _STAGE_GROUPS[members]
+    return groups
+
+
+def _allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _fill(model: nn.Module, split: TensorSplit, rank: int, device_map: Mapping[str, DeviceKey], dtype: torch.dtype,
           entries: dict[str, TensorEntry] | None, seed: int, workers: int | None,
           progress: Callable[[int], None] | None) -> tuple[int, list[str]]:
-    """Make every tensor of the shard on `device` and fill it with its slice of the checkpoint (initialized where the
-    checkpoint has none); returns the bytes read and the names initialized."""
+    """Make every tensor of the shard on its device (`device_map`) and fill it with its slice of the checkpoint
+    (initialized where the checkpoint has none); returns the bytes read and the names initialized."""
     from accelerate.utils import find_tied_parameters
 
     state = model.state_dict(keep_vars=True)
@@ -136,6 +196,7 @@ def _fill(model: nn.Module, split: TensorSplit, rank: int, device: torch.device,
             set_tensor(model, name, made[id(tensor)])
             continue
         entry = None if entries is None else entries.get(name)
+        device = torch_device(device_map[owner_of(name, device_map)])  # type: ignore[index]
         if tensor.device.type != "meta" and entry is None:  # a buffer the constructor computed (rotary frequencies)
             value = tensor.to(device)
         else:
@@ -163,9 +224,13 @@ def _fill(model: nn.Module, split: TensorSplit, rank: int, device: torch.device,
             host = torch.empty(entry.shape, dtype=value.dtype)
             jobs.append(CopyJob(entry, host))
             columns.append((host, value.data, piece[1], piece[2]))
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}
     for module_name in sorted(to_init):
-        init_module_(model.get_submodule(module_name), generator=generator,
+        module = model.get_submodule(module_name)
+        device = next(module.parameters(recurse=False), next(module.buffers(recurse=False), None)).device
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        init_module_(module, generator=generators[device],
                      std=float(getattr(model.config, "initializer_range", 0.02) or 0.02))
     copy_into(jobs, workers=workers, progress=progress)
     for host, shard, first, last in columns:

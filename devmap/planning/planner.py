@@ -73,30 +73,79 @@ def _split_plan(model_source: ModelSource, size: int, device_map: DeviceMapSpec,
     group, then spread over every GPU of each group."""
     local, vocab = shard_source(model_source, size)
     groups_budget, groups = group_budget(budget, size)
+    if isinstance(device_map, Mapping):  # a map names each group by its first GPU; the groups' budgets are by index
+        firsts = {group[0]: index for index, group in enumerate(groups)}
+        others = sorted({key for key in device_map.values() if isinstance(key, int) and key not in firsts})
+        if others:
+            raise UsageError(f"with tensor parallelism a map names each group of {size} GPUs by its first "
+                             f"({', '.join(device_label(g[0]) for g in groups)}), not {device_label(others[0])}")
+        device_map = {name: firsts.get(key, key) if isinstance(key, int) else key
+                      for name, key in device_map.items()}
     plan_of_one = plan_model(local.build("meta"), local, device_map, groups_budget, dtype, no_split, quantization,
                              workload)
     return _spread(plan_of_one, TensorSplit(size, groups, vocab), budget)
 
 
-def plan_shard(source: Union[str, Path], size: int, device: DeviceKey,
+def plan_shard(source: Union[str, Path], size: int, rank: int,
                max_memory: str | Mapping[DeviceKey, Size] | None = None, dtype: str | torch.dtype | None = None,
-               workload: Workload | None = None) -> Plan:
-    """The plan of the shard one process holds of `source` split `size` ways (`devmap.planning.tensor_parallel`),
-    whole on `device` within its budget (from `max_memory`, else the machine's), with room for `workload` (what
-    that process's model runs: its own KV heads). Every process of the split holds a shard of the same size."""
+               workload: Workload | None = None, stages: Mapping[str, DeviceKey] | None = None) -> Plan:
+    """The plan of the shard process `rank` holds of `source` split `size` ways (`devmap.planning.tensor_parallel`),
+    with room for `workload` (what that process's model runs: its own KV heads). The budget's GPUs (from
+    `max_memory`, else the machine's; the first multiple of `size` of them) make groups of `size`, the pipeline's
+    stages; the whole split is planned over them (`plan(..., tensor_parallel=size)`) and this process holds its GPU
+    of each group (`shard_of`): with 2 processes on 4 GPUs, rank 0 holds cuda:0 and cuda:2. `stages`: the whole
+    split's map (`Plan.device_map` of `plan` or `split_map(shard)`, each group's first GPU) that another process
+    chose, so that every process places each block in the same stage. Without GPUs, the shard is whole on the CPU."""
     model_source = resolve_source(source)
-    local, vocab = shard_source(model_source, size)
     torch_dtype = parse_dtype(dtype) or model_source.default_dtype
     budget = resolve_budget(max_memory)
-    if device not in budget.limits:
-        raise UsageError(f"the budget has no {device_label(device)} for this process's shard ({budget.label()})")
-    limits = budget.limits
-    shard = plan_model(local.build("meta"), local, {"": device}, Budget({device: limits[device]}, False), torch_dtype,
-                       workload=workload)
-    if shard.warnings:
-        raise DoesNotFitError(f"{model_source.name} split {size} ways does not fit {device_label(device)}: "
-                              f"{shard.warnings[0]}")
-    return replace(shard, tensor_parallel=TensorSplit(size, (tuple(range(size)),), vocab))
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+        raise UsageError(f"invalid rank {rank!r} of a split of {size}: it must be 0 to {size - 1}")
+    gpus = [g for g in budget.gpus if isinstance(g, int)]
+    if not gpus:  # gloo processes on the CPU: each holds its shard whole there
+        if "cpu" not in budget.limits:
+            raise UsageError(f"the budget has neither GPUs nor cpu for this process's shard ({budget.label()})")
+        local, vocab = shard_source(model_source, size)
+        shard = plan_model(local.build("meta"), local, {"": "cpu"}, Budget({"cpu": budget.limits["cpu"]}, False),
+                           torch_dtype, workload=workload)
+        if shard.warnings:
+            raise DoesNotFitError(f"{model_source.name} split {size} ways does not fit cpu: {shard.warnings[0]}")
+        return replace(shard, tensor_parallel=TensorSplit(size, (tuple(range(size)),), vocab))
+    if len(gpus) < size:
+        raise UsageError(f"a split of {size} runs one process per GPU, and the budget has {len(gpus)} GPU(s)")
+    used = gpus[:len(gpus) // size * size]
+    grouped = Budget({g: budget.limits[g] for g in used}, budget.simulated)
+    whole = _split_plan(model_source, size, dict(stages) if stages else "auto", grouped, torch_dtype, None, None,
+                        workload)
+    if whole.warnings:
+        raise DoesNotFitError(f"{model_source.name} split {size} ways does not fit "
+                              f"{', '.join(device_label(g) for g in used)}: {whole.warnings[0]}")
+    return shard_of(whole, rank)
+
+
+def shard_of(whole: Plan, rank: int) -> Plan:
+    """The plan of process `rank`'s shard of a tensor-parallel plan (`plan(..., tensor_parallel=N)`): its GPU of each
+    group holds what the group's plan gives each of its GPUs; the map names that GPU, the totals count one shard."""
+    split = whole.tensor_parallel
+    if split is None:
+        raise UsageError("the plan does not split the model: plan it with tensor_parallel=N")
+    device_map = {name: split.member(first, rank) if isinstance(first, int) else first
+                  for name, first in whole.device_map.items()}
+    held = {device_label(key) for key in device_map.values()}
+    devices = {label: usage for label, usage in whole.devices.items() if label in held}
+    assert whole.model is not None
+    params = sum(p.numel() for p in whole.model.parameters())
+    return replace(whole, device_map=device_map, devices=devices, total_params=params,
+                   total_bytes=sum(usage.bytes for usage in devices.values()))
+
+
+def split_map(shard: Plan) -> dict[str, DeviceKey]:
+    """The whole split's map of a shard's plan (each block on its group's first GPU): what `plan_shard(stages=...)`
+    takes to place every process's blocks in the same stages."""
+    split = shard.tensor_parallel
+    if split is None:
+        raise UsageError("the plan does not split the model: plan it with tensor_parallel=N")
+    return {name: split.first_of(key) if isinstance(key, int) else key for name, key in shard.device_map.items()}
 
 
 def _spread(local: Plan, split: TensorSplit, budget: Budget) -> Plan:

@@ -48,6 +48,18 @@ class TensorSplit:
         part = shape[dim] // self.size
         return dim, rank * part, (rank + 1) * part
 
+    def member(self, first: int, rank: int) -> int:
+        """The GPU of process `rank` in the group whose first GPU is `first`."""
+        return next(g for g in self.groups if g[0] == first)[rank]
+
+    def first_of(self, gpu: int) -> int:
+        """The first GPU of the group `gpu` belongs to."""
+        return next(g for g in self.groups if gpu in g)[0]
+
+    def rank_of(self, gpu: int) -> int:
+        """Which process of its group holds `gpu` (its place in the group)."""
+        return next(g for g in self.groups if gpu in g).index(gpu)
+
     def label(self, gpu: int) -> str:
         """The group whose first GPU is `gpu`, as "cuda:0-1" (consecutive) or "cuda:0,2"."""
         group = next(g for g in self.groups if g[0] == gpu)

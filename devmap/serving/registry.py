@@ -155,12 +155,9 @@ class ModelRegistry:
         from ..planning.planner import plan, plan_shard
         from .load_plan import plan_serving
 
-        if self.tensor_parallel > 1:  # this process's shard, whole on its device
-            from ..loading.tensor_shards import shard_device_key
-
-            key = shard_device_key()
+        if self.tensor_parallel > 1:  # this process's shard (rank 0's): its GPU of each group of the split
             return plan_serving(resolve_source(str(path)), self.limits, lambda workload: plan_shard(
-                str(path), self.tensor_parallel, key, budget, dtype, workload))
+                str(path), self.tensor_parallel, 0, budget, dtype, workload))
         return plan_serving(resolve_source(str(path)), self.limits, lambda workload: plan(
             str(path), device_map, budget, dtype, quantization=self.quantization, workload=workload))
 

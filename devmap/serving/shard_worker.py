@@ -71,12 +71,14 @@ class ShardRegistry(ModelRegistry):
     """A shard process's registry: each model planned with the rows, cache length and lanes rank 0 chose; between
     its weights and its warm-up, every process agrees that all have their weights (`ShardProcesses.agree`)."""
 
-    given: tuple[int, int, int] = (1, 1, 1)
+    given: tuple[int, int, int, dict[str, Any]] = (1, 1, 1, {})
+    rank: int
     inbox: Connection
     replies: Connection
 
-    def load_as(self, path: str, model_id: str, dtype: str | None, rows: int, cache_len: int, lanes: int) -> None:
-        self.given, self._answered = (rows, cache_len, lanes), False
+    def load_as(self, path: str, model_id: str, dtype: str | None, rows: int, cache_len: int, lanes: int,
+                stages: dict[str, Any]) -> None:
+        self.given, self._answered = (rows, cache_len, lanes, stages), False
         try:
             self.load(Path(path), model_id, dtype=dtype)
         except LoadCalledOff:
@@ -104,15 +106,13 @@ class ShardRegistry(ModelRegistry):
         return bool(message[1])
 
     def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> ServingPlan:
-        from ..loading.tensor_shards import shard_device_key
         from ..planning.models import resolve_source
         from ..planning.planner import plan_shard
 
-        rows, cache_len, lanes = self.given
+        rows, cache_len, lanes, stages = self.given
         context = int(getattr(resolve_source(str(path)).config, "max_position_embeddings", 0) or 0)
-        key = shard_device_key()
-        plan = plan_shard(str(path), self.tensor_parallel, key, budget, dtype,
-                          serving_workload(context, rows, cache_len, lanes))
+        plan = plan_shard(str(path), self.tensor_parallel, self.rank, budget, dtype,
+                          serving_workload(context, rows, cache_len, lanes), stages=stages)
         return ServingPlan(rows, cache_len, plan, lanes)
 
 
@@ -129,7 +129,7 @@ def run_shard(rank: int, size: int, address: str, settings: Any, limits: EngineL
     registry = ShardRegistry(settings.model_root, settings.device_map, settings.max_memory, settings.dtype,
                              quantization=settings.quantization, limits=limits,
                              random_weights=settings.random_weights, tensor_parallel=size)
-    registry.inbox, registry.replies = inbox, replies
+    registry.inbox, registry.replies, registry.rank = inbox, replies, rank
     batches = ModelBatches(limits)
     opened: Any = None
     batch: Any = None
@@ -193,6 +193,9 @@ def join_group(rank: int, size: int, address: str) -> None:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=address, rank=rank, world_size=size, timeout=GROUP_TIMEOUT,
                                 device_id=torch.device("cuda", rank))
+        from ..loading.tensor_shards import open_stage_groups
+
+        open_stage_groups(size)  # the later pipeline stages' groups, before any load
     else:
         dist.init_process_group("gloo", init_method=address, rank=rank, world_size=size, timeout=GROUP_TIMEOUT)
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Mapping
 from ..generation.continuous import ContinuousBatch, SlotRequest
 from ..generation.sampling import Sampling
 from ..generation.row_types import Score
+from ..planning.planner import split_map
 from .batch_run import ModelBatches
 from .errors import EngineGone, ServiceError
 from .limits import EngineLimits
@@ -199,7 +200,8 @@ class SplitRegistry(ModelRegistry):
 
     def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> Any:
         serving = super()._serving_plan(path, device_map, budget, dtype)
-        self.shards.send("load", str(path), self._loading_id, dtype, serving.rows, serving.cache_len, serving.lanes)
+        self.shards.send("load", str(path), self._loading_id, dtype, serving.rows, serving.cache_len, serving.lanes,
+                         split_map(serving.plan))
         self._awaiting = True
         return serving
 

@@ -1,4 +1,4 @@
-"""What each process of the tensor-parallel CPU test runs (spawned, so importable by name): its shard of a saved
+"""What each process of the tensor-parallel tests runs (spawned, so importable by name): its shard of a saved
 checkpoint, then the full model's outputs from the shards working together, saved for the test to compare."""
 
 import os
@@ -7,9 +7,11 @@ from pathlib import Path
 import torch
 
 
-def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str) -> None:
+def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str, gpus: int = 0) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    if gpus:  # the GPUs this split may use (before CUDA starts in this process)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(gpus)))
     torch.set_num_threads(1)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 products as the whole model's
     import devmap
@@ -29,6 +31,7 @@ def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str) -> None
                                    seed=3, eos_token_id=[], pad_token_id=0),
         "heads": model.config.num_attention_heads,
         "device": str(device),
+        "devices": sorted({str(p.device) for p in model.parameters()}),
         "report": model.devmap_load_report.to_dict(),
     }
     torch.save(results, Path(out) / f"rank{rank}.pt")

@@ -1,4 +1,5 @@
-"""GPU-only: a float32 LLaMA split 2 and 4 ways over NCCL, one process per GPU, gives the logits and greedy tokens of
+"""GPU-only: a float32 LLaMA split 2 and 4 ways over NCCL (and 2 ways on 4 GPUs: two pipeline stages of two GPUs,
+each process holding its GPU of both), gives the logits and greedy tokens of
 the whole model on one GPU (CUDA graphs capturing the collectives), and every process the same sampled tokens."""
 
 import socket
@@ -21,10 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_gpus_splitting_a_model_give_one_gpus_logits_and_tokens(tmp_path, size):
-    if gpu_count() < size:
-        pytest.skip(f"needs {size} CUDA GPUs, {gpu_count()} visible")
+@pytest.mark.parametrize("size, gpus", [(2, 2), (4, 4), (2, 4)])
+def test_gpus_splitting_a_model_give_one_gpus_logits_and_tokens(tmp_path, size, gpus):
+    if gpu_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPUs, {gpu_count()} visible")
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(7)
@@ -40,13 +41,15 @@ def test_gpus_splitting_a_model_give_one_gpus_logits_and_tokens(tmp_path, size):
         logits = whole(ids, attention_mask=mask).logits.cpu()
     greedy = devmap.generate(whole, ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
     del whole
-    ranks = mp.spawn(run_rank, args=(size, free_port(), str(tmp_path / "model"), str(tmp_path)), nprocs=size,
+    ranks = mp.spawn(run_rank, args=(size, free_port(), str(tmp_path / "model"), str(tmp_path), gpus), nprocs=size,
                      join=False)
     if not ranks.join(timeout=300):  # their results are written before the group goes; a hang there is not ours
         for process in ranks.processes:
             process.kill()
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(size)]
     assert [got["device"] for got in ranks] == [f"cuda:{r}" for r in range(size)]
+    # on a multiple of N GPUs each process holds its GPU of every group of N (the groups are the pipeline's stages)
+    assert [got["devices"] for got in ranks] == [[f"cuda:{g}" for g in range(r, gpus, size)] for r in range(size)]
     for got in ranks:
         assert got["heads"] == 8 // size
         torch.testing.assert_close(got["logits"], logits, atol=1e-4, rtol=1e-4)

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 import devmap
 from devmap.cli import main
 from devmap.errors import UsageError
+from devmap.planning.planner import plan_shard, split_map
 from devmap.planning.tensor_parallel import TensorSplit
 from devmap.planning.workload import parse_workload
 
@@ -55,6 +56,41 @@ def test_groups_of_gpus_are_the_pipeline_stages():
     data = plan.to_dict()
     assert data["tensor_parallel"] == {"size": 2, "groups": [[0, 1], [2, 3]], "vocab_split": True}
     assert json.loads(json.dumps(data))["devices"]["cuda:3"]["blocks"] == len(plan.devices["cuda:3"].modules)
+
+
+def test_a_process_holds_its_gpu_of_each_group_as_the_whole_split_places_it():
+    budget = {gpu: "80GiB" for gpu in range(4)}
+    whole = devmap.plan("llama-2-13b", "balanced", budget, dtype="bf16", tensor_parallel=2)
+    shards = [plan_shard("llama-2-13b", 2, rank, budget, "bf16") for rank in (0, 1)]
+    for rank, shard in enumerate(shards):
+        assert set(shard.device_map.values()) == {rank, rank + 2} and shard.stages == 2
+        assert shard.tensor_parallel == whole.tensor_parallel
+        assert {label: usage.bytes for label, usage in shard.devices.items()} == {
+            label: whole.devices[label].bytes for label in (f"cuda:{rank}", f"cuda:{rank + 2}")}
+        assert shard.total_bytes == sum(usage.bytes for usage in shard.devices.values())
+        assert split_map(shard) == whole.device_map  # each block in the same stage on every process
+        assert [shard.device_map[name] - rank for name in whole.device_map] == list(whole.device_map.values())
+    # process 0's stages are the ones every process places its blocks in, whatever their own budgets say
+    lopsided = {0: "80GiB", 1: "80GiB", 2: "4GiB", 3: "4GiB"}
+    own = plan_shard("llama-2-13b", 2, 1, lopsided, "bf16")
+    told = plan_shard("llama-2-13b", 2, 1, budget, "bf16", stages=split_map(own))
+    assert told.device_map == own.device_map != shards[1].device_map
+
+
+def test_a_shard_uses_the_first_multiple_of_n_gpus_and_a_map_names_groups_by_their_first():
+    shard = plan_shard("llama-2-13b", 2, 1, {gpu: "80GiB" for gpu in range(3)}, "bf16")
+    assert set(shard.device_map.values()) == {1} and shard.tensor_parallel.groups == ((0, 1),)
+    with pytest.raises(UsageError, match="one process per GPU, and the budget has 1"):
+        plan_shard("llama-2-13b", 2, 0, {0: "80GiB"}, "bf16")
+    with pytest.raises(UsageError, match="invalid rank 2"):
+        plan_shard("llama-2-13b", 2, 2, {0: "80GiB", 1: "80GiB"}, "bf16")
+    budget = {gpu: "80GiB" for gpu in range(4)}
+    whole = devmap.plan("llama-2-13b", "balanced", budget, dtype="bf16", tensor_parallel=2)
+    again = devmap.plan("llama-2-13b", dict(whole.device_map), budget, dtype="bf16", tensor_parallel=2)
+    assert again.device_map == whole.device_map
+    wrong = {name: 1 if key == 2 else key for name, key in whole.device_map.items()}
+    with pytest.raises(UsageError, match="by its first .cuda:0, cuda:2., not cuda:1"):
+        devmap.plan("llama-2-13b", wrong, budget, dtype="bf16", tensor_parallel=2)
 
 
 def test_the_vocabulary_splits_only_where_it_divides(tmp_path):
