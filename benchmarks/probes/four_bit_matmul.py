@@ -23,9 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
+from devmap.kernels.card import card  # noqa: E402
 from devmap.kernels.four_bit_linear import four_bit_weight  # noqa: E402
 from devmap.kernels.four_bit_products import (  # noqa: E402
-    DECODE_ROWS, PROGRAMS, TILED_ROWS, BlockShape, block_shape, four_bit_rows_product, kernel_product, values,
+    DECODE_ROWS, TILED_ROWS, BlockShape, block_shape, four_bit_rows_product, kernel_product, values,
     wgmma_levels)
 
 SHAPES = {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)}
@@ -51,22 +52,24 @@ def grid(rows: int, outs: int, spans: int) -> list[BlockShape]:
         return [BlockShape(out, max(1, min(spans, share * block_shape(rows, outs * 256 // out, spans).splits)),
                            warps, stages)
                 for out, share, warps, stages in itertools.product((64, 128, 256), (1, 2), (4, 8), (2, 3, 4))]
-    return [BlockShape(out, max(1, min(spans, PROGRAMS // -(-outs // out))) if height == 0 else 1, warps, 3, height)
+    programs = card(torch.device("cuda")).programs
+    return [BlockShape(out, max(1, min(spans, programs // -(-outs // out))) if height == 0 else 1, warps, 3, height)
             for height, out, warps in itertools.product((0, 64, 128), (64, 128, 256), (4, 8))]
 
 
 def wgmma_grid(rows: int, outs: int, spans: int, span: int, table: bool) -> list:
     """Hopper's kernel's shapes to time: the rule's tile (in its parts) and the power of two that holds the rows,
-    64 or 128 output columns, 2-4 stages that fit, one share or the count that makes PROGRAMS programs."""
-    from devmap.kernels.four_bit_products_wgmma import SHARED, WgmmaShape, stage_bytes, wgmma_shape
+    64 or 128 output columns, 2-4 stages that fit, one share or the count that makes the card's programs."""
+    from devmap.kernels.four_bit_products_wgmma import WgmmaShape, stage_bytes, wgmma_shape
 
-    rule = wgmma_shape(rows, outs, spans, span, table)
+    gpu = card(torch.device("cuda"))
+    rule = wgmma_shape(rows, outs, spans, span, table, gpu)
     shapes = {rule}
     tiles = {(rule.rows, rule.tail), (min(256, max(64, 1 << (rows - 1).bit_length())), 0)}
     for (tile, tail), out, stages in itertools.product(tiles, (64, 128), (2, 3, 4)):
-        if stages * stage_bytes(tile, out, span) <= SHARED:
+        if stages * stage_bytes(tile, out, span) <= gpu.ring_bytes:
             programs = -(-outs // out) * -(-rows // tile)
-            for splits in {1, max(1, min(spans, PROGRAMS // programs))}:
+            for splits in {1, max(1, min(spans, gpu.programs // programs))}:
                 shapes.add(WgmmaShape(tile, out, stages, splits, tail))
     return sorted(shapes)
 

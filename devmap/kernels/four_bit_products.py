@@ -47,7 +47,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 import torch
 
 from .four_bit_layout import SPAN, FourBitWeight, dequantize, level_table, zero_or_scale
-from .int8_products import PROGRAMS  # programs a product aims at (re-exported for the probes)
+from .card import HOPPER, Card, card
 
 NARROW_ROWS = 16  # rows up to which a block of 64 output columns takes every row and the rows kernel cuts the inner
 # dimension in twice the shares
@@ -137,17 +137,17 @@ class BlockShape(NamedTuple):
     rows: int = 0
 
 
-def block_shape(rows: int, outs: int, groups: int) -> BlockShape:
+def block_shape(rows: int, outs: int, groups: int, gpu: Card = HOPPER) -> BlockShape:
     """The rows kernel's cut, as a rule from the fastest of 24 shapes per product of a 13B layer at 1, 32, 64 and 256
     rows (H200), of 48 at 96, 160, 288 and 544 rows (H100) and of 48 at 16 and 32 rows (H200, weights made from bit
     patterns): every row in one block (each weight's value is computed once: a second block of rows computes them
     all again), of 64 output columns up to NARROW_ROWS, 128 (8 warps: the rows' inputs read once for twice the
     outputs) up to DECODE_ROWS, 64 up to WIDE_ROWS and 128 beyond, the inner dimension in the shares that make
-    PROGRAMS programs (twice as many up to NARROW_ROWS), at most one share per group."""
+    the card's `programs` (two per SM; twice as many up to NARROW_ROWS), at most one share per group."""
     import triton
 
     out, warps = (64, 4) if rows <= NARROW_ROWS or DECODE_ROWS < rows <= WIDE_ROWS else (128, 8)
-    programs = PROGRAMS // triton.cdiv(outs, out)
+    programs = gpu.programs // triton.cdiv(outs, out)
     if rows <= NARROW_ROWS:
         return BlockShape(out, min(groups, 2 * max(1, programs)))
     return BlockShape(out, max(1, min(groups, programs)), warps)
@@ -163,7 +163,7 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
 
     rows, ins = x.shape
     outs, groups = weight.packed.shape[0], weight.scale.shape[1]
-    shape = shape or block_shape(rows, outs, ins // weight.span)
+    shape = shape or block_shape(rows, outs, ins // weight.span, card(x.device))
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)

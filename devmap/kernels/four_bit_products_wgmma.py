@@ -30,7 +30,7 @@ from ..compat.gluon import (TensorDescriptor, cta_barrier, descriptor_type, fenc
                             sm90_compile, tma_load, warpgroup_mma, warpgroup_mma_wait)
 from .four_bit_layout import FourBitWeight, zero_or_scale
 from .four_bit_products_kernel import OPERANDS
-from .int8_products import PROGRAMS
+from .card import HOPPER, Card, card
 from .int8_products_kernel import add_shares
 
 
@@ -184,10 +184,6 @@ class WgmmaShape(NamedTuple):
     tail: int = 0
 
 
-SHARED = 220 * 1024  # shared memory the ring may take (an H100's or H200's SM has 227 KiB)
-SPREAD = 96  # programs from which a product is not cut along its inner dimension (~3/4 of an H200's 132 SMs)
-
-
 def stage_bytes(tile: int, out: int, span: int) -> int:
     """Shared memory one stage of the ring takes: a span's inputs for `tile` rows (two halves, 2 bytes each) and
     its 4-bit bytes for `out` output columns."""
@@ -208,20 +204,21 @@ def tile_rows(rows: int) -> tuple[int, int]:
     return whole, tail
 
 
-def wgmma_shape(rows: int, outs: int, spans: int, span: int, table: bool = False) -> WgmmaShape:
+def wgmma_shape(rows: int, outs: int, spans: int, span: int, table: bool = False, gpu: Card = HOPPER) -> WgmmaShape:
     """The rule, from the fastest of 8-16 shapes per product of a 13B layer at 64-256 rows (H200, int4 and nf4):
     every row in one tile (`tile_rows`: fewer than 32 rows past the last, or 64 or 256 rows); 64 output columns (one
     warpgroup) for tiles of 64 and 96 rows and for int4's (not a `table`'s) of 128 (two programs per SM overlap each
     other's weights and products: 0.84x the time of 128 columns over a layer at 128 rows; nf4's table, more work per
     weight, took 1.04x the time), else 128 (two warpgroups reading one tile of rows); 3 stages, for tiles of 256 rows
-    as many as fit up to 4 (2 for spans of 128 weights); the inner dimension in shares only where the blocks are
-    fewer than SPREAD (o and down: the shares that make PROGRAMS programs; q/k/v and gate/up were 15-25% slower in two
-    shares). nf4's shapes were timed while its spans were single groups of 64 weights, not again since."""
+    as many as fit the card's `ring_bytes` up to 4 (2 for spans of 128 weights); the inner dimension in shares only
+    where the blocks are fewer than the card's `spread` (o and down: the shares that make its `programs`; q/k/v and
+    gate/up were 15-25% slower in two shares). nf4's shapes were timed while its spans were single groups of 64
+    weights, not again since."""
     tile, tail = tile_rows(rows)
     out = 64 if tile <= 96 or (tile == 128 and not table) else 128
-    stages = min(4, SHARED // stage_bytes(tile, out, span)) if tile == 256 else 3
+    stages = min(4, gpu.ring_bytes // stage_bytes(tile, out, span)) if tile == 256 else 3
     programs = triton.cdiv(outs, out) * triton.cdiv(rows, tile)
-    splits = 1 if programs >= SPREAD else max(1, min(spans, PROGRAMS // programs))
+    splits = 1 if programs >= gpu.spread else max(1, min(spans, gpu.programs // programs))
     return WgmmaShape(tile, out, stages, splits, tail)
 
 
@@ -242,7 +239,7 @@ def wgmma_product(x: torch.Tensor, weight: FourBitWeight, levels: str,
     packed, span = weight.packed, weight.span
     outs, groups = packed.shape[0], weight.scale.shape[1]
     half = span // 2
-    shape = shape or wgmma_shape(rows, outs, ins // span, span, not weight.affine)
+    shape = shape or wgmma_shape(rows, outs, ins // span, span, not weight.affine, card(x.device))
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)

@@ -25,6 +25,8 @@ from typing import Iterable, NamedTuple
 
 import torch
 
+from .card import HOPPER, Card, card
+
 DECODE_ROWS = 32  # rows (tokens) up to which the decode kernel runs (all rows in one block)
 TINY_TOKEN_ROWS = 64  # rows up to which `tokens_product`'s tiles are 64 outputs wide (128 beyond)
 SMALL_TOKEN_ROWS = 320  # rows up to which `tokens_product`'s tiles are 64 rows high (128 beyond)
@@ -109,19 +111,18 @@ class BlockShape(NamedTuple):
 
 
 NARROW_ROWS = 16  # rows up to which the decode kernel's blocks read 256 inputs a step
-PROGRAMS = 264  # programs a product aims at: two per SM of an H100 or H200 (the 4-bit products' too)
 
 
-def block_shape(rows: int, outs: int) -> BlockShape:
+def block_shape(rows: int, outs: int, gpu: Card = HOPPER) -> BlockShape:
     """The decode kernel's block shape for a product of `rows` rows (up to DECODE_ROWS), as a rule from the fastest
     of LLaMA-2-13B's products (`benchmarks/probes/int8_matmul.py`): up to NARROW_ROWS, of 36 shapes on an H200 at 1
     and 16 rows (11% less time a layer than the H100's shapes there); beyond, of 36 on an H100 at 32 rows (within 1%
     of the H200's best). Wide products (qkv, gate_up) have programs enough: up to NARROW_ROWS blocks of 64 output
-    columns, 128 where that would make more than PROGRAMS programs; narrow ones (o, down: fewer output columns than
-    8,192) split their inner dimension so that every SM has weights to read."""
+    columns, 128 where that would make more programs than the card's `programs` (two per SM); narrow ones (o, down:
+    fewer output columns than 8,192) split their inner dimension so that every SM has weights to read."""
     if outs >= 8192:
         if rows <= NARROW_ROWS:
-            return BlockShape(64 if outs <= 64 * PROGRAMS else 128, 256, 1)
+            return BlockShape(64 if outs <= 64 * gpu.programs else 128, 256, 1)
         return BlockShape(128, 256, 1)
     return BlockShape(32, 256, 4) if rows <= NARROW_ROWS else BlockShape(64, 128, 8)
 
@@ -136,7 +137,7 @@ def kernel_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
 
     rows, ins = x.shape
     outs = qdata.shape[0]
-    shape = shape or block_shape(rows, outs)
+    shape = shape or block_shape(rows, outs, card(x.device))
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
                                                        device=x.device)

@@ -283,7 +283,8 @@ def test_hoppers_kernel_cuts_every_step_it_runs_into_tiles_that_fit():
     none, output columns of whole warpgroups, a ring that fits the SM's shared memory, shares only where the
     blocks are few, and no share without a group of its own."""
     pytest.importorskip("triton.experimental.gluon")
-    from devmap.kernels.four_bit_products_wgmma import SHARED, SPREAD, stage_bytes, wgmma_shape
+    from devmap.kernels.card import HOPPER
+    from devmap.kernels.four_bit_products_wgmma import stage_bytes, wgmma_shape
 
     for outs, ins, group in ((15360, 5120, 128), (5120, 5120, 128), (27648, 5120, 64), (5120, 13824, 64)):
         span = span_of(ins, group)
@@ -292,9 +293,10 @@ def test_hoppers_kernel_cuts_every_step_it_runs_into_tiles_that_fit():
             head = shape.rows - shape.tail
             assert shape.rows >= rows and (shape.rows - rows < 32 or shape.rows in (64, 256)), (rows, shape)
             assert head & (head - 1) == 0 and shape.tail & (shape.tail - 1) == 0 and shape.tail < head
-            assert shape.out in (64, 128) and shape.stages * stage_bytes(shape.rows, shape.out, span) <= SHARED
+            ring = shape.stages * stage_bytes(shape.rows, shape.out, span)
+            assert shape.out in (64, 128) and ring <= HOPPER.ring_bytes
             blocks = -(-outs // shape.out)
-            assert shape.splits == 1 or blocks < SPREAD, (rows, outs, shape)
+            assert shape.splits == 1 or blocks < HOPPER.spread, (rows, outs, shape)
             assert 1 <= shape.splits <= ins // span
 
 
