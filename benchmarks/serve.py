@@ -37,6 +37,8 @@ not know are dropped one at a time, and the flags used are printed. `transformer
 pre-quantized copy of the preset's checkpoint (`devmap save MODEL --quantize`, the same seed: torchao's or bitsandbytes'
 layout, which transformers loads itself), its floor reading the quantized weights; a devmap row of a scheme is compared
 with the transformers row of the same scheme where there is one.
+`--cpu-check` runs devmap's rows on the CPU (a split over gloo processes) with placeholder floors: a check that the
+script runs end to end (tests/test_benchmarks.py runs it), not a measurement.
 """
 
 from __future__ import annotations
@@ -182,8 +184,12 @@ def _client_process(url: str, model: str, clients: int, seconds: float, new: int
     window."""
     rng = random.Random(seed)
     barrier.wait()
-    if warmup > 0:
-        asyncio.run(_window(url, model, clients, warmup, new, rng, lengths, []))
+    try:
+        if warmup > 0:
+            asyncio.run(_window(url, model, clients, warmup, new, rng, lengths, []))
+    except BaseException:
+        barrier.abort()  # the parent and the other processes stop waiting for this one
+        raise
     barrier.wait()  # the timed window starts for every process once every warm-up request has ended
     start, into = time.monotonic(), []
     asyncio.run(_window(url, model, clients, seconds, new, rng, lengths, into))
@@ -219,7 +225,8 @@ def load_test(url: str, model: str, clients: int, seconds: float, new: int, seed
     except threading.BrokenBarrierError:
         for worker in workers:
             worker.kill()
-        raise RuntimeError("the client processes did not get through their warm-up") from None
+        raise RuntimeError("the client processes did not get through their warm-up (a failed one's traceback is "
+                           "above)") from None
     if timed is not None:
         timed()
     parts: list[tuple[float, float, list[dict[str, Any]]]] = []
@@ -525,8 +532,13 @@ def main() -> None:
                              "for this many seconds at the start of each timed window (POST /start_profile, "
                              "/stop_profile) and print its costliest host ops; the trace and op table go to "
                              "OUT/profiles. The profiled rows carry the profiler's overhead.")
+    parser.add_argument("--cpu-check", action="store_true",
+                        help="run every row on the CPU (devmap systems; +tp over gloo processes) with placeholder "
+                             "floors: a check that the script and its servers run end to end, not a measurement")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.cpu_check and any(not system.startswith("devmap") for system in args.systems.split(",")):
+        parser.error("--cpu-check runs devmap's own systems only")
     dummy = args.load_format == "dummy"
     if dummy and any(not system.startswith("devmap") for system in args.systems.split(",")):
         parser.error("--load-format dummy serves devmap's own systems only (transformers serve reads a checkpoint)")
@@ -538,7 +550,7 @@ def main() -> None:
         if not (path / "config.json").exists():
             subprocess.run([sys.executable, "-m", "devmap", "save", args.model, str(path), "--dtype", "bfloat16",
                             *(["--config-only"] if dummy else [])], check=True, stdout=subprocess.DEVNULL)
-        bandwidth, flops = gpu_pace()
+        bandwidth, flops = (1e11, 1e12) if args.cpu_check else gpu_pace()
         weights, kv_per_token = model_bytes(path)
         parameters = decoder_parameters_of(path)
         print(f"HBM {bandwidth / 1e12:.2f} TB/s (copy, this GPU), bf16 {flops / 1e12:.0f} TFLOP/s (8192³ product); "
@@ -557,8 +569,9 @@ def main() -> None:
                 paths = [tree, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(Path(p).resolve()) for p in paths)}
             name = system if gpus is None else f"{system}/{gpus}gpu"
-            if gpus is not None:
-                env = {**(env or os.environ), "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(gpus))}
+            if gpus is not None or args.cpu_check:
+                visible = "" if args.cpu_check else ",".join(str(g) for g in range(gpus or 0))
+                env = {**(env or os.environ), "CUDA_VISIBLE_DEVICES": visible}
             if system.startswith("devmap"):
                 command = [sys.executable, "-m", "devmap", "serve", str(path), "--port", str(port), "--dtype",
                            "bfloat16", "--log-level", "debug", "--max-queue", "4096",

@@ -1,0 +1,24 @@
+"""The serving benchmark runs end to end on the CPU (`benchmarks/serve.py --cpu-check`: a whole model and one split
+over two gloo processes, their clients, tables and JSON), so that a GPU run does not find its script broken."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_serving_benchmark_runs_on_the_cpu(tmp_path):
+    command = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--model", "llama-tiny", "--cpu-check",
+               "--clients", "2", "--seconds", "1", "--warmup", "0.5", "--new", "4", "--prompt-words", "4,8",
+               "--systems", "devmap,devmap+tp", "--gpus", "2", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "SERVE_BENCH_LOGS": str(tmp_path),
+                                 "DEVMAP_BENCH_TMP": str(tmp_path)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "serve_llama-tiny.json").read_text())
+    assert set(rows) == {"devmap/2gpu", "devmap+tp/2gpu"}
+    assert all(row["requests"] > 0 and row["tokens_per_s"] > 0 for results in rows.values() for row in results)
+    assert "| devmap+tp/2gpu | 2 |" in result.stdout
