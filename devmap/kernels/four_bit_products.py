@@ -48,9 +48,10 @@ import torch
 
 from .four_bit_layout import SPAN, FourBitWeight, dequantize, level_table, zero_or_scale
 from .card import HOPPER, Card, card
+from .split_k import add_partial_sums, partial_sums
 
 NARROW_ROWS = 16  # rows up to which a block of 64 output columns takes every row and the rows kernel cuts the inner
-# dimension in twice the shares
+# dimension in twice the split-K parts
 DECODE_ROWS = 32  # rows up to which (from NARROW_ROWS on) a block of 128 output columns (8 warps) takes every row
 WIDE_ROWS = 128  # rows up to which (from DECODE_ROWS on) a block of 64 output columns takes every row
 TILED_ROWS = 256  # rows up to which int4 runs the rows kernel, every row in one block of 128 output columns beyond
@@ -126,9 +127,8 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: Optional
 
 
 class BlockShape(NamedTuple):
-    """How the rows kernel cuts a product: output columns per program, shares of the inner dimension (added in a
-    fixed order by a second kernel), Triton's warps and pipeline stages, rows per program (0: every row in one
-    block)."""
+    """How the rows kernel cuts a product: output columns per program, split-K parts of the inner dimension
+    (`split_k`), Triton's warps and pipeline stages, rows per program (0: every row in one block)."""
 
     out: int
     splits: int
@@ -142,8 +142,8 @@ def block_shape(rows: int, outs: int, groups: int, gpu: Card = HOPPER) -> BlockS
     rows (H200), of 48 at 96, 160, 288 and 544 rows (H100) and of 48 at 16 and 32 rows (H200, weights made from bit
     patterns): every row in one block (each weight's value is computed once: a second block of rows computes them
     all again), of 64 output columns up to NARROW_ROWS, 128 (8 warps: the rows' inputs read once for twice the
-    outputs) up to DECODE_ROWS, 64 up to WIDE_ROWS and 128 beyond, the inner dimension in the shares that make
-    the card's `programs` (two per SM; twice as many up to NARROW_ROWS), at most one share per group."""
+    outputs) up to DECODE_ROWS, 64 up to WIDE_ROWS and 128 beyond, the inner dimension in the split-K parts that make
+    the card's `programs` (two per SM; twice as many up to NARROW_ROWS), at most one part per group."""
     import triton
 
     out, warps = (64, 4) if rows <= NARROW_ROWS or DECODE_ROWS < rows <= WIDE_ROWS else (128, 8)
@@ -159,24 +159,21 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     import triton
 
     from .four_bit_products_kernel import four_bit_rows_kernel, levels_ptx
-    from .int8_products_kernel import add_shares
 
     rows, ins = x.shape
     outs, groups = weight.packed.shape[0], weight.scale.shape[1]
     shape = shape or block_shape(rows, outs, ins // weight.span, card(x.device))
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
-    shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
-                                                       device=x.device)
+    parts = partial_sums(out, shape.splits)
     block_rows = shape.rows or max(16, triton.next_power_of_2(rows))
     ptx = levels_ptx(x.dtype, weight)
     table = kernel_table(weight, x.device)
     four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
-        x, weight.packed, weight.scale, zero_or_scale(weight), table, shares, rows, outs, ins, x.stride(0),
+        x, weight.packed, weight.scale, zero_or_scale(weight), table, parts, rows, outs, ins, x.stride(0),
         weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, PAIRED=weight.paired,
         ZERO=weight.zero is not None, BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out, SPLIT=shape.splits,
         PATTERN=bool(ptx), LEVELS=ptx, TABLE=not weight.affine, num_warps=shape.warps, num_stages=shape.stages)
-    if shape.splits > 1:
-        add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
+    add_partial_sums(parts, out, shape.splits)
     return out
 
 

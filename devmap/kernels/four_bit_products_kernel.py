@@ -3,13 +3,13 @@ torch's CUDA wheels), over devmap's 4-bit layout: per span of an output row's we
 with PAIRED two), a byte per two weights, byte j holding weight j in its low half and weight SPAN / 2 + j in its high
 half, so that both halves meet contiguous inputs (no shuffle in registers).
 
-- `four_bit_rows_kernel` (up to a few tiles of rows): one program per block of output columns, share of the
+- `four_bit_rows_kernel` (up to a few tiles of rows): one program per block of output columns, split-K part of the
   inner dimension and block of rows (a decode step's rows are one block: each weight is read once), each weight's
-  value made in registers and multiplied on tensor cores; shares are added in a fixed order by
-  `int8_products_kernel.add_shares`. On CUDA the values come from bit patterns (`levels_ptx`): a level set into a
-  half-precision mantissa, (q - 8) · scale + zero in one fused multiply-add, rounded once, and no conversion from
-  integer to float (with one per weight the kernel had issued ~6 instructions a weight and was issue-bound; H200: 23%
-  less time at 1-16 rows, 10-22% at 64-256). Elsewhere (Triton's interpreter) in float32, then rounded, as tinygemm.
+  value made in registers and multiplied on tensor cores (`split_k` adds the parts). On CUDA the values come from bit
+  patterns (`levels_ptx`): a level set into a half-precision mantissa, (q - 8) · scale + zero in one fused
+  multiply-add, rounded once, and no conversion from integer to float (with one per weight the kernel had issued ~6
+  instructions a weight and was issue-bound; H200: 23% less time at 1-16 rows, 10-22% at 64-256). Elsewhere
+  (Triton's interpreter) in float32, then rounded, as tinygemm.
 - `four_bit_values_kernel` (more rows): the weight's values written out in half
   precision, one program per block of output columns and group, for a full-precision product (cuBLAS) to read."""
 

@@ -4,7 +4,7 @@ Triton's `tl.dot` does not give: the tensor cores' asynchronous products (wgmma)
 operand in registers, so that the next span's weights are made while the tensor cores multiply this span's.
 
 Per program: a block of BLOCK_OUT output columns (a warpgroup per 64), a tile of up to 256 rows and a share of the
-inner dimension (shares added by `int8_products_kernel.add_shares`). A tile is a power of two of rows or two parts
+inner dimension (split-K parts added by `split_k`). A tile is a power of two of rows or two parts
 (`tile_rows`: 96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64), so that a step of 32 rows carrying a pack of 64 or 128
 prompt tokens computes no padding row; the tensor cores multiply both parts by the same weights in the registers. A
 ring of STAGES stages in shared memory takes each span's inputs (two halves, the span's two halves of a byte) and
@@ -31,7 +31,7 @@ from ..compat.gluon import (TensorDescriptor, cta_barrier, descriptor_type, fenc
 from .four_bit_layout import FourBitWeight, zero_or_scale
 from .four_bit_products_kernel import OPERANDS
 from .card import HOPPER, Card, card
-from .int8_products_kernel import add_shares
+from .split_k import add_partial_sums, partial_sums
 
 
 @gluon.jit
@@ -174,8 +174,8 @@ def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, i
 
 class WgmmaShape(NamedTuple):
     """How the kernel cuts a product: rows per tile (64 to 256), output columns per program (64 per warpgroup),
-    stages of the ring, shares of the inner dimension, and the tile's rows past its head (a power of two) that make
-    a second part of it (0: none; a tile of 160 rows is 128 + 32)."""
+    stages of the ring, split-K parts of the inner dimension, and the tile's rows past its head (a power of two) that
+    make a second part of it (0: none; a tile of 160 rows is 128 + 32)."""
 
     rows: int
     out: int
@@ -210,9 +210,9 @@ def wgmma_shape(rows: int, outs: int, spans: int, span: int, table: bool = False
     warpgroup) for tiles of 64 and 96 rows and for int4's (not a `table`'s) of 128 (two programs per SM overlap each
     other's weights and products: 0.84x the time of 128 columns over a layer at 128 rows; nf4's table, more work per
     weight, took 1.04x the time), else 128 (two warpgroups reading one tile of rows); 3 stages, for tiles of 256 rows
-    as many as fit the card's `ring_bytes` up to 4 (2 for spans of 128 weights); the inner dimension in shares only
-    where the blocks are fewer than the card's `spread` (o and down: the shares that make its `programs`; q/k/v and
-    gate/up were 15-25% slower in two shares). nf4's shapes were timed while its spans were single groups of 64
+    as many as fit the card's `ring_bytes` up to 4 (2 for spans of 128 weights); the inner dimension in split-K
+    parts only where the blocks are fewer than the card's `spread` (o and down: the parts that make its `programs`;
+    q/k/v and gate/up were 15-25% slower in two parts). nf4's shapes were timed while its spans were single groups of 64
     weights, not again since."""
     tile, tail = tile_rows(rows)
     out = 64 if tile <= 96 or (tile == 128 and not table) else 128
@@ -241,19 +241,17 @@ def wgmma_product(x: torch.Tensor, weight: FourBitWeight, levels: str,
     half = span // 2
     shape = shape or wgmma_shape(rows, outs, ins // span, span, not weight.affine, card(x.device))
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
-    shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
-                                                       device=x.device)
+    parts = partial_sums(out, shape.splits)
     head_layout, tail_layout, w_layout = _layouts(x.dtype, shape, half)
     x_desc = TensorDescriptor(x, [rows, ins], [x.stride(0), 1], [shape.rows - shape.tail, half], head_layout)
     tail_desc = TensorDescriptor(x, [rows, ins], [x.stride(0), 1], [shape.tail, half], tail_layout) \
         if shape.tail else x_desc
     w_desc = TensorDescriptor(packed, [outs, ins // 2], [packed.stride(0), 1], [shape.out, half], w_layout)
     wgmma_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, shape.rows))](
-        x_desc, tail_desc, w_desc, weight.scale, zero_or_scale(weight), shares, rows, outs, ins, groups, outs,
+        x_desc, tail_desc, w_desc, weight.scale, zero_or_scale(weight), parts, rows, outs, ins, groups, outs,
         rows * outs, shape.splits, PAIRED=weight.paired, ZERO=weight.zero is not None, STAGES=shape.stages,
         LEVELS=levels, TAIL=shape.tail, num_warps=shape.out // 16)
-    if shape.splits > 1:
-        add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
+    add_partial_sums(parts, out, shape.splits)
     return out
 
 

@@ -26,6 +26,7 @@ from typing import Iterable, NamedTuple
 import torch
 
 from .card import HOPPER, Card, card
+from .split_k import add_partial_sums, partial_sums
 
 DECODE_ROWS = 32  # rows (tokens) up to which the decode kernel runs (all rows in one block)
 TINY_TOKEN_ROWS = 64  # rows up to which `tokens_product`'s tiles are 64 outputs wide (128 beyond)
@@ -98,9 +99,9 @@ def prepare_kernels(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype:
 
 
 class BlockShape(NamedTuple):
-    """How a kernel cuts a product: output columns per program, inner-dimension block, shares of the inner
-    dimension (added in a fixed order by a second kernel), Triton's warps and pipeline stages, and rows per program:
-    0 for the decode kernel (every row in one block), else `tokens_product`'s tile height (no shares)."""
+    """How a kernel cuts a product: output columns per program, inner-dimension block, split-K parts of the inner
+    dimension (`split_k`), Triton's warps and pipeline stages, and rows per program:
+    0 for the decode kernel (every row in one block), else `tokens_product`'s tile height (no split)."""
 
     out: int
     inner: int
@@ -133,20 +134,18 @@ def kernel_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     `block_shape`'s rule)."""
     import triton
 
-    from .int8_products_kernel import add_shares, int8_rows_kernel
+    from .int8_products_kernel import int8_rows_kernel
 
     rows, ins = x.shape
     outs = qdata.shape[0]
     shape = shape or block_shape(rows, outs, card(x.device))
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
-    shares = out if shape.splits == 1 else torch.empty((shape.splits, rows, outs), dtype=torch.float32,
-                                                       device=x.device)
+    parts = partial_sums(out, shape.splits)
     int8_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits)](
-        x, qdata, scale, shares, rows, outs, ins, x.stride(0), qdata.stride(0), outs, rows * outs,
+        x, qdata, scale, parts, rows, outs, ins, x.stride(0), qdata.stride(0), outs, rows * outs,
         BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), BLOCK_OUT=shape.out, BLOCK_IN=shape.inner,
         SPLIT=shape.splits, num_warps=shape.warps, num_stages=shape.stages)
-    if shape.splits > 1:
-        add_shares[(triton.cdiv(rows * outs, 1024),)](shares, out, rows * outs, SPLIT=shape.splits, BLOCK=1024)
+    add_partial_sums(parts, out, shape.splits)
     return out
 
 

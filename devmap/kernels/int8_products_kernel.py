@@ -1,8 +1,7 @@
 """The Triton kernels behind `int8_products.int8_product` (imported only where they run: Triton comes with torch's
-CUDA wheels). Decode steps (few rows): one program per block of output columns and share of the inner dimension,
-and, where the inner dimension is split, a second kernel that adds the shares in a fixed order (the same sums on
-every run). More rows: each row quantized to int8 (one program a row), then one program per tile of rows × output
-columns on int8 tensor cores."""
+CUDA wheels). Decode steps (few rows): one program per block of output columns and split-K part of the inner
+dimension (`split_k` adds the parts). More rows: each row quantized to int8 (one program a row), then one program per
+tile of rows × output columns on int8 tensor cores."""
 
 from __future__ import annotations
 
@@ -31,17 +30,6 @@ def int8_rows_kernel(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row, o
     acc = acc * tl.load(Scale + out, mask=out < outs, other=0.0)[None, :]
     tl.store(Out + split * out_split + row[:, None] * out_row + out[None, :], acc.to(Out.dtype.element_ty),
              mask=(row[:, None] < rows) & (out[None, :] < outs))
-
-
-@triton.jit
-def add_shares(Shares, Out, count, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Out[i] = Σ_s Shares[s, i] (s = 0, 1, …: always this order), in Out's dtype; Shares float32, both contiguous."""
-    place = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    keep = place < count
-    acc = tl.load(Shares + place, mask=keep, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(Shares + s * count + place, mask=keep, other=0.0)
-    tl.store(Out + place, acc.to(Out.dtype.element_ty), mask=keep)
 
 
 # 1.5 · 2**23: v + ROUNDING - ROUNDING is float32 v rounded half to even (|v| < 2**22)
