@@ -180,7 +180,7 @@ def test_int8_by_weight_shape_equals_torchao_s_quantize():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
-def test_torchao_int4_comes_apart_into_levels_scales_and_zeros():
+def test_torchao_int4_comes_apart_into_codes_scales_and_zeros():
     pytest.importorskip("torchao")
     from torchao.quantization import quantize_
 
@@ -189,32 +189,32 @@ def test_torchao_int4_comes_apart_into_levels_scales_and_zeros():
 
     linear = nn.Linear(13824, 256, bias=False, device="cuda", dtype=torch.bfloat16)  # 13,824 is padded to 14,336
     quantize_(linear, torchao_config(parse_quantization("int4")))
-    q, scale, zero = compat.torchao_int4_levels(linear.weight)
+    q, scale, zero = compat.torchao_int4_codes(linear.weight)
     assert q.shape == (256, 13824) and q.dtype == torch.uint8 and int(q.max()) <= 15
     assert scale.shape == zero.shape == (256, 13824 // 128)
     values = ((q.float() - 8).reshape(256, -1, 128) * scale.float()[..., None] + zero.float()[..., None])
     eye = torch.eye(13824, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(values.reshape(256, -1).to(torch.bfloat16), linear(eye).t(), atol=1e-6, rtol=1e-2)
-    assert compat.torchao_int4_levels(torch.ones(2, 2, device="cuda")) is None
+    assert compat.torchao_int4_codes(torch.ones(2, 2, device="cuda")) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
 @pytest.mark.parametrize("nested", [False, True])
-def test_bitsandbytes_four_bit_comes_apart_into_levels_absmax_and_its_table(nested):
+def test_bitsandbytes_four_bit_comes_apart_into_codes_absmax_and_its_table(nested):
     bnb = pytest.importorskip("bitsandbytes")
 
     torch.manual_seed(0)
     weight = torch.randn(96, 512, device="cuda", dtype=torch.bfloat16)
     params = bnb.nn.Params4bit(weight.cpu(), requires_grad=False, quant_type="nf4", blocksize=64,
                                compress_statistics=nested).cuda()
-    q, absmax, code, dtype = compat.bitsandbytes_four_bit_levels(params)
+    q, absmax, code, dtype = compat.bitsandbytes_four_bit_codes(params)
     assert q.shape == (96, 512) and q.dtype == torch.uint8 and int(q.max()) <= 15
     assert absmax.shape == (96, 8) and len(code) == 16 and dtype == torch.bfloat16
     values = torch.tensor(code, device="cuda")[q.long()].reshape(96, 8, 64) * absmax[..., None]
     want = bnb.functional.dequantize_4bit(params.data, params.quant_state).float()
     torch.testing.assert_close(values.reshape(96, 512), want, atol=1e-6, rtol=1e-2)
-    assert compat.bitsandbytes_four_bit_levels(torch.ones(2, 2, device="cuda")) is None
+    assert compat.bitsandbytes_four_bit_codes(torch.ones(2, 2, device="cuda")) is None
 
 
 def test_dropping_blas_workspaces_needs_no_gpu():
@@ -387,16 +387,16 @@ def test_decode_attention_held_by_overlapping_threads_stays_until_the_last_lets_
     assert key not in _ATTENTION_HOLDS
 
 
-@pytest.mark.parametrize("levels", ["int4", "table"])
-def test_gluon_names_build_hoppers_four_bit_kernel_for_sm90(levels):
+@pytest.mark.parametrize("values", ["int4", "table"])
+def test_gluon_names_build_hoppers_four_bit_kernel_for_sm90(values):
     """Gluon's names (`compat.gluon`: TMA loads, barriers, warpgroup MMA) compile the 4-bit kernel for sm_90 here,
     without a GPU, into asynchronous warpgroup products."""
     pytest.importorskip("triton.experimental.gluon")
-    from devmap.kernels.four_bit_products_kernel import LEVELS_PTX, table_ptx
+    from devmap.kernels.four_bit_products_kernel import INT4_DECODE_PTX, table_ptx
     from devmap.kernels.four_bit_products_wgmma import WgmmaShape, compile_sm90
 
-    ptx = LEVELS_PTX[torch.bfloat16] if levels == "int4" else table_ptx(torch.bfloat16, tuple(range(-8, 8)))
+    ptx = INT4_DECODE_PTX[torch.bfloat16] if values == "int4" else table_ptx(torch.bfloat16, tuple(range(-8, 8)))
     for shape, span, paired in ((WgmmaShape(64, 64, 4, 1), 128, False), (WgmmaShape(256, 128, 2, 2), 128, True),
                                 (WgmmaShape(160, 128, 3, 1, 32), 128, False), (WgmmaShape(64, 64, 3, 1), 64, True)):
-        kernel = compile_sm90(shape, span, torch.bfloat16, ptx, paired, zero=levels == "int4")
+        kernel = compile_sm90(shape, span, torch.bfloat16, ptx, paired, zero=values == "int4")
         assert "wgmma.mma_async" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"]

@@ -1,10 +1,10 @@
 """GPU time of a LLaMA-2-13B layer's four products with 4-bit weights, against bf16 and the floor of reading the weights
 once: the libraries' kernels (torchao's int4 in tinygemm's layout, bitsandbytes' nf4: what `--quantize int4|nf4` ran
-before devmap read the weights itself) and devmap's 4-bit products (`devmap.kernels.four_bit_products`, int4's
-levels or nf4's table): its rows kernel at the rule's block shape (up to TILED_ROWS rows), the values kernel + cuBLAS,
-what `four_bit_product` picks (on an sm_90 GPU, Hopper's kernel at 33-256 rows), and, with `--grid`, the best over a
-grid of shapes (the rows kernel's output columns, shares, warps, stages; Hopper's tiles, output columns, stages,
-shares). Also checks that devmap's layout, taken from the library's weights, gives its products
+before devmap read the weights itself) and devmap's 4-bit products (`devmap.kernels.four_bit_products`, int4's code
+values or nf4's table): its rows kernel at the rule's block shape (up to TILED_ROWS rows), the dequantize kernel +
+cuBLAS, what `four_bit_product` picks (on an sm_90 GPU, Hopper's kernel at 33-256 rows), and, with `--grid`, the best
+over a grid of shapes (the rows kernel's output columns, split-K parts, warps, stages; Hopper's tiles, output columns,
+stages, split-K parts). Also checks that devmap's layout, taken from the library's weights, gives its products
 (relative error printed).
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/probes/four_bit_matmul.py [--rows 1,32,64,256,2048] [--grid]
@@ -26,8 +26,8 @@ from common import copy_bandwidth, graph_timed_us  # noqa: E402
 from devmap.kernels.card import card  # noqa: E402
 from devmap.kernels.four_bit_linear import four_bit_weight  # noqa: E402
 from devmap.kernels.four_bit_products import (  # noqa: E402
-    DECODE_ROWS, TILED_ROWS, BlockShape, block_shape, four_bit_rows_product, kernel_product, values,
-    wgmma_levels)
+    DECODE_ROWS, TILED_ROWS, BlockShape, block_shape, four_bit_rows_product, kernel_product, dequantized,
+    wgmma_decode_ptx)
 
 SHAPES = {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)}
 
@@ -104,13 +104,14 @@ def main() -> None:
                     print(f"| {scheme} | {name} | {rows} | {bf16:.1f} | {library:.1f} | | | | | | {floor:.1f} | |")
                     continue
                 with torch.no_grad():
-                    got = four_bit_rows_product(x, *ours.tensors, list(ours.levels)).float()
+                    got = four_bit_rows_product(x, *ours.tensors, list(ours.code_values)).float()
                     want = linear(x).float()
                 error = ((got - want).norm() / want.norm()).item()
-                rule = graph_timed_us(lambda: four_bit_rows_product(x, *ours.tensors, list(ours.levels)), repeat=50)
+                rule = graph_timed_us(lambda: four_bit_rows_product(x, *ours.tensors, list(ours.code_values)),
+                                      repeat=50)
                 kernel = graph_timed_us(lambda: kernel_product(x, ours), repeat=50) if rows <= TILED_ROWS \
                     else float("nan")
-                dense = graph_timed_us(lambda: torch.mm(x, values(ours, x.dtype).t()), repeat=50)
+                dense = graph_timed_us(lambda: torch.mm(x, dequantized(ours, x.dtype).t()), repeat=50)
                 best, best_shape = kernel, "rule"
                 if args.grid and rows <= 512:
                     for shape in grid(rows, outs, ins // ours.span):
@@ -121,7 +122,7 @@ def main() -> None:
                             continue
                         if us < best:
                             best, best_shape = us, str(tuple(shape))
-                    ptx = wgmma_levels(x, ours) if DECODE_ROWS < rows <= TILED_ROWS else ""
+                    ptx = wgmma_decode_ptx(x, ours) if DECODE_ROWS < rows <= TILED_ROWS else ""
                     if ptx:
                         from devmap.kernels.four_bit_products_wgmma import wgmma_product
 

@@ -1,6 +1,6 @@
 """torchao's and bitsandbytes' quantized weights, as devmap reads and writes them (the rows for them in
-`devmap.compat`'s table): their tensor subclasses' fields, and their layouts taken apart into plain levels and scales
-for devmap's kernels."""
+`devmap.compat`'s table): their tensor subclasses' fields, and their layouts taken apart into plain 4-bit codes and
+scales for devmap's kernels."""
 
 from __future__ import annotations
 
@@ -62,12 +62,12 @@ def stored_tensors(param: torch.Tensor) -> list[torch.Tensor]:
             *([scb] if isinstance(scb, torch.Tensor) else [])]
 
 
-def torchao_int4_levels(weight: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor,
+def torchao_int4_codes(weight: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor,
                                                                           torch.Tensor] | None:
-    """(levels: out × in uint8 0..15, scales, zeros: out × groups) of torchao's int4 weight in tinygemm's layout
+    """(codes: out × in uint8 0..15, scales, zeros: out × groups) of torchao's int4 weight in tinygemm's layout
     (`Int4TilePackedTo4dTensor`: w = (q - 8) · scale + zero per group), without its padding; None for any other
     tensor. tinygemm's packing is its kernel's private tiling: the weight is read back through the kernel itself
-    (rows of the identity times the weight, `chunk` input columns at a time), and each level recovered from its
+    (rows of the identity times the weight, `chunk` input columns at a time), and each code recovered from its
     value, scale and zero."""
     if (type(weight).__name__ != "Int4TilePackedTo4dTensor" or getattr(weight, "act_pre_scale", None) is not None
             or weight.qdata.dim() != 4 or not weight.qdata.is_cuda):
@@ -87,14 +87,14 @@ def torchao_int4_levels(weight: torch.Tensor, chunk: int = 2048) -> tuple[torch.
         values = torch.ops.aten._weight_int4pack_mm(eye, weight.qdata, group, scale_and_zero)[:, :outs].t().float()
         groups = slice(begin // group, -(-end // group))
         grouped = values.reshape(outs, -1, group)
-        levels = (grouped - zero[:, groups].float()[..., None]) / scale[:, groups].float()[..., None] + 8
-        q[:, begin:end] = levels.round_().clamp_(0, 15).reshape(outs, end - begin).to(torch.uint8)
+        codes = (grouped - zero[:, groups].float()[..., None]) / scale[:, groups].float()[..., None] + 8
+        q[:, begin:end] = codes.round_().clamp_(0, 15).reshape(outs, end - begin).to(torch.uint8)
     return q, scale, zero
 
 
-def bitsandbytes_four_bit_levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[float],
+def bitsandbytes_four_bit_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[float],
                                                                 torch.dtype] | None:
-    """(levels: out × in uint8 0..15, absmax: out × blocks float32, the 16 values of its table, its dtype) of
+    """(codes: out × in uint8 0..15, absmax: out × blocks float32, the 16 values of its table, its dtype) of
     bitsandbytes' 4-bit weight (`Params4bit`, nf4 or fp4: w = code[q] · absmax per block), on a GPU, whose blocks
     do not straddle rows; None for any other tensor. bitsandbytes packs the flattened weight two a byte, the first
     of each pair in the high half; doubly quantized absmax (`nested`) is dequantized by bitsandbytes itself."""

@@ -190,7 +190,7 @@ class Product:
             return None
         sizes = [parts[0].shape[0] for parts in stored]
         if isinstance(group[0], FourBitLinear):
-            return cls(None, None, None, bias, sizes, FourBitWeight(*(joined + [None])[:3], group[0].levels))
+            return cls(None, None, None, bias, sizes, FourBitWeight(*(joined + [None])[:3], group[0].code_values))
         if len(joined) == 1:
             return cls(joined[0], None, None, bias, sizes)
         return cls(None, joined[0], joined[1], bias, sizes)

@@ -1,6 +1,6 @@
 """Linear layers with 4-bit weights in devmap's plain layout (`four_bit_layout.FourBitWeight`), and taking a loaded
 model's torchao int4 Linear layers (tinygemm's layout) and bitsandbytes' nf4 ones into it: they become `FourBitLinear`
-modules with the same levels and scales, read by devmap's kernels. The serving engine does this at load
+modules with the same codes, code values and scales, read by devmap's kernels. The serving engine does this at load
 (`join_projections`), before joining a layer's projections; anything that calls a layer (transformers' own forward too)
 gets the same products."""
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..compat import bitsandbytes_four_bit_levels, device_hook_moved, torchao_int4_levels
-from .four_bit_layout import INT4_LEVELS, FourBitWeight, packed_halves, span_of
+from ..compat import bitsandbytes_four_bit_codes, device_hook_moved, torchao_int4_codes
+from .four_bit_layout import INT4_CODE_VALUES, FourBitWeight, packed_halves, span_of
 from .four_bit_products import four_bit_product
 
 
@@ -23,18 +23,18 @@ class FourBitLinear(nn.Module):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scale", weight.scale)
         self.register_buffer("zero", weight.zero)
-        self.levels = tuple(weight.levels)
+        self.code_values = tuple(weight.code_values)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @property
     def four_bit(self) -> FourBitWeight:
-        return FourBitWeight(self.packed, self.scale, self.zero, self.levels)
+        return FourBitWeight(self.packed, self.scale, self.zero, self.code_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return four_bit_product(x, self.four_bit, self.bias)
 
     def extra_repr(self) -> str:
-        kind = "int4" if self.levels == INT4_LEVELS else "4-bit table"
+        kind = "int4" if self.code_values == INT4_CODE_VALUES else "4-bit table"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, group={self.four_bit.group}"
 
 
@@ -44,17 +44,17 @@ def four_bit_weight(linear: nn.Module) -> FourBitWeight | None:
     weight = getattr(linear, "weight", None)
     if not isinstance(linear, nn.Linear) or not isinstance(weight, torch.Tensor):
         return None
-    parts = torchao_int4_levels(weight)
+    parts = torchao_int4_codes(weight)
     if parts is not None:
         q, scale, zero = parts
         return FourBitWeight(packed_halves(q, span_of(q.shape[1], q.shape[1] // scale.shape[1])), scale, zero)
-    table = bitsandbytes_four_bit_levels(weight)
+    table = bitsandbytes_four_bit_codes(weight)
     if table is None:
         return None
-    q, absmax, levels, dtype = table
+    q, absmax, code_values, dtype = table
     scale = absmax.to(dtype)
     span = span_of(q.shape[1], q.shape[1] // scale.shape[1])
-    return FourBitWeight(packed_halves(q, span), scale, None, tuple(levels))
+    return FourBitWeight(packed_halves(q, span), scale, None, tuple(code_values))
 
 
 @torch.no_grad()

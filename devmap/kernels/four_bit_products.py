@@ -29,7 +29,7 @@ than the rows kernel at 96-160 rows and took 1.15-1.5× values + cuBLAS's time a
 
 bitsandbytes' nf4 (and fp4) is taken into this layout too (`four_bit_linear`): its blocks of 64 are the groups, two a
 span, each block's absmax the scale and no zero (the kernels read none: 5% less time at 1 and 32 rows), its table of 16
-values the `levels`, rounded to the scales' dtype on every path. The kernels look a table's levels up by PRMT
+values the `code_values`, rounded to the scales' dtype on every path. The kernels look a table's code values up by PRMT
 (`four_bit_products_kernel.table_ptx`, ~3.4 instructions a weight): over a 13B layer (H200) 0.84× bf16's time at one
 row, 0.86× at 16, 0.95× at 32 (133 / 143 / 156 µs), 1.07× at 64, 1.38× at 128, 1.9× at 160, 1.5× at 256 (bitsandbytes'
 own products: 0.97×, 2.9×, 2.9×, 2.9× at 1, 32, 96, 160). Bound by the integer pipe's instructions (PRMT, LOP3, SHF:
@@ -46,7 +46,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
-from .four_bit_layout import SPAN, FourBitWeight, dequantize, level_table, zero_or_scale
+from .four_bit_layout import SPAN, FourBitWeight, dequantize, code_value_table, zero_or_scale
 from .card import HOPPER, Card, card
 from .split_k import add_partial_sums, partial_sums
 
@@ -76,43 +76,43 @@ def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def wgmma_levels(x: torch.Tensor, weight: FourBitWeight) -> str:
+def wgmma_decode_ptx(x: torch.Tensor, weight: FourBitWeight) -> str:
     """The PTX Hopper's kernel (`four_bit_products_wgmma`) makes the weights with, where `four_bit_product` can run
-    it for `x` (and `kernel_applies`): an sm_90 GPU, the values made from bit patterns (`levels_ptx`: x, scales and
+    it for `x` (and `kernel_applies`): an sm_90 GPU, the values made from bit patterns (`decode_ptx`: x, scales and
     zeros in one dtype), groups of at most 128 and what TMA reads aligned to 16 bytes; else ""."""
-    from .four_bit_products_kernel import levels_ptx
+    from .four_bit_products_kernel import decode_ptx
 
     if not (_hopper(x.device) and weight.span <= SPAN and (x.stride(0) * x.element_size()) % 16 == 0
             and x.data_ptr() % 16 == 0 and weight.packed.stride(0) % 16 == 0 and weight.packed.data_ptr() % 16 == 0):
         return ""
-    return levels_ptx(x.dtype, weight)
+    return decode_ptx(x.dtype, weight)
 
 
 def kernel_table(weight: FourBitWeight, device: torch.device) -> torch.Tensor:
-    """What the kernels' `Levels` argument gets: a table's `level_table`; for int4's levels, which they make without
-    one, any tensor (the scales: nothing is made, nor read)."""
-    return weight.scale if weight.affine else level_table(weight.levels, device, weight.scale.dtype)
+    """What the kernels' `CodeValues` argument gets: a table's `code_value_table`; for int4's code values, which they
+    make without one, any tensor (the scales: nothing is made, nor read)."""
+    return weight.scale if weight.affine else code_value_table(weight.code_values, device, weight.scale.dtype)
 
 
 def four_bit_product(x: torch.Tensor, weight: FourBitWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (… × in) · weightᵀ (+ bias), in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
-    out = four_bit_rows_product(flat, *weight.tensors, list(weight.levels)).reshape(*x.shape[:-1], weight.shape[0])
+    out = four_bit_rows_product(flat, *weight.tensors, list(weight.code_values)).reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
 @torch.library.custom_op("devmap::four_bit_rows_product", mutates_args=())
 def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
-                          levels: Sequence[float]) -> torch.Tensor:
+                          code_values: Sequence[float]) -> torch.Tensor:
     """x (rows × in) · weightᵀ in x's dtype: the kernel (by `kernel_applies`) or the dequantized weight's product.
     An operator of its own, so that torch.compile calls it as it is: the block shape for the rows at hand is chosen
     at each call, never guarded on in a compiled step (one compile serves every batch size)."""
-    weight = FourBitWeight(packed, scale, zero, tuple(levels))
+    weight = FourBitWeight(packed, scale, zero, tuple(code_values))
     if not kernel_applies(x, weight):
         return torch.mm(x, dequantize(weight, x.dtype).t())
     if x.shape[0] > TILED_ROWS:
-        return torch.mm(x, values(weight, x.dtype).t())
-    ptx = wgmma_levels(x, weight) if x.shape[0] > DECODE_ROWS else ""
+        return torch.mm(x, dequantized(weight, x.dtype).t())
+    ptx = wgmma_decode_ptx(x, weight) if x.shape[0] > DECODE_ROWS else ""
     if ptx:
         from .four_bit_products_wgmma import wgmma_product
 
@@ -122,7 +122,7 @@ def four_bit_rows_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 
 @four_bit_rows_product.register_fake
 def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
-      levels: Sequence[float]) -> torch.Tensor:
+      code_values: Sequence[float]) -> torch.Tensor:
     return x.new_empty((x.shape[0], packed.shape[0]))
 
 
@@ -158,7 +158,7 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     rule)."""
     import triton
 
-    from .four_bit_products_kernel import four_bit_rows_kernel, levels_ptx
+    from .four_bit_products_kernel import four_bit_rows_kernel, decode_ptx
 
     rows, ins = x.shape
     outs, groups = weight.packed.shape[0], weight.scale.shape[1]
@@ -166,27 +166,27 @@ def kernel_product(x: torch.Tensor, weight: FourBitWeight, shape: BlockShape | N
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     parts = partial_sums(out, shape.splits)
     block_rows = shape.rows or max(16, triton.next_power_of_2(rows))
-    ptx = levels_ptx(x.dtype, weight)
+    ptx = decode_ptx(x.dtype, weight)
     table = kernel_table(weight, x.device)
     four_bit_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, block_rows))](
         x, weight.packed, weight.scale, zero_or_scale(weight), table, parts, rows, outs, ins, x.stride(0),
         weight.packed.stride(0), groups, outs, rows * outs, GROUP=weight.group, PAIRED=weight.paired,
         ZERO=weight.zero is not None, BLOCK_ROWS=block_rows, BLOCK_OUT=shape.out, SPLIT=shape.splits,
-        PATTERN=bool(ptx), LEVELS=ptx, TABLE=not weight.affine, num_warps=shape.warps, num_stages=shape.stages)
+        PATTERN=bool(ptx), DECODE=ptx, TABLE=not weight.affine, num_warps=shape.warps, num_stages=shape.stages)
     add_partial_sums(parts, out, shape.splits)
     return out
 
 
-def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> torch.Tensor:
-    """The weight's values (outs × ins) in `dtype`, written by `four_bit_values_kernel` (computed in float32)."""
+def dequantized(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> torch.Tensor:
+    """The weight's values (outs × ins) in `dtype`, written by `four_bit_dequantize_kernel` (computed in float32)."""
     import triton
 
-    from .four_bit_products_kernel import four_bit_values_kernel
+    from .four_bit_products_kernel import four_bit_dequantize_kernel
 
     outs, ins = weight.shape
     out = torch.empty((outs, ins), dtype=dtype, device=weight.packed.device)
     table = kernel_table(weight, out.device)
-    four_bit_values_kernel[(triton.cdiv(outs, block_out), ins // weight.span)](
+    four_bit_dequantize_kernel[(triton.cdiv(outs, block_out), ins // weight.span)](
         weight.packed, weight.scale, zero_or_scale(weight), table, out, outs, weight.packed.stride(0),
         weight.scale.shape[1], ins, GROUP=weight.group, PAIRED=weight.paired, ZERO=weight.zero is not None,
         BLOCK_OUT=block_out, TABLE=not weight.affine)
@@ -194,7 +194,7 @@ def values(weight: FourBitWeight, dtype: torch.dtype, block_out: int = 64) -> to
 
 
 # each block shape (16 to 256 rows) with Triton's specializations of `rows` (1, multiples of 16, others), each of
-# Hopper's tiles (64, 96, 128, 160, 192, 256 rows: `four_bit_products_wgmma.tile_rows`), and the values kernel
+# Hopper's tiles (64, 96, 128, 160, 192, 256 rows: `four_bit_products_wgmma.tile_rows`), and the dequantize kernel
 PREPARED_ROWS = (1, 2, NARROW_ROWS, NARROW_ROWS + 1, DECODE_ROWS, DECODE_ROWS + 1, 64, 65, WIDE_ROWS, WIDE_ROWS + 1,
                  192, TILED_ROWS, TILED_ROWS + 1)
 
@@ -206,13 +206,13 @@ def prepare_kernels(weights: Iterable[FourBitWeight], dtype: torch.dtype) -> int
     seen, runs = set(), 0
     with torch.no_grad():
         for weight in weights:
-            key = (weight.shape, weight.group, weight.packed.device, tuple(weight.levels))
+            key = (weight.shape, weight.group, weight.packed.device, tuple(weight.code_values))
             if key in seen:
                 continue
             seen.add(key)
             for rows in PREPARED_ROWS:
                 x = torch.zeros(rows, weight.shape[1], dtype=dtype, device=weight.packed.device)
                 if kernel_applies(x, weight):
-                    four_bit_rows_product(x, *weight.tensors, list(weight.levels))
+                    four_bit_rows_product(x, *weight.tensors, list(weight.code_values))
                     runs += 1
     return runs

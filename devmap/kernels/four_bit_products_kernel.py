@@ -6,11 +6,11 @@ half, so that both halves meet contiguous inputs (no shuffle in registers).
 - `four_bit_rows_kernel` (up to a few tiles of rows): one program per block of output columns, split-K part of the
   inner dimension and block of rows (a decode step's rows are one block: each weight is read once), each weight's
   value made in registers and multiplied on tensor cores (`split_k` adds the parts). On CUDA the values come from bit
-  patterns (`levels_ptx`): a level set into a half-precision mantissa, (q - 8) · scale + zero in one fused
+  patterns (`decode_ptx`): a code set into a half-precision mantissa, (q - 8) · scale + zero in one fused
   multiply-add, rounded once, and no conversion from integer to float (with one per weight the kernel had issued ~6
   instructions a weight and was issue-bound; H200: 23% less time at 1-16 rows, 10-22% at 64-256). Elsewhere
   (Triton's interpreter) in float32, then rounded, as tinygemm.
-- `four_bit_values_kernel` (more rows): the weight's values written out in half
+- `four_bit_dequantize_kernel` (more rows): the weight's values written out in half
   precision, one program per block of output columns and group, for a full-precision product (cuBLAS) to read."""
 
 from __future__ import annotations
@@ -31,27 +31,27 @@ def _span_groups(span, PAIRED: tl.constexpr):
 
 
 @triton.jit
-def _half_values(q, Scale, Zero, Levels, out, scale_row, group, keep_outs, TABLE: tl.constexpr, ZERO: tl.constexpr):
-    """The weights (float32) that levels `q` (outputs `out` × half a span) of `group` stand for: level(q) · scale +
-    zero, the group's scale and zero of each output (without ZERO none: 0); level(q) = q - 8 (int4), or with TABLE
-    Levels[q] (16 float32 values: nf4's)."""
+def _half_values(q, Scale, Zero, CodeValues, out, scale_row, group, keep_outs, TABLE: tl.constexpr, ZERO: tl.constexpr):
+    """The weights (float32) that codes `q` (outputs `out` × half a span) of `group` stand for: value(q) · scale +
+    zero, the group's scale and zero of each output (without ZERO none: 0); value(q) = q - 8 (int4), or with TABLE
+    CodeValues[q] (16 float32 values: nf4's)."""
     scale = tl.load(Scale + out * scale_row + group, mask=keep_outs, other=0.0).to(tl.float32)[:, None]
     zero = tl.zeros_like(scale)
     if ZERO:
         zero = tl.load(Zero + out * scale_row + group, mask=keep_outs, other=0.0).to(tl.float32)[:, None]
     if TABLE:
-        return tl.load(Levels + q.to(tl.int32)) * scale + zero
+        return tl.load(CodeValues + q.to(tl.int32)) * scale + zero
     return q.to(tl.float32) * scale + (zero - 8.0 * scale)
 
 
 @triton.jit
-def _values(packed, Scale, Zero, Levels, out, scale_row, span, keep_outs, TABLE: tl.constexpr,
+def _values(packed, Scale, Zero, CodeValues, out, scale_row, span, keep_outs, TABLE: tl.constexpr,
             PAIRED: tl.constexpr, ZERO: tl.constexpr):
     """The weights (float32) that the low and high halves of `packed` (outputs `out` × half a span) stand for: both
     of the span's group, or with PAIRED the low halves of its first group and the high halves of its second."""
     low, high = _span_groups(span, PAIRED)
-    return (_half_values(packed & 15, Scale, Zero, Levels, out, scale_row, low, keep_outs, TABLE, ZERO),
-            _half_values(packed >> 4, Scale, Zero, Levels, out, scale_row, high, keep_outs, TABLE, ZERO))
+    return (_half_values(packed & 15, Scale, Zero, CodeValues, out, scale_row, low, keep_outs, TABLE, ZERO),
+            _half_values(packed >> 4, Scale, Zero, CodeValues, out, scale_row, high, keep_outs, TABLE, ZERO))
 
 
 _WEIGHTS_PTX = """fma.rn.{fma} $0, t0, $5, $7;
@@ -64,9 +64,9 @@ fma.rn.{fma} $3, u1, $10, $12;
 OPERANDS = tl.constexpr("=r,=r,=r,=r,r,r,r,r,r,r,r,r,r")
 
 
-def _levels_ptx(magic: int, one: int, minus: int, fma: str) -> str:
-    """PTX turning 4 bytes of levels (weights j..j+3 in the low halves, SPAN / 2 + j.. in the high halves) and their
-    scales and zeros (`OPERANDS`) into the weights, two a register: each level set into the mantissa of `magic` (a
+def _int4_decode_ptx(magic: int, one: int, minus: int, fma: str) -> str:
+    """PTX turning 4 bytes of codes (weights j..j+3 in the low halves, SPAN / 2 + j.. in the high halves) and their
+    scales and zeros (`OPERANDS`) into the weights, two a register: each code set into the mantissa of `magic` (a
     power of two whose unit in the last place is 1: magic + q, one LOP3 per two weights), `minus` (-(magic + 8))
     added exactly (a fused multiply-add by `one`), then (q - 8) · scale + zero in one fused multiply-add (rounded
     once)."""
@@ -94,16 +94,16 @@ fma.rn.{fma} u1, u1, one, minus;
 
 # per dtype, two a register: the magic (bfloat16 0x4300 = 128: 128 + q; float16 0x6400 = 1024: 1024 + q), one,
 # minus (magic + 8) and the fused multiply-add's type (a table's PTX uses it too)
-LEVEL_PATTERNS = {torch.bfloat16: (0x43004300, 0x3F803F80, 0xC308C308, "bf16x2"),
+INT4_PATTERNS = {torch.bfloat16: (0x43004300, 0x3F803F80, 0xC308C308, "bf16x2"),
                   torch.float16: (0x64006400, 0x3C003C00, 0xE408E408, "f16x2")}
-LEVELS_PTX = {dtype: _levels_ptx(*pattern) for dtype, pattern in LEVEL_PATTERNS.items()}
+INT4_DECODE_PTX = {dtype: _int4_decode_ptx(*pattern) for dtype, pattern in INT4_PATTERNS.items()}
 
 
 def _table_ptx(low: list[int], high: list[int], fma: str) -> str:
-    """PTX turning 4 bytes of levels (as `_levels_ptx`'s) into the weights by a table of 16 half-precision values
-    (`low` and `high`: their bytes): each level's three low bits pick a byte of the table's first or second half
-    (PRMT, four levels at a time, the raw halves of two bytes as its selector), the level's top bit picks the half
-    (LOP3), the two bytes of each value are paired (PRMT), then level · scale + zero in one fused multiply-add."""
+    """PTX turning 4 bytes of codes (as `_int4_decode_ptx`'s) into the weights by a table of 16 half-precision values
+    (`low` and `high`: their bytes): each code's three low bits pick a byte of the table's first or second half
+    (PRMT, four codes at a time, the raw halves of two bytes as its selector), the code's top bit picks the half
+    (LOP3), the two bytes of each value are paired (PRMT), then value · scale + zero in one fused multiply-add."""
     words = [f"mov.b32 {name}{i}, {sum(b << 8 * j for j, b in enumerate(bytes_[4 * i:4 * i + 4])):#x};"
              for name, bytes_ in (("lo", low), ("hi", high)) for i in range(4)]
     lines = [".reg .b32 lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, pick, idx, top, a, b, pl, ph, t0, t1, u0, u1;",
@@ -112,7 +112,7 @@ def _table_ptx(low: list[int], high: list[int], fma: str) -> str:
     for half, (t, u) in enumerate((("t0", "u0"), ("t1", "u1"))):
         if half:
             lines += ["shr.b32 idx, idx, 16;", "shr.b32 top, top, 16;"]
-        lines += ["prmt.b32 a, pick, pick, top;",  # 0xFF for each of the four levels above 7
+        lines += ["prmt.b32 a, pick, pick, top;",  # 0xFF for each of the four codes above 7
                   "prmt.b32 pl, lo0, lo1, idx;", "prmt.b32 b, lo2, lo3, idx;", "lop3.b32 pl, pl, b, a, 0xD8;",
                   "prmt.b32 ph, hi0, hi1, idx;", "prmt.b32 b, hi2, hi3, idx;", "lop3.b32 ph, ph, b, a, 0xD8;",
                   f"prmt.b32 {t}, pl, ph, 0x6240;", f"prmt.b32 {u}, pl, ph, 0x7351;"]
@@ -120,20 +120,20 @@ def _table_ptx(low: list[int], high: list[int], fma: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def table_ptx(dtype: torch.dtype, levels: tuple[float, ...]) -> str:
-    """`_table_ptx` for 16 levels, each rounded to `dtype` (half precision)."""
-    bits = [b & 0xFFFF for b in torch.tensor(levels, dtype=torch.float32).to(dtype).view(torch.int16).tolist()]
-    return _table_ptx([b & 0xFF for b in bits], [b >> 8 for b in bits], LEVEL_PATTERNS[dtype][3])
+def table_ptx(dtype: torch.dtype, code_values: tuple[float, ...]) -> str:
+    """`_table_ptx` for 16 code values, each rounded to `dtype` (half precision)."""
+    bits = [b & 0xFFFF for b in torch.tensor(code_values, dtype=torch.float32).to(dtype).view(torch.int16).tolist()]
+    return _table_ptx([b & 0xFF for b in bits], [b >> 8 for b in bits], INT4_PATTERNS[dtype][3])
 
 
-def levels_ptx(dtype: torch.dtype, weight) -> str:
+def decode_ptx(dtype: torch.dtype, weight) -> str:
     """The PTX that the kernels make a `FourBitWeight`'s values in `dtype` with: on CUDA, where `dtype`, the scales
-    and the zeros are one half-precision dtype, int4's bit patterns (`_levels_ptx`) or a table (`table_ptx`, nf4);
+    and the zeros are one half-precision dtype, int4's bit patterns (`_int4_decode_ptx`) or a table (`table_ptx`, nf4);
     else "" (arithmetic in float32)."""
     halves = {weight.scale.dtype} | ({weight.zero.dtype} if weight.zero is not None else set())
-    if not weight.packed.is_cuda or dtype not in LEVEL_PATTERNS or halves != {dtype}:
+    if not weight.packed.is_cuda or dtype not in INT4_PATTERNS or halves != {dtype}:
         return ""
-    return LEVELS_PTX[dtype] if weight.affine else table_ptx(dtype, tuple(weight.levels))
+    return INT4_DECODE_PTX[dtype] if weight.affine else table_ptx(dtype, tuple(weight.code_values))
 
 
 @triton.jit
@@ -154,9 +154,9 @@ def _halves(words, dtype: tl.constexpr):
 
 
 @triton.jit
-def _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS: tl.constexpr,
+def _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, DECODE: tl.constexpr,
                     PAIRED: tl.constexpr, ZERO: tl.constexpr):
-    """`_values` in half precision (Scale's and Zero's dtype) by `LEVELS`' PTX from the bytes two at a time
+    """`_values` in half precision (Scale's and Zero's dtype) by `DECODE`' PTX from the bytes two at a time
     (`pairs`: uint16, outputs × a quarter span), each pair's four weights made as two pairs of values: no conversion
     per weight, and no byte taken apart and put together again on its way to the PTX (as a tensor of bytes was:
     H200, 7% less time over a 13B layer's products at 1-32 rows). Without ZERO the zeros are 0, none read (nf4:
@@ -171,23 +171,23 @@ def _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS:
         high_scale = _doubled(Scale, out, scale_row, high, keep_outs, pairs.shape)
         if ZERO:
             high_zero = _doubled(Zero, out, scale_row, high, keep_outs, pairs.shape)
-    low_words, high_words = tl.inline_asm_elementwise(LEVELS, OPERANDS, [pairs, scale, zero, high_scale, high_zero],
+    low_words, high_words = tl.inline_asm_elementwise(DECODE, OPERANDS, [pairs, scale, zero, high_scale, high_zero],
                                                       dtype=(tl.uint32, tl.uint32), is_pure=True, pack=2)
     dtype: tl.constexpr = Scale.dtype.element_ty
     return _halves(low_words, dtype), _halves(high_words, dtype)
 
 
 @triton.jit
-def four_bit_rows_kernel(X, W, Scale, Zero, Levels, Out, rows, outs, ins, x_row, w_row, scale_row, out_row,
+def four_bit_rows_kernel(X, W, Scale, Zero, CodeValues, Out, rows, outs, ins, x_row, w_row, scale_row, out_row,
                          out_split, GROUP: tl.constexpr, PAIRED: tl.constexpr, ZERO: tl.constexpr,
                          BLOCK_ROWS: tl.constexpr, BLOCK_OUT: tl.constexpr, SPLIT: tl.constexpr, PATTERN: tl.constexpr,
-                         LEVELS: tl.constexpr, TABLE: tl.constexpr):
+                         DECODE: tl.constexpr, TABLE: tl.constexpr):
     """Out[s, rows, outs] = X[rows, ins] · Wᵀ over every SPLIT-th span of the inner dimension from span s on (program
-    (o, s, r), r the block of rows), in float32, W[o, i] = level(q) · Scale[o, g] + Zero[o, g], g = i // GROUP
+    (o, s, r), r the block of rows), in float32, W[o, i] = value(q) · Scale[o, g] + Zero[o, g], g = i // GROUP
     (`_values`: int4, or nf4's table with TABLE; Zero read only with ZERO), a span a group or with PAIRED two. The
     weights are the products' first operand (W · Xᵀ), made in the registers the tensor cores read them from (as the
-    second operand they went through shared memory: ~10% slower over a 13B layer, H200): with PATTERN by `LEVELS`' PTX
-    (`levels_ptx`: X's, Scale's and Zero's dtype), else in float32 and converted (Triton's interpreter)."""
+    second operand they went through shared memory: ~10% slower over a 13B layer, H200): with PATTERN by `DECODE`' PTX
+    (`decode_ptx`: X's, Scale's and Zero's dtype), else in float32 and converted (Triton's interpreter)."""
     SPAN: tl.constexpr = GROUP * 2 if PAIRED else GROUP
     HALF: tl.constexpr = SPAN // 2
     PAIRS: tl.constexpr = HALF // 2
@@ -208,10 +208,10 @@ def four_bit_rows_kernel(X, W, Scale, Zero, Levels, Out, rows, outs, ins, x_row,
         if PATTERN:
             pairs = tl.load(byte_pairs + out[:, None] * (w_row // 2) + span * PAIRS + pair[None, :],
                             mask=keep_outs[:, None], other=0)
-            low, high = _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, LEVELS, PAIRED, ZERO)
+            low, high = _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, DECODE, PAIRED, ZERO)
         else:
             packed = tl.load(W + out[:, None] * w_row + span * HALF + half[None, :], mask=keep_outs[:, None], other=0)
-            low, high = _values(packed, Scale, Zero, Levels, out, scale_row, span, keep_outs, TABLE, PAIRED, ZERO)
+            low, high = _values(packed, Scale, Zero, CodeValues, out, scale_row, span, keep_outs, TABLE, PAIRED, ZERO)
         acc += tl.dot(low.to(x_low.dtype), x_low)
         acc += tl.dot(high.to(x_low.dtype), x_high)
     tl.store(Out + split * out_split + row[None, :] * out_row + out[:, None], acc.to(Out.dtype.element_ty),
@@ -219,7 +219,7 @@ def four_bit_rows_kernel(X, W, Scale, Zero, Levels, Out, rows, outs, ins, x_row,
 
 
 @triton.jit
-def four_bit_values_kernel(W, Scale, Zero, Levels, Out, outs, w_row, scale_row, out_row, GROUP: tl.constexpr,
+def four_bit_dequantize_kernel(W, Scale, Zero, CodeValues, Out, outs, w_row, scale_row, out_row, GROUP: tl.constexpr,
                            PAIRED: tl.constexpr, ZERO: tl.constexpr, BLOCK_OUT: tl.constexpr, TABLE: tl.constexpr):
     """Out[o, i] = W[o, i] (as in `four_bit_rows_kernel`, computed in float32) in Out's dtype, for the block of
     output columns program_id(0) and the span program_id(1). Bound by writing them: the rows kernel's bit patterns
@@ -231,7 +231,7 @@ def four_bit_values_kernel(W, Scale, Zero, Levels, Out, outs, w_row, scale_row, 
     half = tl.arange(0, HALF)
     keep = out[:, None] < outs
     packed = tl.load(W + out[:, None] * w_row + span * HALF + half[None, :], mask=keep, other=0)
-    low, high = _values(packed, Scale, Zero, Levels, out, scale_row, span, out < outs, TABLE, PAIRED, ZERO)
+    low, high = _values(packed, Scale, Zero, CodeValues, out, scale_row, span, out < outs, TABLE, PAIRED, ZERO)
     values = Out + out[:, None] * out_row + span * SPAN + half[None, :]
     tl.store(values, low.to(Out.dtype.element_ty), mask=keep)
     tl.store(values + HALF, high.to(Out.dtype.element_ty), mask=keep)

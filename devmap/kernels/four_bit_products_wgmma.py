@@ -9,7 +9,7 @@ inner dimension (split-K parts added by `split_k`). A tile is a power of two of 
 prompt tokens computes no padding row; the tensor cores multiply both parts by the same weights in the registers. A
 ring of STAGES stages in shared memory takes each span's inputs (two halves, the span's two halves of a byte) and
 4-bit bytes by TMA, each stage with its mbarrier; a span's weights are read from its stage into the first operand's
-registers and made by the same PTX as the rows kernel's (`four_bit_products_kernel.levels_ptx`: int4's bit patterns or
+registers and made by the same PTX as the rows kernel's (`four_bit_products_kernel.decode_ptx`: int4's bit patterns or
 nf4's table), the products issued asynchronously, and the stage of the span before refilled once every warpgroup is
 past its products. Over a 13B layer's four products, H200, at the rule's shapes: int4 0.73-0.79× the rows kernel's
 time at 96-256 rows and 1.00× bf16's at 96 and 128 rows (1.4-1.7× at 160-256), nf4 0.64-0.86× the rows kernel's (nf4's
@@ -49,13 +49,13 @@ def _span_scales(scales, zeros, span, keep, PAIRED: gl.constexpr, ZERO: gl.const
 
 
 @gluon.jit
-def _weights(packed, scale, zero, high_scale, high_zero, LEVELS: gl.constexpr):
+def _weights(packed, scale, zero, high_scale, high_zero, DECODE: gl.constexpr):
     """The low- and high-half weights of `packed` (uint8, the first operand's layout) in the scales' dtype."""
-    scales, levels = gl.broadcast(scale[:, None], packed)
+    scales, codes = gl.broadcast(scale[:, None], packed)
     zeros, _ = gl.broadcast(zero[:, None], packed)
     high_scales, _ = gl.broadcast(high_scale[:, None], packed)
     high_zeros, _ = gl.broadcast(high_zero[:, None], packed)
-    return gl.inline_asm_elementwise(LEVELS, OPERANDS, [levels, scales, zeros, high_scales, high_zeros],
+    return gl.inline_asm_elementwise(DECODE, OPERANDS, [codes, scales, zeros, high_scales, high_zeros],
                                      dtype=(scale.dtype, scale.dtype), is_pure=True, pack=4)
 
 
@@ -82,7 +82,7 @@ def _store(acc, Out, rows, outs, row0, out0, out_row, layout: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["rows", "out_split", "splits"])  # one compile per tile, whatever the rows
 def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, ins, scale_row, out_row, out_split,
-                      splits, PAIRED: gl.constexpr, ZERO: gl.constexpr, STAGES: gl.constexpr, LEVELS: gl.constexpr,
+                      splits, PAIRED: gl.constexpr, ZERO: gl.constexpr, STAGES: gl.constexpr, DECODE: gl.constexpr,
                       TAIL: gl.constexpr, num_warps: gl.constexpr):
     """Out[s, rows, outs] = X · Wᵀ over every `splits`-th span from span s on (program (o, s, r)), as
     `four_bit_products_kernel.four_bit_rows_kernel` (a span a group, or with PAIRED two; zeros read only with ZERO), X
@@ -129,7 +129,7 @@ def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, i
     zeros = Zero + out * scale_row
     scale, zero, high_scale, high_zero = _span_scales(scales, zeros, split, keep_outs, PAIRED, ZERO)
     mbarrier.wait(ready.index(0), 0)
-    low, high = _weights(w_bytes.index(0).load(first), scale, zero, high_scale, high_zero, LEVELS)
+    low, high = _weights(w_bytes.index(0).load(first), scale, zero, high_scale, high_zero, DECODE)
     # the weights of the products in flight, kept alive until they are waited for
     busy_low = gl.zeros([BLOCK_OUT, HALF], dtype, first)
     busy_high = gl.zeros([BLOCK_OUT, HALF], dtype, first)
@@ -163,7 +163,7 @@ def wgmma_rows_kernel(x_desc, tail_desc, w_desc, Scale, Zero, Out, rows, outs, i
         tma_load(w_desc, [out0, span * HALF], ready.index(stage), w_bytes.index(stage), pred=later < steps)
         mbarrier.wait(ready.index(following % STAGES), (following // STAGES) & 1, pred=more)
         low, high = _weights(w_bytes.index(following % STAGES).load(first), scale, zero, high_scale, high_zero,
-                             LEVELS)
+                             DECODE)
     acc, tail, busy_low, busy_high = warpgroup_mma_wait(num_outstanding=0, deps=(acc, tail, busy_low, busy_high))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -230,10 +230,10 @@ def _layouts(dtype: torch.dtype, shape: WgmmaShape, half: int) -> tuple[Any, Any
             gl.NVMMASharedLayout.get_default_for([shape.out, half], gl.uint8))
 
 
-def wgmma_product(x: torch.Tensor, weight: FourBitWeight, levels: str,
+def wgmma_product(x: torch.Tensor, weight: FourBitWeight, decode: str,
                   shape: WgmmaShape | None = None) -> torch.Tensor:
-    """x (rows × in) · weightᵀ through the kernel, the weight made by `levels` (its `levels_ptx`: a table's or
-    int4's) where `four_bit_products.wgmma_levels` gives them, cut as `shape` says (default: `wgmma_shape`'s
+    """x (rows × in) · weightᵀ through the kernel, the weight made by the PTX `decode` (its `decode_ptx`: a table's or
+    int4's) where `four_bit_products.wgmma_decode_ptx` gives them, cut as `shape` says (default: `wgmma_shape`'s
     rule)."""
     rows, ins = x.shape
     packed, span = weight.packed, weight.span
@@ -250,15 +250,15 @@ def wgmma_product(x: torch.Tensor, weight: FourBitWeight, levels: str,
     wgmma_rows_kernel[(triton.cdiv(outs, shape.out), shape.splits, triton.cdiv(rows, shape.rows))](
         x_desc, tail_desc, w_desc, weight.scale, zero_or_scale(weight), parts, rows, outs, ins, groups, outs,
         rows * outs, shape.splits, PAIRED=weight.paired, ZERO=weight.zero is not None, STAGES=shape.stages,
-        LEVELS=levels, TAIL=shape.tail, num_warps=shape.out // 16)
+        DECODE=decode, TAIL=shape.tail, num_warps=shape.out // 16)
     add_partial_sums(parts, out, shape.splits)
     return out
 
 
-def compile_sm90(shape: WgmmaShape, span: int, dtype: torch.dtype, levels: str, paired: bool = False,
+def compile_sm90(shape: WgmmaShape, span: int, dtype: torch.dtype, decode: str, paired: bool = False,
                  zero: bool = True) -> Any:
     """The kernel for `shape`, spans of `span` weights (two groups each where `paired`), zeros read or not, and
-    `levels`' PTX compiled for sm_90 (no GPU needed)."""
+    `decode`'s PTX compiled for sm_90 (no GPU needed)."""
     half = span // 2
     head_layout, tail_layout, w_layout = _layouts(dtype, shape, half)
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -267,8 +267,8 @@ def compile_sm90(shape: WgmmaShape, span: int, dtype: torch.dtype, levels: str, 
                  "w_desc": descriptor_type("u8", [shape.out, half], w_layout), "Scale": f"*{name}",
                  "Zero": f"*{name}", "Out": "*fp32", "rows": "i32", "outs": "i32", "ins": "i32", "scale_row": "i32",
                  "out_row": "i32", "out_split": "i32", "splits": "i32", "PAIRED": "constexpr", "ZERO": "constexpr",
-                 "STAGES": "constexpr", "LEVELS": "constexpr", "TAIL": "constexpr", "num_warps": "constexpr"}
-    constants = {"PAIRED": paired, "ZERO": zero, "STAGES": shape.stages, "LEVELS": levels, "TAIL": shape.tail,
+                 "STAGES": "constexpr", "DECODE": "constexpr", "TAIL": "constexpr", "num_warps": "constexpr"}
+    constants = {"PAIRED": paired, "ZERO": zero, "STAGES": shape.stages, "DECODE": decode, "TAIL": shape.tail,
                  "num_warps": shape.out // 16}
     return sm90_compile(wgmma_rows_kernel, signature, constants, ("Scale", "Zero", "Out", "ins", "outs", "out_row"),
                         shape.out // 16)

@@ -12,24 +12,24 @@ from torch import nn
 from devmap import generate
 from devmap.kernels.four_bit_linear import FourBitLinear, own_four_bit_linears
 from devmap.kernels.four_bit_layout import (
-    INT4_LEVELS, FourBitWeight, dequantize, levels, packed_halves, quantize_int4, span_of)
+    INT4_CODE_VALUES, FourBitWeight, codes, dequantize, packed_halves, quantize_int4, span_of)
 from devmap.kernels.four_bit_products import four_bit_product, kernel_applies
 from devmap.generation.joined_projections import JoinedLayer, every_layer_joined, join_projections, joined_products
 
 
-def test_levels_pack_two_a_byte_in_group_halves():
+def test_codes_pack_two_a_byte_in_group_halves():
     q = torch.randint(0, 16, (3, 256), dtype=torch.uint8)
     packed = packed_halves(q, 128)
     assert packed.shape == (3, 128) and packed.dtype == torch.uint8
     assert torch.equal(packed[:, 0] & 15, q[:, 0]) and torch.equal(packed[:, 0] >> 4, q[:, 64])
     assert torch.equal(packed[:, 64] & 15, q[:, 128])  # the second group starts its own halves
-    assert torch.equal(levels(packed, 128), q)
+    assert torch.equal(codes(packed, 128), q)
 
 
 def test_groups_smaller_than_the_span_pair_up_in_their_bytes():
     """Groups of 64 (nf4's blocks) and 32 go two a span where the inner dimension holds whole pairs: the first group's
     weights in the bytes' low halves, the second's in the high halves; groups of 128 and more, or an odd count of
-    groups, stay one a span. Packing and unpacking by the span give the levels back either way."""
+    groups, stay one a span. Packing and unpacking by the span give the codes back either way."""
     assert [span_of(256, g) for g in (32, 64, 128, 256)] == [64, 128, 128, 256]
     assert span_of(192, 64) == 64 and span_of(384, 64) == 128 and span_of(96, 32) == 32
     torch.manual_seed(3)
@@ -37,7 +37,7 @@ def test_groups_smaller_than_the_span_pair_up_in_their_bytes():
         weight = quantize_int4(torch.randn(4, ins), group=group)
         span = span_of(ins, group)
         assert weight.span == span and weight.paired == (span == 2 * group)
-        q = levels(weight.packed, span)
+        q = codes(weight.packed, span)
         assert torch.equal(weight.packed[:, 0] & 15, q[:, 0]) and torch.equal(weight.packed[:, 0] >> 4, q[:, span // 2])
         assert torch.equal(packed_halves(q, span), weight.packed)
         grouped = (dequantize(weight, torch.float32) - weight.zero.repeat_interleave(group, 1)).reshape(4, -1, group)
@@ -51,8 +51,8 @@ def test_weights_come_back_within_half_a_step_of_their_group():
     assert quantized.scale.shape == quantized.zero.shape == (48, 4) and quantized.group == 128
     error = (dequantize(quantized, torch.float32) - weight).abs().reshape(48, 4, 128).amax(-1)
     assert (error <= quantized.scale / 2 + 1e-5).all()
-    q = levels(quantized.packed, 128).reshape(48, 4, 128)
-    assert (q.amin(-1) == 0).all() and (q.amax(-1) == 15).all()  # each group's ends are levels 0 and 15
+    q = codes(quantized.packed, 128).reshape(48, 4, 128)
+    assert (q.amin(-1) == 0).all() and (q.amax(-1) == 15).all()  # each group's ends are codes 0 and 15
     with pytest.raises(ValueError, match="multiple of the group"):
         quantize_int4(torch.randn(4, 200))
 
@@ -72,24 +72,24 @@ NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.
        0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
 
 
-def int4_layers(model: nn.Module, levels: tuple[float, ...] | None = None) -> nn.Module:
-    """The model with every Linear of its decoder layers a FourBitLinear of its weight (int4's levels, or the 4 bits
-    standing for `levels` with int4's scales and no zeros, as nf4's)."""
+def int4_layers(model: nn.Module, code_values: tuple[float, ...] | None = None) -> nn.Module:
+    """The model with every Linear of its decoder layers a FourBitLinear of its weight (int4's code values, or the 4
+    bits standing for `code_values` with int4's scales and no zeros, as nf4's)."""
     for layer in model.model.layers:
         for name, module in list(layer.named_modules()):
             if isinstance(module, nn.Linear):
                 parent, _, attr = name.rpartition(".")
                 weight = quantize_int4(module.weight.data, group=32)  # the tiny model's sizes are multiples of 32
-                if levels is not None:
-                    weight = weight._replace(levels=levels, zero=None)
+                if code_values is not None:
+                    weight = weight._replace(code_values=code_values, zero=None)
                 setattr(layer.get_submodule(parent), attr, FourBitLinear(weight, None))
     return model
 
 
-def test_a_table_of_levels_stands_for_its_values_in_the_scales_dtype():
+def test_a_table_of_code_values_stands_for_them_in_the_scales_dtype():
     torch.manual_seed(1)
-    weight = quantize_int4(torch.randn(8, 128), group=64)._replace(levels=NF4)
-    q = levels(weight.packed, weight.span).reshape(8, 2, 64)
+    weight = quantize_int4(torch.randn(8, 128), group=64)._replace(code_values=NF4)
+    q = codes(weight.packed, weight.span).reshape(8, 2, 64)
     want = torch.tensor(NF4)[q.long()] * weight.scale.float()[..., None] + weight.zero.float()[..., None]
     halved = weight._replace(scale=weight.scale.to(torch.bfloat16), zero=weight.zero.to(torch.bfloat16))
     rounded = (torch.tensor(NF4).to(torch.bfloat16).float()[q.long()] * halved.scale.float()[..., None]
@@ -115,7 +115,7 @@ def test_int4_projections_join_and_decode_the_unjoined_models_tokens(tiny_llama,
                                                                  attention.v_proj)}) == 1
     layer = JoinedLayer.of(model.model.layers[0], "llama")
     assert isinstance(layer.qkv.four_bit, FourBitWeight) and layer.qkv.qdata is None and layer.qkv.weight is None
-    assert layer.qkv.four_bit.levels == (table or INT4_LEVELS)
+    assert layer.qkv.four_bit.code_values == (table or INT4_CODE_VALUES)
     assert (layer.qkv.four_bit.zero is None) == (table is not None)  # a table's weights join without zeros
     assert len([p for p in joined_products(model) if p.four_bit is not None]) == 4 * len(model.model.layers)
     ids = torch.randint(3, 500, (2, 9))
@@ -137,7 +137,7 @@ def test_int4_joined_steps_compile_once_for_every_batch_size(model, compiles_onc
 KERNEL_CHECK = textwrap.dedent("""
     import torch
     from devmap.kernels.four_bit_layout import dequantize, quantize_int4
-    from devmap.kernels.four_bit_products import BlockShape, block_shape, kernel_product, values
+    from devmap.kernels.four_bit_products import BlockShape, block_shape, kernel_product, dequantized
     torch.manual_seed(0)
     # one block of rows (split or not, uneven output blocks), tiles of rows, and the rule's shape
     for rows, outs, ins, shape in ((1, 96, 256, None), (5, 64, 384, BlockShape(64, 2)),
@@ -149,15 +149,15 @@ KERNEL_CHECK = textwrap.dedent("""
         x = torch.randn(rows, ins, dtype=torch.float16)
         want = x.float() @ dequantize(weight, torch.float16).float().t()
         torch.testing.assert_close(kernel_product(x, weight, shape).float(), want, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(values(weight, torch.float16), dequantize(weight, torch.float16))
-        table = weight._replace(levels=tuple(torch.randn(16).tolist()))  # a table of levels (nf4's kind)
+        torch.testing.assert_close(dequantized(weight, torch.float16), dequantize(weight, torch.float16))
+        table = weight._replace(code_values=tuple(torch.randn(16).tolist()))  # a table of code values (nf4's kind)
         want = x.float() @ dequantize(table, torch.float16).float().t()
         torch.testing.assert_close(kernel_product(x, table, shape).float(), want, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(values(table, torch.float16), dequantize(table, torch.float16))
+        torch.testing.assert_close(dequantized(table, torch.float16), dequantize(table, torch.float16))
         zeroless = table._replace(zero=None)  # no zeros (nf4's): none read
         want = x.float() @ dequantize(zeroless, torch.float16).float().t()
         torch.testing.assert_close(kernel_product(x, zeroless, shape).float(), want, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(values(zeroless, torch.float16), dequantize(zeroless, torch.float16))
+        torch.testing.assert_close(dequantized(zeroless, torch.float16), dequantize(zeroless, torch.float16))
     assert block_shape(1, 15360, 40) == BlockShape(64, 2) and block_shape(16, 5120, 40) == BlockShape(64, 6)
     assert block_shape(17, 15360, 40) == BlockShape(128, 2, 8) and block_shape(32, 5120, 40) == BlockShape(128, 6, 8)
     assert block_shape(64, 27648, 40) == BlockShape(64, 1) and block_shape(96, 5120, 40) == BlockShape(64, 3)
@@ -188,14 +188,14 @@ def test_a_service_compiles_an_int4_model_by_default_once_every_layer_is_joined(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_kernels_bit_patterns_give_each_weight_exactly(dtype):
-    """The rows kernel's PTX on CUDA (`_levels_ptx`), step by step on the CPU: each byte's halves set into the
+    """The rows kernel's PTX on CUDA (`_int4_decode_ptx`), step by step on the CPU: each byte's halves set into the
     mantissa of the dtype's magic give magic + q, adding minus gives q - 8 exactly, and the four bytes of a register
-    come out as the levels of weights j..j+3 (low halves) and GROUP / 2 + j.. (high halves), in order."""
+    come out as the values of weights j..j+3 (low halves) and GROUP / 2 + j.. (high halves), in order."""
     pytest.importorskip("triton")
-    from devmap.kernels.four_bit_products_kernel import LEVEL_PATTERNS, _levels_ptx
+    from devmap.kernels.four_bit_products_kernel import INT4_PATTERNS, _int4_decode_ptx
 
-    magic, one, minus, kind = LEVEL_PATTERNS[dtype]
-    ptx = _levels_ptx(magic, one, minus, kind)
+    magic, one, minus, kind = INT4_PATTERNS[dtype]
+    ptx = _int4_decode_ptx(magic, one, minus, kind)
     assert f"mov.b32 magic, {magic:#x};" in ptx and f"fma.rn.{kind} $0, t0, $5, $7;" in ptx
 
     def halves(register: int) -> list[float]:  # a 32-bit register as two values of dtype, low half first
@@ -252,16 +252,16 @@ def run_ptx(ptx: str, word: int) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_tables_ptx_gives_each_weight_its_level(dtype):
-    """The kernels' PTX for a table of levels (`table_ptx`, nf4's), run instruction by instruction on the CPU: the
-    four bytes of a register come out as the levels (rounded to dtype) of weights j..j+3 (low halves) and SPAN / 2
+def test_a_tables_ptx_gives_each_weight_its_code_value(dtype):
+    """The kernels' PTX for a table of code values (`table_ptx`, nf4's), run instruction by instruction on the CPU: the
+    four bytes of a register come out as the code values (rounded to dtype) of weights j..j+3 (low halves) and SPAN / 2
     + j.. (high halves), in order, two a register, before the scales and zeros: the low halves' pair ($5-$8), then
     the high halves' ($9-$12), as `OPERANDS` counts them."""
     pytest.importorskip("triton")
-    from devmap.kernels.four_bit_products_kernel import LEVEL_PATTERNS, OPERANDS, table_ptx
+    from devmap.kernels.four_bit_products_kernel import INT4_PATTERNS, OPERANDS, table_ptx
 
     ptx = table_ptx(dtype, NF4)
-    kind = LEVEL_PATTERNS[dtype][3]
+    kind = INT4_PATTERNS[dtype][3]
     assert f"fma.rn.{kind} $0, t0, $5, $7;" in ptx and f"fma.rn.{kind} $3, u1, $10, $12;" in ptx
     assert OPERANDS.value.count("=r") == 4 and OPERANDS.value.count(",") == 12
     table = torch.tensor(NF4).to(dtype)

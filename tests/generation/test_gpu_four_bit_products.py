@@ -98,21 +98,21 @@ def test_a_four_bit_llama_decodes_the_librarys_greedy_tokens(scheme):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_rows_kernels_bit_patterns_give_the_dequantized_product(dtype):
-    """Both half-precision dtypes' PTX (`levels_ptx`: int4's bit patterns and a table's), every block shape of the
+    """Both half-precision dtypes' PTX (`decode_ptx`: int4's bit patterns and a table's), every block shape of the
     rule, against the product of the weights made in float32: within a last bit of each weight."""
     from devmap.kernels.four_bit_layout import quantize_int4
-    from devmap.kernels.four_bit_products import kernel_product, values
-    from devmap.kernels.four_bit_products_kernel import levels_ptx
+    from devmap.kernels.four_bit_products import kernel_product, dequantized
+    from devmap.kernels.four_bit_products_kernel import decode_ptx
 
     torch.manual_seed(0)
     weight = quantize_int4(torch.randn(320, 512, device="cuda", dtype=dtype), group=64)
-    assert levels_ptx(dtype, weight) and not levels_ptx(torch.float32, weight)
-    assert torch.equal(values(weight, dtype), dequantize(weight, dtype))  # past TILED_ROWS: float32, then rounded
-    nf4 = weight._replace(levels=NF4, zero=None)  # a table and no zeros: nf4's PTX, no zeros read
+    assert decode_ptx(dtype, weight) and not decode_ptx(torch.float32, weight)
+    assert torch.equal(dequantized(weight, dtype), dequantize(weight, dtype))  # past TILED_ROWS: float32, then rounded
+    nf4 = weight._replace(code_values=NF4, zero=None)  # a table and no zeros: nf4's PTX, no zeros read
     zeros = nf4._replace(zero=weight.zero)  # a table with zeros
-    assert levels_ptx(dtype, nf4) != levels_ptx(dtype, weight)
-    assert torch.equal(values(nf4, dtype), dequantize(nf4, dtype))
-    assert torch.equal(values(zeros, dtype), dequantize(zeros, dtype))
+    assert decode_ptx(dtype, nf4) != decode_ptx(dtype, weight)
+    assert torch.equal(dequantized(nf4, dtype), dequantize(nf4, dtype))
+    assert torch.equal(dequantized(zeros, dtype), dequantize(zeros, dtype))
     for rows in (1, 9, 16, 17, 32, 33, 100, 130, 256):
         x = torch.randn(rows, 512, device="cuda", dtype=dtype)
         for four_bit in (weight, nf4, zeros):
@@ -128,8 +128,8 @@ def test_hoppers_kernel_gives_the_dequantized_product(dtype):
     share and several, against the product of the weights made in float32, and what `four_bit_product` picks equals
     it."""
     from devmap.kernels.four_bit_layout import quantize_int4
-    from devmap.kernels.four_bit_products import wgmma_levels
-    from devmap.kernels.four_bit_products_kernel import levels_ptx
+    from devmap.kernels.four_bit_products import wgmma_decode_ptx
+    from devmap.kernels.four_bit_products_kernel import decode_ptx
     from devmap.kernels.four_bit_products_wgmma import WgmmaShape, wgmma_product, wgmma_shape
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -137,12 +137,12 @@ def test_hoppers_kernel_gives_the_dequantized_product(dtype):
     torch.manual_seed(0)
     for outs, ins, group in ((320, 1024, 64), (200, 1536, 128)):
         weight = quantize_int4(torch.randn(outs, ins, device="cuda", dtype=dtype), group=group)
-        nf4 = weight._replace(levels=NF4, zero=None)
+        nf4 = weight._replace(code_values=NF4, zero=None)
         for rows in (33, 64, 70, 100, 130, 180, 200, 256):
             x = torch.randn(rows, ins, device="cuda", dtype=dtype)
             for four_bit in (weight, nf4):
-                ptx = levels_ptx(dtype, four_bit)
-                assert ptx and wgmma_levels(x, four_bit) == ptx
+                ptx = decode_ptx(dtype, four_bit)
+                assert ptx and wgmma_decode_ptx(x, four_bit) == ptx
                 want = x.float() @ dequantize(four_bit, dtype).float().t()
                 rule = wgmma_shape(rows, outs, ins // four_bit.span, four_bit.span, not four_bit.affine)
                 for shape in (rule, rule._replace(splits=1), WgmmaShape(rule.rows, 64, 2, 3, rule.tail),
@@ -151,4 +151,5 @@ def test_hoppers_kernel_gives_the_dequantized_product(dtype):
                     error = ((got - want).norm() / want.norm()).item()
                     assert error < 2e-3, (dtype, outs, group, rows, four_bit.affine, shape)
                 assert torch.equal(four_bit_product(x, four_bit), wgmma_product(x, four_bit, ptx))
-    assert not wgmma_levels(x[:, 1:], weight._replace(packed=weight.packed[:, :-8]))  # TMA: rows not 16-byte aligned
+    unaligned = weight._replace(packed=weight.packed[:, :-8])
+    assert not wgmma_decode_ptx(x[:, 1:], unaligned)  # TMA: rows not 16-byte aligned
