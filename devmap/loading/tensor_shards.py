@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import DevmapError, UsageError
 from ..planning.device_maps import owner_of
 from ..planning.devices import DeviceKey, device_label, torch_device
 from ..planning.memory import dtype_name
@@ -128,10 +128,17 @@ def _agreed_plan(model_source: ModelSource, size: int, rank: int, dtype: torch.d
     """This process's shard plan, its blocks in the stages process 0 chose: each process measures its own free
     memory, so process 0 plans and the others place each block in the same stage (`plan_shard(stages=...)`)."""
     source = model_source.path or model_source.name
-    own = plan_shard(source, size, 0, dtype=dtype, workload=workload) if rank == 0 else None
-    stages: list[Any] = [split_map(own) if own is not None else None]
-    dist.broadcast_object_list(stages, src=0)
-    return own or plan_shard(source, size, rank, dtype=dtype, workload=workload, stages=stages[0])
+    own, word = None, [None]
+    if rank == 0:
+        try:
+            own = plan_shard(source, size, 0, dtype=dtype, workload=workload)
+            word = [split_map(own)]
+        except DevmapError as exc:  # every process ends with process 0's reason, none waits for it
+            word = [exc]
+    dist.broadcast_object_list(word, src=0)
+    if isinstance(word[0], DevmapError):
+        raise word[0]
+    return own or plan_shard(source, size, rank, dtype=dtype, workload=workload, stages=word[0])
 
 
 _STAGE_GROUPS: dict[tuple[int, ...], Any] = {}  # a process group per later stage (by its GPUs), made once

@@ -100,3 +100,25 @@ def test_devmap_generate_starts_its_processes_and_reports_the_whole_models_text(
     bad = subprocess.run([sys.executable, "-m", "devmap", *args, "--tensor-parallel", "3"], capture_output=True,
                          text=True, env=env, timeout=300)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "does not divide" in bad.stderr
+
+
+def test_a_split_that_does_not_fit_ends_every_process_with_process_0s_reason(tmp_path):
+    """Process 0 plans the split for all; a plan that fails there ends every process with its reason (one line, the
+    error's exit code), none waiting for a plan that never comes."""
+    import json
+    import os
+    import subprocess
+
+    path = tmp_path / "huge"
+    devmap.save("llama-tiny", path, config_only=True)
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_size=16384, intermediate_size=53248, num_hidden_layers=200, num_attention_heads=128,
+                  num_key_value_heads=8)  # ~1.5 TB in bfloat16: no host holds half of it
+    (path / "config.json").write_text(json.dumps(config))
+    env = {k: v for k, v in {**os.environ, "PYTHONPATH": str(ROOT)}.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run = subprocess.run([sys.executable, "-m", "devmap", "generate", str(path), "--prompt", "Hello", "--batch-size",
+                          "1", "--max-new-tokens", "2", "--tensor-parallel", "2", "--dtype", "bfloat16"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 2 and "split 2 ways does not fit" in run.stderr, run.stderr[-2000:]
+    assert run.stderr.count("\n") == 1  # rank 0 alone says it
