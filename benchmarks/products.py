@@ -98,20 +98,21 @@ def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Prod
 
 def devmap_int8(weight: torch.Tensor) -> Product:
     from devmap.compat import torchao_int8_parts
-    from devmap.kernels.int8_products import int8_product
+    from devmap.kernels.int8_products import Int8Weight, product
 
     qdata, scale, _ = torchao_int8_parts(devmap_linear(weight, "int8").weight)
-    return lambda x: int8_product(x, qdata, scale)
+    int8 = Int8Weight(qdata, scale)
+    return lambda x: product(x, int8)
 
 
 def devmap_four_bit(linear: nn.Module) -> Product:
     from devmap.kernels.four_bit_linear import four_bit_weight
-    from devmap.kernels.four_bit_products import four_bit_product
+    from devmap.kernels.four_bit_products import product
 
     four_bit = four_bit_weight(linear)
     if four_bit is None:
         raise RuntimeError("devmap's layout does not take this weight")
-    return lambda x: four_bit_product(x, four_bit)
+    return lambda x: product(x, four_bit)
 
 
 def torchao_linear(weight: torch.Tensor, kind: str) -> nn.Module:

@@ -2,7 +2,7 @@
 once: the libraries' kernels (torchao's int4 in tinygemm's layout, bitsandbytes' nf4: what `--quantize int4|nf4` ran
 before devmap read the weights itself) and devmap's 4-bit products (`devmap.kernels.four_bit_products`, int4's code
 values or nf4's table): its rows kernel at the rule's block shape (up to TILED_ROWS rows), the dequantize kernel +
-cuBLAS, what `four_bit_product` picks (on an sm_90 GPU, Hopper's kernel at 33-256 rows), and, with `--grid`, the best
+cuBLAS, what `product` picks (on an sm_90 GPU, Hopper's kernel at 33-256 rows), and, with `--grid`, the best
 over a grid of shapes (the rows kernel's output columns, split-K parts, warps, stages; Hopper's tiles, output columns,
 stages, split-K parts). Also checks that devmap's layout, taken from the library's weights, gives its products
 (relative error printed).

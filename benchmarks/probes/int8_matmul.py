@@ -34,7 +34,8 @@ from common import copy_bandwidth, graph_timed_us  # noqa: E402
 from devmap.kernels.int8_products import (  # noqa: E402
     DECODE_ROWS,
     BlockShape,
-    int8_product,
+    Int8Weight,
+    product,
     kernel_product,
     tokens_product,
     torchao_formula,
@@ -79,13 +80,14 @@ def tokens_row(name: str, outs: int, ins: int, rows: int, weight: torch.Tensor, 
         times[str(tuple(config))] = round(us, 1)
         if us < best:
             best, best_config = us, config
-    ours = graph_timed_us(lambda: int8_product(x, qdata, scale), repeat=20)
+    ours = graph_timed_us(lambda: product(x, Int8Weight(qdata, scale)), repeat=20)
 
     def error(got: torch.Tensor) -> float:
         return ((got.float() - exact).norm() / exact.norm()).item()
 
     print(f"| {name} {outs}×{ins} | {rows} | {bf16:.1f} | {formula:.1f} | {best:.1f} {tuple(best_config or ())} "
-          f"| {ours:.1f} | {bf16 / ours:.2f}× | {formula / ours:.2f}× | {error(int8_product(x, qdata, scale)):.4f} / "
+          f"| {ours:.1f} | {bf16 / ours:.2f}× | {formula / ours:.2f}× "
+          f"| {error(product(x, Int8Weight(qdata, scale))):.4f} / "
           f"{error(torchao_formula(x, qdata, scale)):.4f} |", flush=True)
     return bf16, formula, ours
 
@@ -195,7 +197,7 @@ def main() -> None:
                     best, best_config = us, config
                 if config.splits == 1 and us < unsplit:
                     unsplit, unsplit_config = us, config
-            ours = graph_timed_us(lambda: int8_product(x, *next_int8()), repeat=50)
+            ours = graph_timed_us(lambda: product(x, Int8Weight(*next_int8())), repeat=50)
             bf16_floor = outs * ins * 2 / bandwidth * 1e6
             int8_floor = outs * ins / bandwidth * 1e6
             fastest = min(us for us in (eager, compiled_us, tuned_us, best, ours) if us == us)  # NaN: not run

@@ -7,9 +7,9 @@ output row, their int8 data and their scales, each in one buffer); the Linear mo
 into it (no second copy; transformers' own forward and the weights' values are unchanged). A model whose weights
 share buffers this way must not be saved with safetensors, which refuses shared memory: the serving engine, which
 owns its models and never saves them, joins them at load. `JoinedLayer.of` finds such buffers in any model, and
-devmap's stages run such layers (prefills and decode steps) on them, int8 products through
-`int8_products.int8_product`, int4 ones through `four_bit_products.four_bit_product` (torchao's int4 Linear layers
-are first taken into devmap's layout: `four_bit_linear`); layers it finds none in run transformers' own forward.
+devmap's stages run such layers (prefills and decode steps) on them, int8 and 4-bit products through
+`kernels.quantized_products` (torchao's int4 and bitsandbytes' nf4 Linear layers are first taken into devmap's
+layout: `four_bit_linear`); layers it finds none in run transformers' own forward.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from ..compat import attention_function, own_forward, torchao_int8_parts, torcha
 from ..loading.tensor_layers import RowParallelLinear
 from ..kernels.four_bit_linear import FourBitLinear, own_four_bit_linears
 from ..kernels.four_bit_layout import FourBitWeight
-from ..kernels.four_bit_products import four_bit_product
-from ..kernels.int8_products import int8_product
+from ..kernels.int8_products import Int8Weight
+from ..kernels.quantized_products import QuantizedWeight, product
 
 JOINED_MODEL_TYPES = ("llama",)  # whose decoder layer `JoinedLayer.__call__` redoes (qwen3 adds norms of q and k,
 # mistral and qwen2 pass sliding windows to their attention)
@@ -83,7 +83,7 @@ def _groups(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
 
 def _stored(linear: nn.Module) -> list[torch.Tensor] | None:
     """The plain tensors a Linear's weight is stored as: [weight] (full precision), [int8 data, scales] (and the
-    zero point when it has one) or, for a FourBitLinear, [packed levels, scales] (and zeros where it has them); None for
+    zero point when it has one) or, for a FourBitLinear, [packed codes, scales] (and zeros where it has them); None for
     a weight of any other form."""
     if isinstance(linear, FourBitLinear):
         return [linear.packed, linear.scale] + ([] if linear.zero is None else [linear.zero])
@@ -101,11 +101,12 @@ def _stored(linear: nn.Module) -> list[torch.Tensor] | None:
 
 def _joinable(group: Sequence[nn.Module]) -> bool:
     """Plain Linear modules (or FourBitLinear ones) over one input size, their weights stored the same way (full
-    precision, int8 or 4-bit of the same levels) in contiguous tensors on one real device, all with biases or none."""
+    precision, int8 or 4-bit of the same code values) in contiguous tensors on one real device, all with biases or
+    none."""
     kinds = {type(linear) for linear in group}
     if len(kinds) != 1 or not kinds <= {nn.Linear, FourBitLinear}:
         return False
-    if len({getattr(linear, "levels", None) for linear in group}) != 1:  # 4-bit: int4 and nf4 levels never join
+    if len({getattr(linear, "code_values", None) for linear in group}) != 1:  # 4-bit: int4's and nf4's never join
         return False
     stored = [_stored(linear) for linear in group]
     if any(parts is None for parts in stored):
@@ -162,15 +163,13 @@ def _end_to_end(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
 @dataclass
 class Product:
     """A product of a layer's input with one or more Linear modules' weights lying end to end in one buffer:
-    full-precision (`weight`), int8 with a scale per output row (`qdata`, `scale`) or int4 (`four_bit`), and the
-    biases if any."""
+    full-precision (`weight`) or quantized (`quantized`: int8 with a scale per output row, or devmap's 4-bit
+    layout), and the biases if any."""
 
     weight: torch.Tensor | None
-    qdata: torch.Tensor | None
-    scale: torch.Tensor | None
+    quantized: QuantizedWeight | None
     bias: torch.Tensor | None
     sizes: list[int]  # each module's output size, in order
-    four_bit: FourBitWeight | None = None
 
     @classmethod
     def of(cls, group: Sequence[nn.Module]) -> Product | None:
@@ -190,16 +189,14 @@ class Product:
             return None
         sizes = [parts[0].shape[0] for parts in stored]
         if isinstance(group[0], FourBitLinear):
-            return cls(None, None, None, bias, sizes, FourBitWeight(*(joined + [None])[:3], group[0].code_values))
+            return cls(None, FourBitWeight(*(joined + [None])[:3], group[0].code_values), bias, sizes)
         if len(joined) == 1:
-            return cls(joined[0], None, None, bias, sizes)
-        return cls(None, joined[0], joined[1], bias, sizes)
+            return cls(joined[0], None, bias, sizes)
+        return cls(None, Int8Weight(joined[0], joined[1]), bias, sizes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.four_bit is not None:
-            return four_bit_product(x, self.four_bit, self.bias)
-        if self.qdata is not None:
-            return int8_product(x, self.qdata, self.scale, self.bias)
+        if self.quantized is not None:
+            return product(x, self.quantized, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..compat import bitsandbytes_four_bit_codes, device_hook_moved, torchao_int4_codes
 from .four_bit_layout import INT4_CODE_VALUES, FourBitWeight, packed_halves, span_of
-from .four_bit_products import four_bit_product
+from . import four_bit_products
 
 
 class FourBitLinear(nn.Module):
@@ -31,7 +31,7 @@ class FourBitLinear(nn.Module):
         return FourBitWeight(self.packed, self.scale, self.zero, self.code_values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return four_bit_product(x, self.four_bit, self.bias)
+        return four_bit_products.product(x, self.four_bit, self.bias)
 
     def extra_repr(self) -> str:
         kind = "int4" if self.code_values == INT4_CODE_VALUES else "4-bit table"

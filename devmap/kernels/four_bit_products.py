@@ -6,7 +6,7 @@ a span is a group of 128 or more weights, or two smaller groups: `four_bit_layou
 torchao's tinygemm is built for a row or a few: at 32 rows of a 13B layer it took 4.4× bf16's time, at 2,048 rows 24×,
 and serving a 13B model at 32 clients ran at 0.15× bf16's tokens/s.
 
-On CUDA, in half precision, up to DECODE_ROWS rows (decode steps) `four_bit_product` runs `four_bit_products_kernel`'s
+On CUDA, in half precision, up to DECODE_ROWS rows (decode steps) `product` runs `four_bit_products_kernel`'s
 rows kernel: the 4 bits read once per block of rows (two bytes at a time), each weight made from bit patterns, (q - 8) ·
 scale + zero in one half-precision fused multiply-add, rounded once. Up to TILED_ROWS (steps carrying prompts) it runs
 Hopper's kernel on an sm_90 GPU (`four_bit_products_wgmma`: the same weights, made while the tensor cores multiply the
@@ -58,7 +58,7 @@ TILED_ROWS = 256  # rows up to which int4 runs the rows kernel, every row in one
 # WIDE_ROWS (then values + cuBLAS: equal at 288 rows, H200)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 def kernel_applies(x: torch.Tensor, weight: FourBitWeight) -> bool:
-    """Whether `four_bit_product` runs the kernel for `x` (rows × in): CUDA, half precision, contiguous parts (the
+    """Whether `product` runs the kernel for `x` (rows × in): CUDA, half precision, contiguous parts (the
     bytes from an even address: read two at a time), groups of at least 32 that are a power of two."""
     group = weight.group
     return (x.is_cuda and x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.stride(1) == 1
@@ -77,7 +77,7 @@ def _hopper(device: torch.device) -> bool:
 
 
 def wgmma_decode_ptx(x: torch.Tensor, weight: FourBitWeight) -> str:
-    """The PTX Hopper's kernel (`four_bit_products_wgmma`) makes the weights with, where `four_bit_product` can run
+    """The PTX Hopper's kernel (`four_bit_products_wgmma`) makes the weights with, where `product` can run
     it for `x` (and `kernel_applies`): an sm_90 GPU, the values made from bit patterns (`decode_ptx`: x, scales and
     zeros in one dtype), groups of at most 128 and what TMA reads aligned to 16 bytes; else ""."""
     from .four_bit_products_kernel import decode_ptx
@@ -94,7 +94,7 @@ def kernel_table(weight: FourBitWeight, device: torch.device) -> torch.Tensor:
     return weight.scale if weight.affine else code_value_table(weight.code_values, device, weight.scale.dtype)
 
 
-def four_bit_product(x: torch.Tensor, weight: FourBitWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def product(x: torch.Tensor, weight: FourBitWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (… × in) · weightᵀ (+ bias), in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
     out = four_bit_rows_product(flat, *weight.tensors, list(weight.code_values)).reshape(*x.shape[:-1], weight.shape[0])

@@ -1,4 +1,4 @@
-"""The Triton kernels behind `four_bit_products.four_bit_product` (imported only where they run: Triton comes with
+"""The Triton kernels behind `four_bit_products.product` (imported only where they run: Triton comes with
 torch's CUDA wheels), over devmap's 4-bit layout: per span of an output row's weights (a group of GROUP weights, or
 with PAIRED two), a byte per two weights, byte j holding weight j in its low half and weight SPAN / 2 + j in its high
 half, so that both halves meet contiguous inputs (no shuffle in registers).

@@ -34,17 +34,30 @@ SMALL_TOKEN_ROWS = 320  # rows up to which `tokens_product`'s tiles are 64 rows 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def kernel_applies(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether `int8_product` runs a kernel for `x` (rows × in): CUDA, half precision, contiguous int8 weights and
-    float scales."""
+class Int8Weight(NamedTuple):
+    """An int8 weight with one scale per output row (what `--quantize int8` stores, torchao's per-row layout taken
+    apart): `qdata` (out × in, int8) and `scale` (out, or out × 1)."""
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qdata.shape)  # type: ignore[return-value]
+
+
+def kernel_applies(x: torch.Tensor, weight: Int8Weight) -> bool:
+    """Whether `product` runs a kernel for `x` (rows × in): CUDA, half precision, contiguous int8 weights and float
+    scales."""
+    qdata, scale = weight
     return (x.is_cuda and x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.stride(1) == 1
             and qdata.dtype == torch.int8 and qdata.is_contiguous() and scale.is_contiguous()
             and scale.dtype.is_floating_point)
 
 
-def int8_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+def product(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (… × in) · (qdata (out × in, int8) × scale (out or out × 1))ᵀ (+ bias), in x's dtype."""
+    qdata, scale = weight
     out = int8_rows_product(x.reshape(-1, x.shape[-1]), qdata, scale).reshape(*x.shape[:-1], qdata.shape[0])
     if bias is not None:
         out = out + bias
@@ -57,7 +70,7 @@ def int8_rows_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor)
     formula. An operator of its own, so that torch.compile calls it as it is: which product runs, and the kernel's
     block shape for the rows at hand, are decided at each call, never guarded on in a compiled step (one compile
     serves every batch size)."""
-    if not kernel_applies(x, qdata, scale):
+    if not kernel_applies(x, Int8Weight(qdata, scale)):
         return torchao_formula(x, qdata, scale)
     return kernel_product(x, qdata, scale) if x.shape[0] <= DECODE_ROWS else tokens_product(x, qdata, scale)
 
@@ -79,8 +92,8 @@ def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 PREPARED_ROWS = (1, 2, 16, 17, DECODE_ROWS, DECODE_ROWS + 1, TINY_TOKEN_ROWS + 1, SMALL_TOKEN_ROWS + 1)
 
 
-def prepare_kernels(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> int:
-    """Run the kernels once for each distinct int8 weight (data, scales) shape and each of PREPARED_ROWS, so that
+def prepare_kernels(weights: Iterable[Int8Weight], dtype: torch.dtype) -> int:
+    """Run the kernels once for each distinct int8 weight shape and each of PREPARED_ROWS, so that
     Triton compiles every variant a step can use now (then caches it on disk) instead of in a service's first
     requests. Returns the products run: 0 where the kernels do not apply (CPU, float32)."""
     seen, runs = set(), 0
@@ -92,7 +105,7 @@ def prepare_kernels(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], dtype:
             seen.add(key)
             for rows in PREPARED_ROWS:
                 x = torch.zeros(rows, qdata.shape[1], dtype=dtype, device=qdata.device)
-                if kernel_applies(x, qdata, scale):
+                if kernel_applies(x, Int8Weight(qdata, scale)):
                     int8_rows_product(x, qdata, scale)
                     runs += 1
     return runs

@@ -1,4 +1,4 @@
-"""The Triton kernels behind `int8_products.int8_product` (imported only where they run: Triton comes with torch's
+"""The Triton kernels behind `int8_products.product` (imported only where they run: Triton comes with torch's
 CUDA wheels). Decode steps (few rows): one program per block of output columns and split-K part of the inner
 dimension (`split_k` adds the parts). More rows: each row quantized to int8 (one program a row), then one program per
 tile of rows × output columns on int8 tensor cores."""

@@ -71,13 +71,12 @@ def _compiles(model: nn.Module, limits: EngineLimits) -> bool:
 def _prepare_product_kernels(model: nn.Module, model_id: str) -> None:
     """Compile the variants of devmap's product kernels for the model's joined int8 and 4-bit weights now, at load,
     rather than in its first requests (nothing to do without such weights or off GPUs)."""
-    from ..kernels import four_bit_products, int8_products
+    from ..kernels.quantized_products import prepare_kernels
     from ..generation.joined_projections import joined_products
 
     started = time.monotonic()
     products, dtype = joined_products(model), model.get_input_embeddings().weight.dtype
-    runs = int8_products.prepare_kernels([(p.qdata, p.scale) for p in products if p.qdata is not None], dtype)
-    runs += four_bit_products.prepare_kernels([p.four_bit for p in products if p.four_bit is not None], dtype)
+    runs = prepare_kernels([p.quantized for p in products if p.quantized is not None], dtype)
     if runs:
         log.debug("%s: product kernels prepared for %d shapes in %.1f s", model_id, runs, time.monotonic() - started)
 

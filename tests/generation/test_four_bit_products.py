@@ -13,7 +13,7 @@ from devmap import generate
 from devmap.kernels.four_bit_linear import FourBitLinear, own_four_bit_linears
 from devmap.kernels.four_bit_layout import (
     INT4_CODE_VALUES, FourBitWeight, codes, dequantize, packed_halves, quantize_int4, span_of)
-from devmap.kernels.four_bit_products import four_bit_product, kernel_applies
+from devmap.kernels.four_bit_products import kernel_applies, product
 from devmap.generation.joined_projections import JoinedLayer, every_layer_joined, join_projections, joined_products
 
 
@@ -62,7 +62,7 @@ def test_the_cpu_product_is_the_dequantized_weights_product():
     weight = quantize_int4(torch.randn(40, 256))
     x, bias = torch.randn(2, 3, 256), torch.randn(40)
     assert not kernel_applies(x.reshape(-1, 256), weight)
-    torch.testing.assert_close(four_bit_product(x, weight, bias),
+    torch.testing.assert_close(product(x, weight, bias),
                                x @ dequantize(weight, torch.float32).t() + bias)
 
 
@@ -100,7 +100,7 @@ def test_a_table_of_code_values_stands_for_them_in_the_scales_dtype():
     zeroless = (torch.tensor(NF4)[q.long()] * weight.scale.float()[..., None]).reshape(8, 128)
     assert torch.equal(dequantize(weight._replace(zero=None), torch.float32), zeroless)
     x = torch.randn(3, 128)
-    torch.testing.assert_close(four_bit_product(x, weight), x @ want.reshape(8, 128).t())
+    torch.testing.assert_close(product(x, weight), x @ want.reshape(8, 128).t())
 
 
 @pytest.mark.parametrize("table", [None, NF4], ids=["int4", "nf4"])
@@ -114,10 +114,11 @@ def test_int4_projections_join_and_decode_the_unjoined_models_tokens(tiny_llama,
     assert len({p.packed.untyped_storage().data_ptr() for p in (attention.q_proj, attention.k_proj,
                                                                  attention.v_proj)}) == 1
     layer = JoinedLayer.of(model.model.layers[0], "llama")
-    assert isinstance(layer.qkv.four_bit, FourBitWeight) and layer.qkv.qdata is None and layer.qkv.weight is None
-    assert layer.qkv.four_bit.code_values == (table or INT4_CODE_VALUES)
-    assert (layer.qkv.four_bit.zero is None) == (table is not None)  # a table's weights join without zeros
-    assert len([p for p in joined_products(model) if p.four_bit is not None]) == 4 * len(model.model.layers)
+    assert isinstance(layer.qkv.quantized, FourBitWeight) and layer.qkv.weight is None
+    assert layer.qkv.quantized.code_values == (table or INT4_CODE_VALUES)
+    assert (layer.qkv.quantized.zero is None) == (table is not None)  # a table's weights join without zeros
+    four_bit = [p for p in joined_products(model) if isinstance(p.quantized, FourBitWeight)]
+    assert len(four_bit) == 4 * len(model.model.layers)
     ids = torch.randint(3, 500, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)

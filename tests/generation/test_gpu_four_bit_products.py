@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from devmap.kernels.four_bit_linear import FourBitLinear, four_bit_weight, own_four_bit_linears
 from devmap.kernels.four_bit_layout import dequantize
-from devmap.kernels.four_bit_products import four_bit_product, kernel_applies
+from devmap.kernels.four_bit_products import kernel_applies, product
 from devmap.loading.quantize import quantize_linears
 from devmap.planning.quantization import parse_quantization
 from devmap.testing import require_gpus
@@ -48,7 +48,7 @@ def test_devmaps_layout_gives_the_librarys_products_at_every_row_count(scheme):
             assert kernel_applies(x, weight)
             with torch.no_grad():
                 want = linear(x).float()
-            got = four_bit_product(x, weight).float()
+            got = product(x, weight).float()
             assert ((got - want).norm() / want.norm()).item() < 5e-3, (scheme, outs, ins, rows)
         del linear, weight, eye
         torch.cuda.empty_cache()
@@ -84,7 +84,7 @@ def test_a_four_bit_llama_decodes_the_librarys_greedy_tokens(scheme):
     assert join_projections(model) == 2 * config.num_hidden_layers
     assert own_four_bit_linears(model) == 0  # already taken
     assert all(isinstance(m, FourBitLinear) for n, m in model.model.layers.named_modules() if n.endswith("_proj"))
-    assert len([p for p in joined_products(model) if p.four_bit is not None]) == 4 * config.num_hidden_layers
+    assert len([p for p in joined_products(model) if p.quantized is not None]) == 4 * config.num_hidden_layers
     ids = torch.randint(3, 500, (2, 12), device="cuda")
     with torch.no_grad():
         got, want = model(ids).logits.float(), reference(ids).logits.float()
@@ -125,7 +125,7 @@ def test_the_rows_kernels_bit_patterns_give_the_dequantized_product(dtype):
 def test_hoppers_kernel_gives_the_dequantized_product(dtype):
     """On an sm_90 GPU, steps of 33-256 rows run `four_bit_products_wgmma`: int4 and a table, groups of 64 and 128,
     output columns that end mid-block, tiles of 64, 128 and 256 rows and tiles in two parts (96, 160, 192 rows), one
-    share and several, against the product of the weights made in float32, and what `four_bit_product` picks equals
+    share and several, against the product of the weights made in float32, and what `product` picks equals
     it."""
     from devmap.kernels.four_bit_layout import quantize_int4
     from devmap.kernels.four_bit_products import wgmma_decode_ptx
@@ -150,6 +150,6 @@ def test_hoppers_kernel_gives_the_dequantized_product(dtype):
                     got = wgmma_product(x, four_bit, ptx, shape).float()
                     error = ((got - want).norm() / want.norm()).item()
                     assert error < 2e-3, (dtype, outs, group, rows, four_bit.affine, shape)
-                assert torch.equal(four_bit_product(x, four_bit), wgmma_product(x, four_bit, ptx))
+                assert torch.equal(product(x, four_bit), wgmma_product(x, four_bit, ptx))
     unaligned = weight._replace(packed=weight.packed[:, :-8])
     assert not wgmma_decode_ptx(x[:, 1:], unaligned)  # TMA: rows not 16-byte aligned

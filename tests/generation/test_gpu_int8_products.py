@@ -11,7 +11,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from devmap.kernels import int8_products
-from devmap.kernels.int8_products import DECODE_ROWS, int8_product, kernel_applies
+from devmap.kernels.int8_products import DECODE_ROWS, Int8Weight, kernel_applies, product
 from devmap.testing import require_gpus
 
 pytestmark = require_gpus(1)
@@ -27,14 +27,14 @@ def test_kernel_products_equal_the_plain_product(dtype):
         weight = torch.randn(outs, ins, device="cuda")
         scale = weight.abs().amax(1, keepdim=True) / 127
         qdata = (weight / scale).round().clamp(-128, 127).to(torch.int8)
-        assert kernel_applies(x, qdata, scale)
+        assert kernel_applies(x, Int8Weight(qdata, scale))
         if rows <= DECODE_ROWS:
             want = (x.float() @ qdata.float().t()) * scale.t()
         else:
             token_scale = x.float().abs().amax(1, keepdim=True) / 127
             want = ((x.float() / token_scale).round() @ qdata.float().t()) * token_scale * scale.t()
-        torch.testing.assert_close(int8_product(x, qdata, scale).float(), want, atol=5e-2, rtol=2e-2)
-    assert not kernel_applies(x.float(), qdata, scale)  # float32: torchao's formula
+        torch.testing.assert_close(product(x, Int8Weight(qdata, scale)).float(), want, atol=5e-2, rtol=2e-2)
+    assert not kernel_applies(x.float(), Int8Weight(qdata, scale))  # float32: torchao's formula
 
 
 def test_int8_tokens_products_do_not_depend_on_the_other_rows():
@@ -46,9 +46,9 @@ def test_int8_tokens_products_do_not_depend_on_the_other_rows():
         weight = torch.randn(outs, ins, device="cuda")
         scale = weight.abs().amax(1, keepdim=True) / 127
         qdata = (weight / scale).round().clamp(-128, 127).to(torch.int8)
-        every = int8_product(x, qdata, scale)
+        every = product(x, Int8Weight(qdata, scale))
         for begin, end in ((0, 65), (30, 200), (1000, 2100), (2000, 2100)):
-            assert torch.equal(int8_product(x[begin:end], qdata, scale), every[begin:end])
+            assert torch.equal(product(x[begin:end], Int8Weight(qdata, scale)), every[begin:end])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

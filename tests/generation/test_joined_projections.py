@@ -14,6 +14,7 @@ from devmap.generation import forward
 from devmap.generation.causal_lm import CausalLMStages
 from devmap.generation.continuous import SlotRequest
 from devmap.generation.joined_projections import JoinedLayer, join_projections
+from devmap.kernels.int8_products import Int8Weight
 
 
 def joined_copy(model):
@@ -122,7 +123,8 @@ def test_int8_projections_join_their_data_and_scales_and_decode_torchaos_tokens(
     assert len({p.weight.qdata.untyped_storage().data_ptr()
                 for p in (attention.q_proj, attention.k_proj, attention.v_proj)}) == 1
     layer = JoinedLayer.of(clone.model.layers[0], "llama")
-    assert layer.qkv.qdata is not None and layer.down.qdata is not None and layer.qkv.weight is None
+    assert isinstance(layer.qkv.quantized, Int8Weight) and isinstance(layer.down.quantized, Int8Weight)
+    assert layer.qkv.weight is None
     assert len(CausalLMStages(clone).joined) == len(model.model.layers)
     ids = torch.randint(3, 500, (2, 9))
     torch.testing.assert_close(clone(ids).logits, quantized(ids).logits, rtol=0, atol=0)  # torchao's forward
@@ -148,11 +150,11 @@ def test_int8_kernel_variants_are_prepared_once_per_weight_shape_and_row_bucket(
 
     pytest.importorskip("torchao")
     clone = joined_copy(int8_copy(model))
-    weights = [(p.qdata, p.scale) for p in joined_products(clone) if p.qdata is not None]
+    weights = [p.quantized for p in joined_products(clone) if p.quantized is not None]
     assert len(weights) == 4 * len(model.model.layers)  # qkv, o, gate_up, down per layer
     assert int8_products.prepare_kernels(weights, torch.float32) == 0  # CPU: torchao's formula, nothing to prepare
     runs = []
-    monkeypatch.setattr(int8_products, "kernel_applies", lambda x, q, s: True)
+    monkeypatch.setattr(int8_products, "kernel_applies", lambda x, weight: True)
     monkeypatch.setattr(int8_products, "kernel_product",
                         lambda x, q, s: runs.append((x.shape[0], tuple(q.shape))))
     monkeypatch.setattr(int8_products, "tokens_product",
