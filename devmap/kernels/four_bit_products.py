@@ -3,8 +3,7 @@ zero per group of 128 along the inner dimension, q in 0..15; `--quantize nf4`: b
 kernels read: two weights a byte (in each span, weight j in the low half of byte j, weight span/2 + j in its high half;
 a span is a group of 128 or more weights, or two smaller groups: `four_bit_layout`), output row by output row
 (`FourBitWeight`), so that q, k and v (gate and up) lie end to end and a decode step reads each layer in few products.
-torchao's tinygemm is built for a row or a few: at 32 rows of a 13B layer it took 4.4× bf16's time, at 2,048 rows 24×,
-and serving a 13B model at 32 clients ran at 0.15× bf16's tokens/s.
+torchao's tinygemm is built for a row or a few, and is many times bf16's time past them (docs/kernels.md).
 
 On CUDA, in half precision, up to DECODE_ROWS rows (decode steps) `product` runs `four_bit_products_kernel`'s
 rows kernel: the 4 bits read once per block of rows (two bytes at a time), each weight made from bit patterns, (q - 8) ·
@@ -14,30 +13,13 @@ group before), the rows kernel elsewhere; more rows (prefills) write the weight'
 float32 and rounded, as tinygemm does), then cuBLAS's product reads them. Only the sums' order and, rarely, a weight's
 last bit differ from tinygemm's. Anywhere else the same numbers through a full-precision copy (`dequantize`).
 
-Over a 13B layer's four products (`benchmarks/probes/four_bit_matmul.py`, H200) int4 takes 0.63× bf16's time at one row,
-0.65× at 16, 0.77× at 32 (101 / 107 / 128 µs), 0.84× at 64, 1.00× at 96 and 128, 1.68× at 160, 1.39× at 256 (the rows
-kernel: 1.04×, 1.37×, 1.33×, 2.2×, 1.8×), 2.0× at 288 and 1.5× at 544 (tinygemm: 0.6× at one row, 4.5× at 32, 18× at
-160, 24× at 544). bf16 reads its weights at the memory's pace up to ~200 rows; the rows kernel runs at ~2.8× its own
-weight-read floor at 1-16 rows (it had been ~3.7× while each weight took an integer-to-float conversion: issue-bound,
-ncu), and past ~64 rows its weights' making and the tensor cores' products take turns (`tl.dot` waits for each product),
-which Hopper's kernel overlaps. A decode step that carries prompts (`mixed_joins`) costs int4 more than bf16 (13B, H200,
-over a 7.7 ms step: +4.0 / +9.8 / +10.8 ms for 63 / 127 / 191 prompt tokens, +7.1 / +14.8 for 63 / 127 with the rows
-kernel; +20 / +24 ms for 223 / 383 through values + cuBLAS; bf16 +2.7 / +5.7 for 63 / 191 over 9.2 ms), so 4-bit models
-join apart by default (`mixed_joins.rides_by_default`). Tokens quantized to int8 and int8 tensor cores (as int8 weights'
-products do past 32 rows) did not help: with each group's scale and zero applied to its partial sums they were no faster
-than the rows kernel at 96-160 rows and took 1.15-1.5× values + cuBLAS's time at 288-2,048.
-
 bitsandbytes' nf4 (and fp4) is taken into this layout too (`four_bit_linear`): its blocks of 64 are the groups, two a
-span, each block's absmax the scale and no zero (the kernels read none: 5% less time at 1 and 32 rows), its table of 16
-values the `code_values`, rounded to the scales' dtype on every path. The kernels look a table's code values up by PRMT
-(`four_bit_products_kernel.table_ptx`, ~3.4 instructions a weight): over a 13B layer (H200) 0.84× bf16's time at one
-row, 0.86× at 16, 0.95× at 32 (133 / 143 / 156 µs), 1.07× at 64, 1.38× at 128, 1.9× at 160, 1.5× at 256 (bitsandbytes'
-own products: 0.97×, 2.9×, 2.9×, 2.9× at 1, 32, 96, 160). Bound by the integer pipe's instructions (PRMT, LOP3, SHF:
-half rate), not by memory (ncu at 32 rows: DRAM 14% busy, the integer pipe 55%): a loop step of one group (64 weights)
-took 1.15× a span of two's time at 32 rows, and the bytes taken apart one at a time another 1.07×; int4's arithmetic on
-nf4's bytes in steps of 64 weights took 0.89× the table's; 64 fewer copies of the table's words a loop step (moves, not
-integer-pipe work) changed nothing. More programs, or groups unrolled in a loop step, did not help.
-"""
+span, each block's absmax the scale and no zero (the kernels read none), its table of 16 values the `code_values`,
+rounded to the scales' dtype on every path; the kernels look a table's code values up by PRMT
+(`four_bit_products_kernel.table_ptx`).
+
+4-bit models join apart by default (`mixed_joins.rides_by_default`): a decode step that carries prompts costs int4
+more than bf16. The measurements behind each choice here, with their commands, are in docs/kernels.md."""
 
 from __future__ import annotations
 

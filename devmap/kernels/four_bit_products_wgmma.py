@@ -3,21 +3,16 @@ up to its TILED_ROWS: steps that carry prompts), written in Gluon (`devmap.compa
 Triton's `tl.dot` does not give: the tensor cores' asynchronous products (wgmma) with the weights as the first
 operand in registers, so that the next span's weights are made while the tensor cores multiply this span's.
 
-Per program: a block of BLOCK_OUT output columns (a warpgroup per 64), a tile of up to 256 rows and a share of the
-inner dimension (split-K parts added by `split_k`). A tile is a power of two of rows or two parts
+Per program: a block of BLOCK_OUT output columns (a warpgroup per 64), a tile of up to 256 rows and a part of the
+inner dimension (a split-K part; `split_k` adds them). A tile is a power of two of rows or two parts
 (`tile_rows`: 96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64), so that a step of 32 rows carrying a pack of 64 or 128
 prompt tokens computes no padding row; the tensor cores multiply both parts by the same weights in the registers. A
 ring of STAGES stages in shared memory takes each span's inputs (two halves, the span's two halves of a byte) and
 4-bit bytes by TMA, each stage with its mbarrier; a span's weights are read from its stage into the first operand's
 registers and made by the same PTX as the rows kernel's (`four_bit_products_kernel.decode_ptx`: int4's bit patterns or
 nf4's table), the products issued asynchronously, and the stage of the span before refilled once every warpgroup is
-past its products. Over a 13B layer's four products, H200, at the rule's shapes: int4 0.73-0.79× the rows kernel's
-time at 96-256 rows and 1.00× bf16's at 96 and 128 rows (1.4-1.7× at 160-256), nf4 0.64-0.86× the rows kernel's (nf4's
-groups of 64 one a span then; two a span, 1.18× bf16's time at 64 rows, 1.42× at 128, 1.9× at 160, 1.5× at 256); a
-step of 32 rows carrying 63 / 127 prompt tokens (13B, int4) 11.67 / 17.52 ms against 15.03 / 22.66 with the rows
-kernel. At 32 rows and fewer the rows kernel stays (tiles of 8-32 rows here: 1.00× its time at 1 row, 0.94× at 32 for
-int4, 0.99-1.12× for nf4), and past 256 rows values + cuBLAS (a 256-row tile and a tile of the rest made every weight
-twice: no faster at 288 rows, 1.2× at 544); a third part (224 = 128 + 64 + 32) was slower than the 256-row tile."""
+past its products. At 32 rows and fewer the rows kernel stays, and past 256 rows the dequantize kernel + cuBLAS
+(docs/kernels.md has the measurements)."""
 
 from __future__ import annotations
 

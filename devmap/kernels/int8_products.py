@@ -8,13 +8,8 @@ kernels read the int8 weights (`int8_products_kernel`):
 - more rows (prefills, steps carrying prompts, large batches; bound by arithmetic): `tokens_product`, each row
   quantized to int8 with a scale of its own (max |x| / 127, as torchao's `Int8DynamicActivationInt8WeightConfig` and
   vLLM's dynamic int8 do; the bits of torch's `(x / scale).round()` on a GPU), then int8 tensor cores, summed exactly
-  in int32: a row's product is the same whatever rows it is computed with. Over a 13B layer's four products
-  (`benchmarks/probes/int8_matmul.py`, H200) 1.0-1.4× the pace of cuBLAS's bf16 at 96-2,080 rows, 1.5-2.0× a tiled
-  kernel converting the weights; at 64 rows (H100) 150 µs where the decode kernel takes 195; at 1-16 rows the decode
-  kernel is ahead (H200: 97-99 µs a layer against 115-117), at 32 rows the tokens 4% faster (122 against 128) at 4×
-  the error, so up to 32 rows the products stay weight-only. Either way the weights are read at 1.3-1.7× their floor,
-  and converting them is not what bounds the decode kernel (made from bit patterns in bfloat16 instead, 9-12%
-  slower). The tokens' error against the exact int8-weight product is ~0.9% (relative norm), weight-only's ~0.2%.
+  in int32: a row's product is the same whatever rows it is computed with. Up to 32 rows the products stay
+  weight-only: there the tokens' kernel is barely faster at four times the error (docs/kernels.md has the figures).
 Anything else (CPU, float32) runs torchao's weight-only formula, with its numbers.
 """
 
