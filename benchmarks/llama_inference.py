@@ -8,6 +8,7 @@ Systems (`--systems`, in this order; every one measured in the same process run,
   tp           transformers `tp_plan="auto"` over --tp-size GPUs under torchrun, static cache (benchmarks/llama_tp.py)
   devmap-tp    devmap's tensor parallelism over --tp-size GPUs under torchrun (`devmap.load(tensor_parallel=N)`), its
                CUDA graphs capturing the collectives; devmap-tp-compiled: its steps through torch.compile too
+               (both TP rows see the first --tp-size GPUs only: tensor parallelism alone, no pipeline stages)
   accelerate   accelerate's dispatch_model, balanced over 2 GPUs (its own map, from the one-GPU model)
   hooks        accelerate's dispatch on devmap's loaded model (its AlignDevicesHooks; for shapes that fit no GPU)
   devmap       devmap's pipeline, CUDA graphs of the eager layer code (compile=False)
@@ -88,8 +89,10 @@ def run_tp(model: torch.nn.Module, repeat: int, systems: list[str], size: int) -
             out = Path(folder) / f"{system}.json"
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(size),
                        str(Path(__file__).with_name("llama_tp.py")), folder, str(out), str(repeat + 1), script]
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(visible.split(",")[:size])}  # N GPUs: TP alone
             try:
-                failed = subprocess.run(command, timeout=TP_TIMEOUT).returncode != 0 or not out.exists()
+                failed = subprocess.run(command, timeout=TP_TIMEOUT, env=env).returncode != 0 or not out.exists()
             except subprocess.TimeoutExpired:  # rank 0 writes its times before the ranks shut down
                 failed = not out.exists()
             if failed:
