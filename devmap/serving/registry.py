@@ -113,7 +113,7 @@ class ModelRegistry:
             resident = ResidentModel(
                 id=model_id, path=path, model=model, tokenizer=ready.tokenizer, created=int(time.time()),
                 context=ready.context, vocab_size=vocab,
-                planned={usage.key: usage.total for usage in model.devmap_plan.devices.values()},
+                planned=_planned(model.devmap_plan),
                 report=report, max_rows=serving.rows, cache_len=serving.cache_len, lanes=serving.lanes,
                 compiled=ready.compiled, eos_ids=ready.eos_ids, load_seconds=phases.seconds,
             )
@@ -259,3 +259,17 @@ def _freeze_survivors() -> None:
     issuing thread too) for a noticeable pause in the middle of a burst of requests. Unload unfreezes."""
     gc.collect()
     gc.freeze()
+
+
+def _planned(plan: Any) -> dict[DeviceKey, int]:
+    """What a resident model's plan holds on each device at its largest batch; a split's on every GPU of each of its
+    groups (each holds what this process's GPU of the group holds), so that the service's budget and `/metrics` count
+    the shard processes' GPUs too."""
+    split = plan.tensor_parallel
+    planned: dict[DeviceKey, int] = {}
+    for usage in plan.devices.values():
+        members = next((g for g in split.groups if usage.key in g), (usage.key,)) if split else (usage.key,)
+        for key in members:
+            planned[key] = usage.total
+    return planned
+

@@ -116,3 +116,16 @@ def test_a_service_plans_max_batch_rows_per_pipeline_stage_and_their_kv_on_every
     assert one.plan.stages == 1 and one.lanes == 1 and one.rows == LIMITS.max_batch
     told = plan_serving(resolve_source(str(path)), replace(LIMITS, lanes=3), plan_with)
     assert told.lanes == 3 and told.rows == 3 * LIMITS.max_batch  # --lanes decides where given
+
+
+def test_a_split_models_plan_counts_every_gpu_of_its_groups():
+    """A split service's process 0 holds its GPU of each group; what it plans there every GPU of the group holds, so
+    the service's budget and /metrics count the shard processes' GPUs too."""
+    from devmap.planning.planner import plan_shard
+    from devmap.serving.registry import _planned
+
+    shard = plan_shard("llama-2-13b", 2, 0, {gpu: "80GiB" for gpu in range(4)}, "bf16")
+    planned = _planned(shard)
+    assert set(planned) == {0, 1, 2, 3}
+    assert planned[0] == planned[1] == shard.devices["cuda:0"].total
+    assert planned[2] == planned[3] == shard.devices["cuda:2"].total
