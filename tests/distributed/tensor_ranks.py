@@ -27,6 +27,9 @@ def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str, gpus: i
         "logits": logits,
         "greedy": devmap.generate(model, ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0),
         "lanes": devmap.generate(model, ids, mask, max_new_tokens=8, lanes=2, eos_token_id=[], pad_token_id=0),
+        # two pipeline stages of the split model (on one device here), their lanes' collectives interleaved
+        "stages": devmap.generate(model, ids, mask, max_new_tokens=8, lanes=2, split_layers=[1], eos_token_id=[],
+                                  pad_token_id=0) if model.device.type == "cpu" else None,
         "sampled": devmap.generate(model, ids, mask, max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20,
                                    seed=3, eos_token_id=[], pad_token_id=0),
         "heads": model.config.num_attention_heads,

@@ -57,6 +57,7 @@ def test_two_processes_give_the_whole_models_outputs(checkpoint, tmp_path):
         assert got["heads"] == whole.config.num_attention_heads // 2  # each process holds half the heads
         torch.testing.assert_close(got["logits"], logits, atol=1e-5, rtol=1e-5)
         assert torch.equal(got["greedy"], greedy) and torch.equal(got["lanes"], greedy)
+        assert torch.equal(got["stages"], greedy)  # tensor parallel inside, two pipeline stages across
         assert torch.equal(got["sampled"], sampled)
     reports = [got["report"] for got in ranks]
     assert all(r["bytes_read"] < whole.devmap_load_report.bytes_read for r in reports)  # each its own slices
