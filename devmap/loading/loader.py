@@ -26,12 +26,12 @@ from .initialization import init_module_
 from ..planning.devices import DeviceKey, device_label, is_gpu, torch_device
 from ..planning.memory import Size, dtype_name, parse_dtype
 from ..planning.models import resolve_source
-from ..planning.placement import accelerate_quietly
 from ..planning.device_maps import DeviceMapSpec, owner_of
 from ..planning.planner import Plan, check_could_fit, plan_model
 from ..planning.quantization import quantized_weights, resolve_quantization
 from ..planning.workload import Workload
 from ..compat import stored_tensors
+from .device_hooks import attach_hooks
 from .load_report import DeviceLoad, LoadReport
 from .quantize import check_runnable, load_quantized
 from .transfer import CopyJob, copy_into
@@ -121,7 +121,7 @@ def load(
         try:
             report = _materialize(model, plan, entries or {}, set(missing), std, seed, folder, workers, progress,
                                   shrink)
-            _attach_hooks(model, plan, folder)
+            attach_hooks(model, plan, folder)
         except BaseException:
             _release(model)
             raise
@@ -188,7 +188,7 @@ def dispatch(
                       no_split_module_classes)
     with undo_offload_on_failure(folder):
         _check_devices(plan, folder)
-        _attach_hooks(model, plan, folder)
+        attach_hooks(model, plan, folder)
     return model
 
 
@@ -310,21 +310,6 @@ def _host_bytes(model: nn.Module) -> int:
                 seen.add(stored.data_ptr())
                 total += stored.numel() * stored.element_size()
     return total
-
-
-def _attach_hooks(model: nn.Module, plan: Plan, folder: str | None) -> None:
-    """accelerate's hooks move inputs to each block's device and the output back to the input's device."""
-    from accelerate import dispatch_model
-
-    gpus = [d for d in plan.device_map.values() if is_gpu(d)]
-    main: DeviceKey = gpus[0] if gpus else "cpu"  # accelerate compares main_device with the string "cpu"
-    with accelerate_quietly():
-        # like transformers: the KV cache is not moved by the hooks (each layer keeps its own on its device)
-        dispatch_model(model, device_map=dict(plan.device_map), main_device=main,
-                       offload_dir=folder if "disk" in plan.device_map.values() else None, force_hooks=True,
-                       skip_keys=getattr(model, "_skip_keys_device_placement", None))
-    model.hf_device_map = dict(plan.device_map)
-    model.devmap_plan = plan
 
 
 def _tied_groups(model: nn.Module) -> list[list[str]]:

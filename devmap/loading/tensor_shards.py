@@ -38,6 +38,7 @@ from .checkpoint import TensorEntry, index_checkpoint, match_state
 from .disk_offload import set_tensor
 from .initialization import init_module_
 from .load_report import DeviceLoad, LoadReport
+from .device_hooks import attach_hooks
 from .tensor_layers import check_plain, parallelize
 from .transfer import CopyJob, copy_into
 
@@ -108,6 +109,8 @@ def load_shard(model_source: ModelSource, size: int, dtype: torch.dtype, checkpo
     read, initialized = _fill(model, split, rank, plan.device_map, dtype, entries, seed + rank, workers, progress)
     parallelize(model, split, rank, stage_groups(split, rank, group, devices.values()))
     model.eval()
+    if len(devices) > 1:  # a shard over pipeline stages: transformers' own forward crosses them as a placed model's
+        attach_hooks(model, plan, None)
     model.hf_device_map = dict(plan.device_map)
     model.devmap_plan = plan
     seconds = time.perf_counter() - start
