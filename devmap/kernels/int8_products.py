@@ -36,10 +36,6 @@ class Int8Weight(NamedTuple):
     qdata: torch.Tensor
     scale: torch.Tensor
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.qdata.shape)  # type: ignore[return-value]
-
 
 def kernel_applies(x: torch.Tensor, weight: Int8Weight) -> bool:
     """Whether `product` runs a kernel for `x` (rows × in): CUDA, half precision, contiguous int8 weights and float

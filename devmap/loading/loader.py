@@ -143,7 +143,7 @@ def _load_shard(source: Any, size: int, plan: Plan | None, device_map: Any, max_
     if plan is not None:
         split = plan.tensor_parallel
         gpus = [usage.key for usage in plan.devices.values() if isinstance(usage.key, int)]
-        if split is None or len({split.first_of(g) for g in gpus}) != len(gpus):  # a shard holds one GPU a group
+        if split is None or len({split.group_of(g) for g in gpus}) != len(gpus):  # a shard holds one GPU a group
             raise UsageError("a plan of whole blocks or of every GPU of a split cannot load one process's shard: "
                              "give tensor_parallel=N alone, or a shard's plan (devmap.planning.planner.plan_shard)")
         if size not in (1, split.size):

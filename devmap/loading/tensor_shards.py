@@ -155,9 +155,15 @@ def open_stage_groups(size: int) -> None:
         return
     rank = dist.get_rank()
     for first in range(size, torch.cuda.device_count() // size * size, size):
-        members = tuple(range(first, first + size))
-        if members not in _STAGE_GROUPS:
-            _STAGE_GROUPS[members] = dist.new_group(list(range(size)), device_id=torch.device("cuda", members[rank]))
+        _stage_group(tuple(range(first, first + size)), rank)
+
+
+def _stage_group(members: tuple[int, ...], rank: int) -> Any:
+    """The process group of the stage on GPUs `members`, bound to this process's GPU of it (made once)."""
+    if members not in _STAGE_GROUPS:
+        _STAGE_GROUPS[members] = dist.new_group(list(range(len(members))),
+                                                device_id=torch.device("cuda", members[rank]))
+    return _STAGE_GROUPS[members]
 
 
 def stage_groups(split: TensorSplit, rank: int, group: Any, devices: Iterable[torch.device]) -> dict[Any, Any]:
@@ -170,13 +176,8 @@ def stage_groups(split: TensorSplit, rank: int, group: Any, devices: Iterable[to
         if device.type != "cuda":
             groups[device] = group
             continue
-        members = next(g for g in split.groups if device.index in g)
-        if members == tuple(range(split.size)):
-            groups[device] = group
-            continue
-        if members not in _STAGE_GROUPS:
-            _STAGE_GROUPS[members] = dist.new_group(list(range(split.size)), device_id=device)
-        groups[device] = _STAGE_GROUPS[members]
+        members = split.group_of(device.index)
+        groups[device] = group if members == tuple(range(split.size)) else _stage_group(members, rank)
     return groups
 
 

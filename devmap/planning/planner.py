@@ -129,7 +129,7 @@ def shard_of(whole: Plan, rank: int) -> Plan:
     split = whole.tensor_parallel
     if split is None:
         raise UsageError("the plan does not split the model: plan it with tensor_parallel=N")
-    device_map = {name: split.member(first, rank) if isinstance(first, int) else first
+    device_map = {name: split.group_of(first)[rank] if isinstance(first, int) else first
                   for name, first in whole.device_map.items()}
     held = {device_label(key) for key in device_map.values()}
     devices = {label: usage for label, usage in whole.devices.items() if label in held}
@@ -145,7 +145,7 @@ def split_map(shard: Plan) -> dict[str, DeviceKey]:
     split = shard.tensor_parallel
     if split is None:
         raise UsageError("the plan does not split the model: plan it with tensor_parallel=N")
-    return {name: split.first_of(key) if isinstance(key, int) else key for name, key in shard.device_map.items()}
+    return {name: split.group_of(key)[0] if isinstance(key, int) else key for name, key in shard.device_map.items()}
 
 
 def _spread(local: Plan, split: TensorSplit, budget: Budget) -> Plan:

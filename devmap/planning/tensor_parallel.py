@@ -48,21 +48,13 @@ class TensorSplit:
         part = shape[dim] // self.size
         return dim, rank * part, (rank + 1) * part
 
-    def member(self, first: int, rank: int) -> int:
-        """The GPU of process `rank` in the group whose first GPU is `first`."""
-        return next(g for g in self.groups if g[0] == first)[rank]
-
-    def first_of(self, gpu: int) -> int:
-        """The first GPU of the group `gpu` belongs to."""
-        return next(g for g in self.groups if gpu in g)[0]
-
-    def rank_of(self, gpu: int) -> int:
-        """Which process of its group holds `gpu` (its place in the group)."""
-        return next(g for g in self.groups if gpu in g).index(gpu)
+    def group_of(self, gpu: int) -> tuple[int, ...]:
+        """The group `gpu` belongs to: its GPUs, process 0's first (process r holds the r-th)."""
+        return next(g for g in self.groups if gpu in g)
 
     def label(self, gpu: int) -> str:
         """The group whose first GPU is `gpu`, as "cuda:0-1" (consecutive) or "cuda:0,2"."""
-        group = next(g for g in self.groups if g[0] == gpu)
+        group = self.group_of(gpu)
         consecutive = list(group) == list(range(group[0], group[0] + len(group)))
         return f"cuda:{group[0]}-{group[-1]}" if consecutive else "cuda:" + ",".join(map(str, group))
 

@@ -268,7 +268,7 @@ def _planned(plan: Any) -> dict[DeviceKey, int]:
     split = plan.tensor_parallel
     planned: dict[DeviceKey, int] = {}
     for usage in plan.devices.values():
-        members = next((g for g in split.groups if usage.key in g), (usage.key,)) if split else (usage.key,)
+        members = split.group_of(usage.key) if split and isinstance(usage.key, int) else (usage.key,)
         for key in members:
             planned[key] = usage.total
     return planned
