@@ -21,9 +21,11 @@ is reported beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,10 +93,15 @@ def run_tp(model: torch.nn.Module, repeat: int, systems: list[str], size: int) -
                        str(Path(__file__).with_name("llama_tp.py")), folder, str(out), str(repeat + 1), script]
             visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(visible.split(",")[:size])}  # N GPUs: TP alone
+            ranks = subprocess.Popen(command, env=env, start_new_session=True)  # its ranks die with it
             try:
-                failed = subprocess.run(command, timeout=TP_TIMEOUT, env=env).returncode != 0 or not out.exists()
+                failed = ranks.wait(timeout=TP_TIMEOUT) != 0 or not out.exists()
             except subprocess.TimeoutExpired:  # rank 0 writes its times before the ranks shut down
                 failed = not out.exists()
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(ranks.pid, signal.SIGKILL)
+                ranks.wait()
             if failed:
                 print(f"  {system} failed or ran past {TP_TIMEOUT} s (its output is above); no row", flush=True)
                 continue

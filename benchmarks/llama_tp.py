@@ -10,6 +10,7 @@ the same inputs; rank 0 writes the seconds of each call, the first (compiling, c
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -45,6 +46,7 @@ def main() -> None:
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     system = sys.argv[4] if len(sys.argv) > 4 else "transformers"
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before any collective: one GPU per rank
+    faulthandler.dump_traceback_later(float(os.environ.get("DEVMAP_TP_STACKS_AFTER", "600")))  # where a rank hangs
     start = time.perf_counter()
     if system == "transformers":
         model = AutoModelForCausalLM.from_pretrained(checkpoint, tp_plan="auto", dtype=torch.bfloat16).eval()
@@ -72,9 +74,10 @@ def main() -> None:
     if dist.get_rank() == 0:
         out.write_text(json.dumps({"W3": w3, "W4": w4}))
     dist.barrier(device_ids=[torch.cuda.current_device()])
-    dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)  # inductor's compile workers kept the ranks alive past the store's shutdown (a hang at exit)
+    # no destroy_process_group (after CUDA graphs captured NCCL collectives it can hang, pytorch#115388) and no normal
+    # exit (inductor's compile workers kept the ranks alive past the store's shutdown)
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ def parallelize(model: nn.Module, split: TensorSplit, rank: int, groups: Mapping
         else:
             continue
         module.group = groups[module.weight.device]
+        if isinstance(module, VocabParallelHead):  # it gives the whole vocabulary's logits
+            module.out_features = module.weight.shape[0] * dist.get_world_size(module.group)
 
 
 def check_plain(model: nn.Module) -> None:

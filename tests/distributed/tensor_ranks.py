@@ -15,6 +15,7 @@ def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str, gpus: i
     torch.set_num_threads(1)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 products as the whole model's
     import devmap
+    import devmap.generation
 
     model = devmap.load(checkpoint, tensor_parallel=size, dtype="float32")
     device = next(model.parameters()).device
@@ -25,6 +26,7 @@ def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str, gpus: i
         logits = model(ids, attention_mask=mask).logits.cpu()
     results = {
         "logits": logits,
+        "forward": devmap.generation.forward(model, ids, mask).cpu(),  # the head's gathered vocabulary, batched
         "greedy": devmap.generate(model, ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0),
         "lanes": devmap.generate(model, ids, mask, max_new_tokens=8, lanes=2, eos_token_id=[], pad_token_id=0),
         # two pipeline stages of the split model (on one device here), their lanes' collectives interleaved

@@ -1,6 +1,7 @@
 """GPU-only: a float32 LLaMA split 2 and 4 ways over NCCL (and 2 ways on 4 GPUs: two pipeline stages of two GPUs,
-each process holding its GPU of both), gives the logits and greedy tokens of
-the whole model on one GPU (CUDA graphs capturing the collectives), and every process the same sampled tokens."""
+each process holding its GPU of both), gives the logits (of the model and of `devmap.generation.forward`) and
+greedy tokens of the whole model on one GPU (CUDA graphs capturing the collectives), and every process the same
+sampled tokens."""
 
 import socket
 
@@ -9,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 import devmap
+import devmap.generation
 from devmap.testing import gpu_count, require_gpus
 
 from .tensor_ranks import run_rank
@@ -39,6 +41,7 @@ def test_gpus_splitting_a_model_give_one_gpus_logits_and_tokens(tmp_path, size, 
     mask[1, :2] = 0
     with torch.no_grad():
         logits = whole(ids, attention_mask=mask).logits.cpu()
+    forward = devmap.generation.forward(whole, ids, mask).cpu()
     greedy = devmap.generate(whole, ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
     del whole
     ranks = mp.spawn(run_rank, args=(size, free_port(), str(tmp_path / "model"), str(tmp_path), gpus), nprocs=size,
@@ -53,5 +56,6 @@ def test_gpus_splitting_a_model_give_one_gpus_logits_and_tokens(tmp_path, size, 
     for got in ranks:
         assert got["heads"] == 8 // size
         torch.testing.assert_close(got["logits"], logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got["forward"], forward, atol=1e-4, rtol=1e-4)
         assert torch.equal(got["greedy"], greedy) and torch.equal(got["lanes"], greedy)
         assert torch.equal(got["sampled"], ranks[0]["sampled"])  # the processes stay in step

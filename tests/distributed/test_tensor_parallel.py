@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 import devmap
+import devmap.generation
 from devmap.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +49,7 @@ def test_two_processes_give_the_whole_models_outputs(checkpoint, tmp_path):
     mask[1, :2] = 0
     with torch.no_grad():
         logits = whole(ids, attention_mask=mask).logits
+    forward = devmap.generation.forward(whole, ids, mask)
     greedy = devmap.generate(whole, ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
     sampled = devmap.generate(whole, ids, mask, max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20, seed=3,
                               eos_token_id=[], pad_token_id=0)
@@ -56,6 +58,7 @@ def test_two_processes_give_the_whole_models_outputs(checkpoint, tmp_path):
     for got in ranks:
         assert got["heads"] == whole.config.num_attention_heads // 2  # each process holds half the heads
         torch.testing.assert_close(got["logits"], logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["forward"], forward, atol=1e-5, rtol=1e-5)
         assert torch.equal(got["greedy"], greedy) and torch.equal(got["lanes"], greedy)
         assert torch.equal(got["stages"], greedy)  # tensor parallel inside, two pipeline stages across
         assert torch.equal(got["sampled"], sampled)
