@@ -7,7 +7,8 @@ Candidates per scheme: devmap's own kernels (`devmap.kernels.int8_products`, `fo
 them; torchao eager and under torch.compile (int8 weight-only and with int8 activations, int4 tinygemm, int4
 preshuffled through mslk, fp8 with a scale per row through torch._scaled_mm or mslk); bitsandbytes (int8, nf4);
 gemlite (int4). A candidate that cannot run here (a library not installed, a kernel this card lacks) is listed with
-its reason instead of a time. The table gives each candidate's time, the fastest library's, and devmap's ratio to
+its reason instead of a time; one a CUDA graph cannot capture (devmap's steps are graphs) is timed as issued from the
+host and listed below the table. The table gives each candidate's time, the fastest library's, and devmap's ratio to
 it: devmap keeps its own kernel only where it beats every library by 10% or more at the rows serving uses.
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/products.py [--shapes 13b,70b] [--rows 1,32,256]
@@ -26,12 +27,13 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, graph_timed_us  # noqa: E402
+from common import best_seconds, copy_bandwidth, graph_timed_us  # noqa: E402
 
 SHAPES = {  # (out, in) of a layer's four products, as devmap runs them
     "13b": {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)},
     "70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)},
 }
+GENERATOR = torch.Generator().manual_seed(0)
 L2_OVER = 4 * 2**30 // 32  # copies of a weight until they hold at least this many bytes (past any L2)
 Product = Callable[[torch.Tensor], torch.Tensor]
 
@@ -72,7 +74,7 @@ def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Prod
     """{name: a function that makes the candidate's product of x (its own quantized copy of `weight`)}."""
     made: dict[str, Callable[[], Product]] = {}
     if scheme == "bf16":
-        made["cuBLAS"] = lambda: (lambda x: torch.nn.functional.linear(x, weight.clone()))
+        made["cuBLAS"] = lambda: plain_linear(weight)
     elif scheme == "int8":
         made["devmap"] = lambda: devmap_int8(weight)
         made["torchao"] = lambda: devmap_linear(weight, "int8")
@@ -148,8 +150,10 @@ def stored_bytes(weight: torch.Tensor, scheme: str) -> int:
     return weight.numel() * quantization.bits // 8 + weight_extra_bytes(quantization, *weight.shape)
 
 
-def timed(build: Callable[[], Product], weight_bytes: int, x: torch.Tensor) -> float:
-    """Microseconds per product over enough copies of the weight to be read from HBM, each called in turn."""
+def timed(build: Callable[[], Product], weight_bytes: int, x: torch.Tensor) -> tuple[float, bool]:
+    """Microseconds per product over enough copies of the weight to be read from HBM, each called in turn, and
+    whether they were captured in a CUDA graph (as devmap's steps run); a product that cannot be captured is timed
+    as issued from the host instead."""
     copies = [build() for _ in range(max(1, min(8, -(-L2_OVER // weight_bytes))))]
     turn = [0]
 
@@ -157,7 +161,18 @@ def timed(build: Callable[[], Product], weight_bytes: int, x: torch.Tensor) -> f
         copies[turn[0] % len(copies)](x)
         turn[0] += 1
 
-    return graph_timed_us(call, repeat=8 * len(copies))
+    try:
+        return graph_timed_us(call, repeat=8 * len(copies)), True
+    except Exception:  # noqa: BLE001 - the capture's failure is what this row reports
+        torch.cuda.synchronize()
+        repeat = 8 * len(copies)
+        return best_seconds(lambda: [call() for _ in range(repeat)], 5) / repeat * 1e6, False
+
+
+def random(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    """Normal bf16 values on the GPU, drawn on the host: a failed capture can leave the GPU's generator expecting a
+    graph ("Offset increment outside graph capture"), which must not end the run."""
+    return (torch.randn(*shape, generator=GENERATOR) * scale).to(torch.bfloat16).to("cuda")
 
 
 def why(exc: BaseException) -> str:
@@ -175,22 +190,23 @@ def main() -> None:
     from devmap.compat import raise_recompile_limit
 
     raise_recompile_limit(256)  # compiled candidates: one entry per weight shape and rows
-    torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; HBM {bandwidth / 1e12:.2f} TB/s", flush=True)
     results = []
     for shape_name in args.shapes.split(","):
         for product_name, (out, inner) in SHAPES[shape_name].items():
-            weight = torch.randn(out, inner, dtype=torch.bfloat16, device="cuda") * 0.02
+            weight = random(out, inner, scale=0.02)
             for scheme in ["bf16", *args.schemes.split(",")]:
                 size = stored_bytes(weight, scheme)
                 for rows in (int(r) for r in args.rows.split(",")):
-                    x = torch.randn(rows, inner, dtype=torch.bfloat16, device="cuda")
+                    x = random(rows, inner)
                     row: dict[str, Any] = {"shape": f"{shape_name} {product_name}", "scheme": scheme, "rows": rows,
-                                           "floor_us": size / bandwidth * 1e6, "times_us": {}, "cannot": {}}
+                                           "floor_us": size / bandwidth * 1e6, "times_us": {}, "cannot": {},
+                                           "uncaptured_us": {}}
                     for name, build in candidates(scheme, weight).items():
                         try:  # a library missing, a kernel this card lacks: recorded with its reason
-                            row["times_us"][name] = timed(build, size, x)
+                            us, captured = timed(build, size, x)
+                            row["times_us" if captured else "uncaptured_us"][name] = us
                         except Exception as exc:
                             row["cannot"][name] = why(exc)
                         torch.cuda.empty_cache()
@@ -228,6 +244,10 @@ def report(results: list[dict[str, Any]]) -> None:
     cannot = {(row["scheme"], name): reason for row in results for name, reason in row["cannot"].items()}
     for (scheme, name), reason in sorted(cannot.items()):
         print(f"{scheme} {name}: cannot run here: {reason}")
+    for row in results:
+        for name, us in row.get("uncaptured_us", {}).items():
+            print(f"{row['shape']} {row['scheme']} {row['rows']} rows, {name}: {us:.1f} us issued from the host "
+                  "(a CUDA graph cannot capture it, so devmap's steps cannot run it)")
 
 
 if __name__ == "__main__":
