@@ -93,7 +93,10 @@ def server(command: list[str], port: int, name: str, timeout: float = 600, env: 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode}; see {log.name}")
+                log.flush()
+                last = Path(log.name).read_text(errors="replace").splitlines()[-15:]
+                raise RuntimeError(f"{name} exited with {process.returncode}; the end of {log.name}:\n"
+                                   + "\n".join(last))
             with contextlib.suppress(httpx.HTTPError):
                 httpx.get(url + "/health", timeout=2)  # any answer: it listens (transformers' /v1/models
                 break                                   # needs a hub cache directory)
