@@ -4,12 +4,13 @@ int8, int4, nf4 and fp8 weights at 1, 32 and 256 rows, on LLaMA-2-13B's and 70B'
 gate/up joined, as devmap runs them), beside bf16 and the floor of reading the weights (and scales) once.
 
 Candidates per scheme: devmap's own kernels (`devmap.kernels.int8_products`, `four_bit_products`) where it has
-them; torchao eager and under torch.compile (int8 weight-only and with int8 activations, int4 tinygemm, int4
-preshuffled through mslk, fp8 with a scale per row through torch._scaled_mm or mslk); bitsandbytes (int8, nf4);
-gemlite (int4). A candidate that cannot run here (a library not installed, a kernel this card lacks) is listed with
-its reason instead of a time; one a CUDA graph cannot capture (devmap's steps are graphs) is timed as issued from the
-host and listed below the table. The table gives each candidate's time, the fastest library's, and devmap's ratio to
-it: devmap keeps its own kernel only where it beats every library by 10% or more at the rows serving uses.
+them; torchao eager and under torch.compile, int8 and fp8 also with the inductor settings torchao sets by default
+(int8 weight-only and with int8 activations, int4 tinygemm, int4 preshuffled through mslk, fp8 with a scale per row
+through torch._scaled_mm or mslk); bitsandbytes (int8, nf4); gemlite (int4). A candidate that cannot run here (a
+library not installed, a kernel this card lacks) is listed with its reason instead of a time; one a CUDA graph cannot
+capture (devmap's steps are graphs) is timed as issued from the host and listed below the table. The table gives
+each candidate's time, the fastest library's, and devmap's ratio to it: devmap keeps its own kernel only where it
+beats every library by 10% or more at the rows serving uses.
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/products.py [--shapes 13b,70b] [--rows 1,32,256]
 [--schemes int8,int4,nf4,fp8] [--out DIR]
@@ -66,8 +67,12 @@ def devmap_linear(weight: torch.Tensor, scheme: str, library: str | None = None)
     return holder.linear
 
 
-def compiled(module: nn.Module) -> Product:
-    return torch.compile(module, dynamic=False)
+def compiled(module: nn.Module, tuned: bool = False) -> Product:
+    """`module` through torch.compile; `tuned`: with the inductor settings torchao sets by default
+    (`set_inductor_config=True`: coordinate-descent tuning, int8 products fused with their scales), as its users run."""
+    options = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
+               "force_fuse_int_mm_with_mul": True} if tuned else None
+    return torch.compile(module, dynamic=False, options=options)
 
 
 def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Product]]:
@@ -79,6 +84,7 @@ def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Prod
         made["devmap"] = lambda: devmap_int8(weight)
         made["torchao"] = lambda: devmap_linear(weight, "int8")
         made["torchao compiled"] = lambda: compiled(devmap_linear(weight, "int8"))
+        made["torchao compiled, tuned"] = lambda: compiled(devmap_linear(weight, "int8"), tuned=True)
         made["torchao w8a8 compiled"] = lambda: compiled(torchao_linear(weight, "int8 dynamic"))
         made["bitsandbytes"] = lambda: devmap_linear(weight, "int8", "bitsandbytes")
     elif scheme == "int4":
@@ -93,6 +99,7 @@ def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Prod
     elif scheme == "fp8":
         made["torchao"] = lambda: devmap_linear(weight, "fp8")
         made["torchao compiled"] = lambda: compiled(devmap_linear(weight, "fp8"))
+        made["torchao compiled, tuned"] = lambda: compiled(devmap_linear(weight, "fp8"), tuned=True)
         made["torchao _scaled_mm compiled"] = lambda: compiled(torchao_linear(weight, "fp8 torch"))
         made["torchao mslk compiled"] = lambda: compiled(torchao_linear(weight, "fp8 mslk"))
     return made
