@@ -49,7 +49,7 @@ def main() -> None:
     faulthandler.dump_traceback_later(float(os.environ.get("DEVMAP_TP_STACKS_AFTER", "600")))  # where a rank hangs
     start = time.perf_counter()
     if system == "transformers":
-        from transformers import DistributedConfig  # tp_plan= itself is deprecated from 5.17, gone in 5.18
+        from transformers import DistributedConfig  # a tp_plan= keyword is deprecated since 5.17
 
         model = AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=DistributedConfig(tp_plan="auto"),
                                                      dtype=torch.bfloat16).eval()
