@@ -106,7 +106,7 @@ def load_shard(model_source: ModelSource, size: int, dtype: torch.dtype, checkpo
     entries = index_checkpoint(checkpoint, allow_pickle) if checkpoint is not None else None
     devices = {key: torch_device(key) for key in set(plan.device_map.values())}
     before = {key: _allocated(device) for key, device in devices.items()}
-    read, initialized = _fill(model, split, rank, plan.device_map, dtype, entries, seed + rank, workers, progress)
+    read, initialized = _fill(model, split, rank, plan.device_map, dtype, entries, seed, workers, progress)
     parallelize(model, split, rank, stage_groups(split, rank, group, devices.values()))
     model.eval()
     if len(devices) > 1:  # a shard over pipeline stages: transformers' own forward crosses them as a placed model's
@@ -189,7 +189,9 @@ def _fill(model: nn.Module, split: TensorSplit, rank: int, device_map: Mapping[s
           entries: dict[str, TensorEntry] | None, seed: int, workers: int | None,
           progress: Callable[[int], None] | None) -> tuple[int, list[str]]:
     """Make every tensor of the shard on its device (`device_map`) and fill it with its slice of the checkpoint
-    (initialized where the checkpoint has none); returns the bytes read and the names initialized."""
+    (initialized where the checkpoint has none); returns the bytes read and the names initialized. Initialized
+    modules every process holds whole get the same values in every process (drawn from `seed`: processes whose
+    copies differed would compute different tokens), split ones this process's own (`seed` + 1 + `rank`)."""
     from accelerate.utils import find_tied_parameters
 
     state = model.state_dict(keep_vars=True)
@@ -235,13 +237,15 @@ def _fill(model: nn.Module, split: TensorSplit, rank: int, device_map: Mapping[s
             host = torch.empty(entry.shape, dtype=value.dtype)
             jobs.append(CopyJob(entry, host))
             columns.append((host, value.data, piece[1], piece[2]))
-    generators: dict[torch.device, torch.Generator] = {}
+    generators: dict[tuple[torch.device, bool], torch.Generator] = {}
     for module_name in sorted(to_init):
         module = model.get_submodule(module_name)
         device = next(module.parameters(recurse=False), next(module.buffers(recurse=False), None)).device
-        if device not in generators:
-            generators[device] = torch.Generator(device=device).manual_seed(seed)
-        init_module_(module, generator=generators[device],
+        whole = all(split.slice_of(f"{module_name}.{leaf}", full[f"{module_name}.{leaf}"], rank) is None
+                    for leaf, _ in module.named_parameters(recurse=False))
+        if (device, whole) not in generators:
+            generators[device, whole] = torch.Generator(device=device).manual_seed(seed if whole else seed + 1 + rank)
+        init_module_(module, generator=generators[device, whole],
                      std=float(getattr(model.config, "initializer_range", 0.02) or 0.02))
     copy_into(jobs, workers=workers, progress=progress)
     for host, shard, first, last in columns:

@@ -42,3 +42,21 @@ def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str, gpus: i
     torch.save(results, Path(out) / f"rank{rank}.pt")
     devmap.release_graphs(model)  # before the group goes: a captured collective can hang it (pytorch#115388)
     torch.distributed.destroy_process_group()
+
+
+def run_random_rank(rank: int, size: int, port: int, checkpoint: str, out: str) -> None:
+    """This process's shard of random weights made from the checkpoint's config alone (`--load-format dummy`): the
+    tensors it holds whole, and its greedy tokens."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import devmap
+
+    model = devmap.load(checkpoint, tensor_parallel=size, dtype="float32", random_weights=True)
+    split = model.devmap_plan.tensor_parallel
+    whole = {name: p.detach().clone() for name, p in model.named_parameters()
+             if split.slice_of(name, tuple(p.shape), rank) is None}
+    ids = torch.tensor([[5, 17, 300, 2, 41, 9]])
+    greedy = devmap.generate(model, ids, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
+    torch.save({"whole": whole, "greedy": greedy}, Path(out) / f"random{rank}.pt")
+    torch.distributed.destroy_process_group()

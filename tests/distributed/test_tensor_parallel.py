@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU: two gloo processes, each loading its shard of a saved llama-tiny, give the logits and
 the greedy and sampled tokens of the whole model in one process (the GPU run of the same is a GPU test)."""
 
+import json
 import socket
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the spawned processes import tests.distributed.tensor_ranks
     sys.path.insert(0, str(ROOT))
 
-from tests.distributed.tensor_ranks import run_rank  # noqa: E402
+from tests.distributed.tensor_ranks import run_random_rank, run_rank  # noqa: E402
 
 
 def free_port() -> int:
@@ -64,6 +65,19 @@ def test_two_processes_give_the_whole_models_outputs(checkpoint, tmp_path):
         assert torch.equal(got["sampled"], sampled)
     reports = [got["report"] for got in ranks]
     assert all(r["bytes_read"] < whole.devmap_load_report.bytes_read for r in reports)  # each its own slices
+
+
+def test_random_weights_held_whole_are_the_same_in_every_process(checkpoint, tmp_path):
+    # `--load-format dummy`: processes whose whole copies (norms, an embedding and head the vocabulary does not
+    # split) differed would compute different tokens, and a split service's processes would fall out of step
+    mp.spawn(run_random_rank, args=(2, free_port(), str(checkpoint), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"random{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0]["whole"].keys() == ranks[1]["whole"].keys()
+    vocabulary_whole = json.loads((checkpoint / "config.json").read_text())["vocab_size"] % 2 == 1
+    assert ("model.embed_tokens.weight" in ranks[0]["whole"]) == vocabulary_whole
+    for name, tensor in ranks[0]["whole"].items():
+        assert torch.equal(tensor, ranks[1]["whole"][name]), name
+    assert torch.equal(ranks[0]["greedy"], ranks[1]["greedy"])
 
 
 def test_a_split_without_its_processes_is_refused(checkpoint, monkeypatch):
