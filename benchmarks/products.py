@@ -13,7 +13,7 @@ each candidate's time, the fastest library's, and devmap's ratio to it: devmap k
 beats every library by 10% or more at the rows serving uses.
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/products.py [--shapes 13b,70b] [--rows 1,32,256]
-[--schemes int8,int4,nf4,fp8] [--out DIR]
+[--schemes int8,int4,nf4,fp8] [--products qkv,o,gate_up,down] [--out DIR]
 """
 
 from __future__ import annotations
@@ -192,6 +192,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="13b,70b")
     parser.add_argument("--rows", default="1,32,256")
     parser.add_argument("--schemes", default="int8,int4,nf4,fp8")
+    parser.add_argument("--products", default="qkv,o,gate_up,down", help="which of a layer's products to time")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from devmap.compat import raise_recompile_limit
@@ -202,6 +203,8 @@ def main() -> None:
     results = []
     for shape_name in args.shapes.split(","):
         for product_name, (out, inner) in SHAPES[shape_name].items():
+            if product_name not in args.products.split(","):
+                continue
             weight = random(out, inner, scale=0.02)
             for scheme in ["bf16", *args.schemes.split(",")]:
                 size = stored_bytes(weight, scheme)
