@@ -84,9 +84,7 @@ class ModelRegistry:
                 if model_id in self._models:
                     raise ServiceError(f"model {model_id!r} is already loaded; unload it first or pick another id",
                                        param="id")
-            if max_memory is None and not self.budget and not self.all():
-                self._machine = dict(resolve_budget().limits)  # the machine's budget, with nothing of ours on it
-            budget = max_memory if max_memory is not None else self.remaining()
+            budget = self._load_budget(max_memory)
             phases = LoadPhases()
             try:
                 with phases.timed("plan"):
@@ -144,6 +142,13 @@ class ModelRegistry:
                 raise ServiceError(f"model {resident.id!r} is already loaded; unload it first or pick another id",
                                    param="id")
             self._models[resident.id] = resident
+
+    def _load_budget(self, max_memory: str | Mapping[Any, Any] | None) -> Any:
+        """What a load may use: the request's `max_memory`, else what the service's budget (or the machine's, read at
+        the first load with nothing of ours on it) has left."""
+        if max_memory is None and not self.budget and not self.all():
+            self._machine = dict(resolve_budget().limits)
+        return max_memory if max_memory is not None else self.remaining()
 
     def _weights_loaded(self, model_id: str) -> None:
         """Between a load's weights and its preparing (compiling, warming up): nothing here (a split registry agrees

@@ -68,17 +68,19 @@ def describe(exc: BaseException) -> str:
 
 
 class ShardRegistry(ModelRegistry):
-    """A shard process's registry: each model planned with the rows, cache length and lanes rank 0 chose; between
-    its weights and its warm-up, every process agrees that all have their weights (`ShardProcesses.agree`)."""
+    """A shard process's registry: each model planned with the rows, cache length, lanes and stages rank 0 chose, in
+    the budget rank 0 chose them in (its reading of every GPU: this process reading the machine itself would see
+    rank 0's GPUs filling with its weights, and plan the split as not fitting); between its weights and its
+    warm-up, every process agrees that all have their weights (`ShardProcesses.agree`)."""
 
-    given: tuple[int, int, int, dict[str, Any]] = (1, 1, 1, {})
+    given: tuple[int, int, int, dict[str, Any], Any] = (1, 1, 1, {}, None)
     rank: int
     inbox: Connection
     replies: Connection
 
     def load_as(self, path: str, model_id: str, dtype: str | None, rows: int, cache_len: int, lanes: int,
-                stages: dict[str, Any]) -> None:
-        self.given, self._answered = (rows, cache_len, lanes, stages), False
+                stages: dict[str, Any], budget: Any) -> None:
+        self.given, self._answered = (rows, cache_len, lanes, stages, budget), False
         try:
             self.load(Path(path), model_id, dtype=dtype)
         except LoadCalledOff:
@@ -91,6 +93,9 @@ class ShardRegistry(ModelRegistry):
             self.replies.send((False, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
             self._outcome()
             log.debug("loading %s failed here before every process had its weights", model_id, exc_info=exc)
+
+    def _load_budget(self, max_memory: Any) -> Any:
+        return self.given[4]
 
     def _weights_loaded(self, model_id: str) -> None:
         self._answered = True
@@ -109,7 +114,7 @@ class ShardRegistry(ModelRegistry):
         from ..planning.models import resolve_source
         from ..planning.planner import plan_shard
 
-        rows, cache_len, lanes, stages = self.given
+        rows, cache_len, lanes, stages, _ = self.given
         context = int(getattr(resolve_source(str(path)).config, "max_position_embeddings", 0) or 0)
         plan = plan_shard(str(path), self.tensor_parallel, self.rank, budget, dtype,
                           serving_workload(context, rows, cache_len, lanes), stages=stages)

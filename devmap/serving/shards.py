@@ -172,7 +172,7 @@ class ShardProcesses:
 
 class SplitRegistry(ModelRegistry):
     """Rank 0's registry: each load and unload goes to the shard processes too (a load with the serving plan this
-    process chose)."""
+    process chose and the budget it chose it in)."""
 
     def __init__(self, shards: ShardProcesses, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, tensor_parallel=shards.size, **kwargs)
@@ -201,7 +201,7 @@ class SplitRegistry(ModelRegistry):
     def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> Any:
         serving = super()._serving_plan(path, device_map, budget, dtype)
         self.shards.send("load", str(path), self._loading_id, dtype, serving.rows, serving.cache_len, serving.lanes,
-                         split_map(serving.plan))
+                         split_map(serving.plan), budget)
         self._awaiting = True
         return serving
 
