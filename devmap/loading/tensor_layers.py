@@ -56,6 +56,11 @@ class VocabParallelHead(nn.Linear):
 
     group: Any
 
+    @property  # type: ignore[override]
+    def out_features(self) -> int:
+        """The whole vocabulary: what the gathered logits hold (`weight` holds this process's rows only)."""
+        return self.weight.shape[0] * dist.get_world_size(self.group)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(x, self.weight).contiguous()
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
@@ -79,8 +84,6 @@ def parallelize(model: nn.Module, split: TensorSplit, rank: int, groups: Mapping
         else:
             continue
         module.group = groups[module.weight.device]
-        if isinstance(module, VocabParallelHead):  # it gives the whole vocabulary's logits
-            module.out_features = module.weight.shape[0] * dist.get_world_size(module.group)
 
 
 def check_plain(model: nn.Module) -> None:
