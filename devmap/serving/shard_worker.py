@@ -15,7 +15,7 @@ import sys
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -67,20 +67,30 @@ def describe(exc: BaseException) -> str:
     return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
 
 
+class RankZeroLoad(NamedTuple):
+    """What rank 0 chose for a load, which every shard process plans with: the batch, the stages and the budget."""
+
+    rows: int
+    cache_len: int
+    lanes: int
+    stages: dict[str, Any]
+    budget: Any
+
+
 class ShardRegistry(ModelRegistry):
     """A shard process's registry: each model planned with the rows, cache length, lanes and stages rank 0 chose, in
     the budget rank 0 chose them in (its reading of every GPU: this process reading the machine itself would see
     rank 0's GPUs filling with its weights, and plan the split as not fitting); between its weights and its
     warm-up, every process agrees that all have their weights (`ShardProcesses.agree`)."""
 
-    given: tuple[int, int, int, dict[str, Any], Any] = (1, 1, 1, {}, None)
+    given = RankZeroLoad(1, 1, 1, {}, None)
     rank: int
     inbox: Connection
     replies: Connection
 
     def load_as(self, path: str, model_id: str, dtype: str | None, rows: int, cache_len: int, lanes: int,
                 stages: dict[str, Any], budget: Any) -> None:
-        self.given, self._answered = (rows, cache_len, lanes, stages, budget), False
+        self.given, self._answered = RankZeroLoad(rows, cache_len, lanes, stages, budget), False
         try:
             self.load(Path(path), model_id, dtype=dtype)
         except LoadCalledOff:
@@ -95,7 +105,7 @@ class ShardRegistry(ModelRegistry):
             log.debug("loading %s failed here before every process had its weights", model_id, exc_info=exc)
 
     def _load_budget(self, max_memory: Any) -> Any:
-        return self.given[4]
+        return self.given.budget
 
     def _weights_loaded(self, model_id: str) -> None:
         self._answered = True
@@ -114,11 +124,11 @@ class ShardRegistry(ModelRegistry):
         from ..planning.models import resolve_source
         from ..planning.planner import plan_shard
 
-        rows, cache_len, lanes, stages, _ = self.given
+        given = self.given
         context = int(getattr(resolve_source(str(path)).config, "max_position_embeddings", 0) or 0)
         plan = plan_shard(str(path), self.tensor_parallel, self.rank, budget, dtype,
-                          serving_workload(context, rows, cache_len, lanes), stages=stages)
-        return ServingPlan(rows, cache_len, plan, lanes)
+                          serving_workload(context, given.rows, given.cache_len, given.lanes), stages=given.stages)
+        return ServingPlan(given.rows, given.cache_len, plan, given.lanes)
 
 
 def run_shard(rank: int, size: int, address: str, settings: Any, limits: EngineLimits, log_level: str,

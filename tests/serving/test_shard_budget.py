@@ -6,7 +6,7 @@ import pytest
 
 from devmap.serving import registry as registry_module
 from devmap.serving.registry import ModelRegistry
-from devmap.serving.shard_worker import ShardRegistry
+from devmap.serving.shard_worker import RankZeroLoad, ShardRegistry
 
 RANK_0S = {0: 60 * 2**30, 1: 58 * 2**30, "cpu": 100 * 2**30}
 
@@ -14,9 +14,9 @@ RANK_0S = {0: 60 * 2**30, 1: 58 * 2**30, "cpu": 100 * 2**30}
 def test_a_shard_plans_in_rank_0s_budget_and_never_reads_the_machine(monkeypatch):
     monkeypatch.setattr(registry_module, "resolve_budget", lambda *a, **k: pytest.fail("the shard read the machine"))
     shard = ShardRegistry(tensor_parallel=2)
-    shard.given = (8, 512, 1, {"model.layers.0": 0}, RANK_0S)
+    shard.given = RankZeroLoad(8, 512, 1, {"model.layers.0": 0}, RANK_0S)
     assert shard._load_budget(None) == RANK_0S
-    shard.given = (8, 512, 1, {}, "20GiB")  # a load request's own max_memory, as rank 0 was given it
+    shard.given = RankZeroLoad(8, 512, 1, {}, "20GiB")  # a load request's own max_memory, as rank 0 was given it
     assert shard._load_budget(None) == "20GiB"
 
 
