@@ -93,7 +93,7 @@ def run_tp(model: torch.nn.Module, repeat: int, systems: list[str], size: int) -
                        str(Path(__file__).with_name("llama_tp.py")), folder, str(out), str(repeat + 1), script]
             visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(visible.split(",")[:size])}  # N GPUs: TP alone
-            ranks = subprocess.Popen(command, env=env, start_new_session=True)  # its ranks die with it
+            ranks = subprocess.Popen(command, env=env, process_group=0)  # a group of its own: its ranks die with it
             try:
                 failed = ranks.wait(timeout=TP_TIMEOUT) != 0 or not out.exists()
             except subprocess.TimeoutExpired:  # rank 0 writes its times before the ranks shut down
