@@ -6,7 +6,8 @@ gate/up joined, as devmap runs them), beside bf16 and the floor of reading the w
 Candidates per scheme: devmap's own kernels (`devmap.kernels.int8_products`, `four_bit_products`) where it has
 them; torchao eager and under torch.compile, int8 and fp8 also with the inductor settings torchao sets by default
 (int8 weight-only and with int8 activations, int4 tinygemm, int4 preshuffled through mslk, fp8 with a scale per row
-through torch._scaled_mm or mslk); bitsandbytes (int8, nf4); gemlite (int4). A candidate that cannot run here (a
+through torch._scaled_mm or mslk); bitsandbytes (int8, nf4); gemlite (int8, int4, fp8 with and without
+quantized activations). A candidate that cannot run here (a
 library not installed, a kernel this card lacks) is listed with its reason instead of a time; one a CUDA graph cannot
 capture (devmap's steps are graphs) is timed as issued from the host and listed below the table. The table gives
 each candidate's time, the fastest library's, and devmap's ratio to it: devmap keeps its own kernel only where it
@@ -40,9 +41,11 @@ Product = Callable[[torch.Tensor], torch.Tensor]
 
 
 def plain_linear(weight: torch.Tensor) -> nn.Linear:
-    """A bias-free Linear holding a copy of `weight`."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    linear.weight.data.copy_(weight)
+    """A bias-free Linear holding a copy of `weight`, made on the meta device: a Linear made on the GPU draws its
+    initial weights from the GPU's generator, which a failed capture (a candidate that cannot be captured) leaves in
+    capture mode, failing every later candidate ("Offset increment outside graph capture")."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight.clone(), requires_grad=False)
     return linear
 
 
@@ -87,12 +90,13 @@ def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Prod
         made["torchao compiled, tuned"] = lambda: compiled(devmap_linear(weight, "int8"), tuned=True)
         made["torchao w8a8 compiled"] = lambda: compiled(torchao_linear(weight, "int8 dynamic"))
         made["bitsandbytes"] = lambda: devmap_linear(weight, "int8", "bitsandbytes")
+        made["gemlite"] = lambda: gemlite_linear(weight, "int8")
     elif scheme == "int4":
         made["devmap"] = lambda: devmap_four_bit(devmap_linear(weight, "int4"))
         made["torchao tinygemm"] = lambda: devmap_linear(weight, "int4")
         made["torchao tinygemm compiled"] = lambda: compiled(devmap_linear(weight, "int4"))
         made["torchao preshuffled (mslk)"] = lambda: torchao_linear(weight, "int4 preshuffled")
-        made["gemlite"] = lambda: gemlite_linear(weight)
+        made["gemlite"] = lambda: gemlite_linear(weight, "int4")
     elif scheme == "nf4":
         made["devmap"] = lambda: devmap_four_bit(devmap_linear(weight, "nf4"))
         made["bitsandbytes"] = lambda: devmap_linear(weight, "nf4")
@@ -102,6 +106,8 @@ def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Prod
         made["torchao compiled, tuned"] = lambda: compiled(devmap_linear(weight, "fp8"), tuned=True)
         made["torchao _scaled_mm compiled"] = lambda: compiled(torchao_linear(weight, "fp8 torch"))
         made["torchao mslk compiled"] = lambda: compiled(torchao_linear(weight, "fp8 mslk"))
+        made["gemlite"] = lambda: gemlite_linear(weight, "fp8")
+        made["gemlite weight-only"] = lambda: gemlite_linear(weight, "fp8 weight-only")
     return made
 
 
@@ -140,11 +146,23 @@ def torchao_linear(weight: torch.Tensor, kind: str) -> nn.Module:
         granularity=PerRow(), kernel_preference=KernelPreference(kind.split()[1]), set_inductor_config=False))
 
 
-def gemlite_linear(weight: torch.Tensor) -> Product:
-    """gemlite's 4-bit weight-only Linear (groups of 128) of `weight`."""
-    from gemlite.helper import A16W4  # type: ignore[import-not-found]
+def gemlite_linear(weight: torch.Tensor, kind: str) -> Product:
+    """gemlite's Linear of `weight`: "int8" weight-only with a scale per output row, "int4" weight-only in groups of
+    128 (asymmetric: a scale and zero per group, as devmap's int4), "fp8" with activations quantized per token as they
+    come, "fp8 weight-only"."""
+    from gemlite import helper  # type: ignore[import-not-found]
 
-    return A16W4(device=str(weight.device)).from_linear(plain_linear(weight))
+    device = str(weight.device)
+    if kind == "int4":
+        groups = weight.float().reshape(weight.shape[0], -1, 128)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        zero = (-low / scale).round()
+        codes = (groups / scale + zero).round().clamp(0, 15).to(torch.uint8).reshape(weight.shape)
+        return helper.A16W4_HQQ_INT(device=device, dtype=torch.bfloat16).from_weights(
+            codes, scale.squeeze(-1).to(torch.bfloat16), zero.squeeze(-1).to(torch.bfloat16))
+    maker = {"int8": helper.A16W8_INT8, "fp8": helper.A8W8_fp8_dynamic, "fp8 weight-only": helper.A16W8_FP8}[kind]
+    return maker(device=device).from_linear(plain_linear(weight))
 
 
 def stored_bytes(weight: torch.Tensor, scheme: str) -> int:
@@ -172,8 +190,16 @@ def timed(build: Callable[[], Product], weight_bytes: int, x: torch.Tensor) -> t
         return graph_timed_us(call, repeat=8 * len(copies)), True
     except Exception:  # noqa: BLE001 - the capture's failure is what this row reports
         torch.cuda.synchronize()
+        release_generator()
         repeat = 8 * len(copies)
         return best_seconds(lambda: [call() for _ in range(repeat)], 5) / repeat * 1e6, False
+
+
+def release_generator() -> None:
+    """Give the GPU's generator a fresh copy of its state: a failed capture ends before the generator leaves capture
+    mode, and every later draw from it would fail."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 def random(*shape: int, scale: float = 1.0) -> torch.Tensor:
