@@ -112,3 +112,31 @@ def bitsandbytes_four_bit_codes(weight: torch.Tensor) -> tuple[torch.Tensor, tor
     packed = weight.data.contiguous().view(torch.uint8).reshape(-1)[: outs * ins // 2]
     q = torch.stack([packed >> 4, packed & 15], dim=1).reshape(outs, ins)
     return q, absmax.float().reshape(outs, ins // state.blocksize), state.code.float().tolist(), state.dtype
+
+
+def torchao_fp8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(float8 e4m3 data: out × in, float32 scales: out × 1) of torchao's float8 weight with a scale per output row
+    whose activations are quantized per token as they come (`Float8Tensor` as Float8DynamicActivationFloat8WeightConfig
+    with PerRow makes it); None for any other tensor (no torchao import for those)."""
+    if type(weight).__name__ != "Float8Tensor" or weight.qdata.dim() != 2 or weight.act_quant_kwargs is None:
+        return None
+    if weight.qdata.dtype != torch.float8_e4m3fn or list(weight.block_size) != [1, weight.qdata.shape[1]]:
+        return None
+    return weight.qdata, weight.scale
+
+
+def torchao_fp8_weight(qdata: torch.Tensor, scale: torch.Tensor, like: Any) -> Any:
+    """torchao's float8 weight of these tensors, with `like`'s settings (activation quantization, kernel choice)."""
+    return type(like)(qdata, scale, [1, qdata.shape[1]], like.mm_config, like.act_quant_kwargs,
+                      like.kernel_preference, like.dtype)
+
+
+def gemlite_fp8_linear(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Any | None:
+    """gemlite's fp8 × fp8 Linear over these tensors (`helper.A8W8_fp8_dynamic`, pre-quantized: it reads `qdata`
+    and `scale` in place, transposed views, and quantizes each token of its input as it comes), called as
+    `linear(x)`; None where gemlite is not installed."""
+    try:
+        from gemlite import helper  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return helper.A8W8_fp8_dynamic(device=str(qdata.device), dtype=dtype).from_weights(qdata, scales=scale)

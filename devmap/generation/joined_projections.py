@@ -22,10 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from ..compat import attention_function, own_forward, torchao_int8_parts, torchao_int8_weight
+from ..compat import (attention_function, own_forward, torchao_fp8_parts, torchao_fp8_weight, torchao_int8_parts,
+                      torchao_int8_weight)
 from ..loading.tensor_layers import RowParallelLinear
 from ..kernels.four_bit_linear import FourBitLinear, own_four_bit_linears
 from ..kernels.four_bit_layout import FourBitWeight
+from ..kernels.fp8_products import Fp8Weight
 from ..kernels.int8_products import Int8Weight
 from ..kernels.quantized_products import QuantizedWeight, product
 
@@ -83,8 +85,8 @@ def _groups(layer: nn.Module) -> list[tuple[nn.Module, ...]]:
 
 def _stored(linear: nn.Module) -> list[torch.Tensor] | None:
     """The plain tensors a Linear's weight is stored as: [weight] (full precision), [int8 data, scales] (and the
-    zero point when it has one) or, for a FourBitLinear, [packed codes, scales] (and zeros where it has them); None for
-    a weight of any other form."""
+    zero point when it has one), [float8 data, scales] or, for a FourBitLinear, [packed codes, scales] (and zeros where
+    it has them); None for a weight of any other form."""
     if isinstance(linear, FourBitLinear):
         return [linear.packed, linear.scale] + ([] if linear.zero is None else [linear.zero])
     weight = getattr(linear, "weight", None)
@@ -92,6 +94,9 @@ def _stored(linear: nn.Module) -> list[torch.Tensor] | None:
         return None
     if type(weight.data) is torch.Tensor:
         return [weight.data]
+    fp8 = torchao_fp8_parts(weight)
+    if fp8 is not None:
+        return list(fp8)
     parts = torchao_int8_parts(weight)
     if parts is None:
         return None
@@ -137,13 +142,19 @@ def _join(group: Sequence[nn.Module]) -> bool:
         if isinstance(linear, FourBitLinear):
             linear.packed, linear.scale, linear.zero = (views + [None])[:3]
         else:
-            weight = views[0] if len(views) == 1 else torchao_int8_weight(views[0], views[1], (views + [None])[2],
-                                                                           linear.weight)
+            weight = views[0] if len(views) == 1 else _quantized_weight(views, linear.weight)
             linear.weight = nn.Parameter(weight, requires_grad=False)
         if bias is not None:
             linear.bias = nn.Parameter(bias[begin:end], requires_grad=linear.bias.requires_grad)
         begin = end
     return True
+
+
+def _quantized_weight(views: list[torch.Tensor], like: Any) -> Any:
+    """The library's quantized weight over `views` of joined buffers, with `like`'s settings: float8 or int8."""
+    if views[0].dtype == torch.float8_e4m3fn:
+        return torchao_fp8_weight(views[0], views[1], like)
+    return torchao_int8_weight(views[0], views[1], (views + [None])[2], like)
 
 
 def _end_to_end(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -192,6 +203,8 @@ class Product:
             return cls(None, FourBitWeight(*(joined + [None])[:3], group[0].code_values), bias, sizes)
         if len(joined) == 1:
             return cls(joined[0], None, bias, sizes)
+        if joined[0].dtype == torch.float8_e4m3fn:
+            return cls(None, Fp8Weight.of(joined[0], joined[1], group[0].weight), bias, sizes)
         return cls(None, Int8Weight(joined[0], joined[1]), bias, sizes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """devmap's quantized products behind one protocol: each family (`int8_products` for int8 weights with a scale per
-output row, `four_bit_products` for devmap's 4-bit layout) says when its kernels apply to an input, computes the
-product (its kernels where they apply, the library's formula elsewhere) and prepares its kernels for a model's
-weights at load. Callers hold a weight of either kind (`QuantizedWeight`) and call `product` and `prepare_kernels`
-here, never a family by name."""
+output row, `four_bit_products` for devmap's 4-bit layout, `fp8_products` for float8 weights with a scale per output
+row, on libraries' kernels) says when its kernels apply to an input, computes the product (its kernels where they
+apply, the library's formula elsewhere) and prepares its kernels for a model's weights at load. Callers hold a
+weight of any kind (`QuantizedWeight`) and call `product` and `prepare_kernels` here, never a family by name."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from typing import Any, Iterable, Protocol, Union
 
 import torch
 
-from . import four_bit_products, int8_products
+from . import four_bit_products, fp8_products, int8_products
 from .four_bit_layout import FourBitWeight
+from .fp8_products import Fp8Weight
 from .int8_products import Int8Weight
 
-QuantizedWeight = Union[Int8Weight, FourBitWeight]
+QuantizedWeight = Union[Int8Weight, FourBitWeight, Fp8Weight]
 
 
 class ProductFamily(Protocol):
@@ -35,7 +36,9 @@ class ProductFamily(Protocol):
 
 def family(weight: QuantizedWeight) -> ProductFamily:
     """The family that multiplies by `weight`."""
-    return four_bit_products if isinstance(weight, FourBitWeight) else int8_products  # type: ignore[return-value]
+    if isinstance(weight, FourBitWeight):
+        return four_bit_products  # type: ignore[return-value]
+    return fp8_products if isinstance(weight, Fp8Weight) else int8_products  # type: ignore[return-value]
 
 
 def product(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

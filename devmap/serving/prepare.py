@@ -69,8 +69,8 @@ def _compiles(model: nn.Module, limits: EngineLimits) -> bool:
 
 
 def _prepare_product_kernels(model: nn.Module, model_id: str) -> None:
-    """Compile the variants of devmap's product kernels for the model's joined int8 and 4-bit weights now, at load,
-    rather than in its first requests (nothing to do without such weights or off GPUs)."""
+    """Compile the variants of the product kernels for the model's joined quantized weights (int8, 4-bit, fp8) now,
+    at load, rather than in its first requests (nothing to do without such weights or off GPUs)."""
     from ..kernels.quantized_products import prepare_kernels
     from ..generation.joined_projections import joined_products
 
