@@ -37,7 +37,6 @@ SUPPORTED: dict[str, tuple[str, bool]] = {
     "safetensors": (">=0.8", True),
     "torchao": (">=0.18,<0.19", False),
     "bitsandbytes": (">=0.50,<0.51", False),
-    "gemlite": (">=0.6,<0.7", False),
 }
 
 _log = logging.getLogger(__name__)

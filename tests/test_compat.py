@@ -1,7 +1,5 @@
 """Each touchpoint of devmap.compat against the installed releases (CI runs this at both ends of the range)."""
 
-import importlib.util
-
 import pytest
 import torch
 from torch import nn
@@ -197,31 +195,6 @@ def test_torchao_fp8_weights_come_apart_and_back_together(monkeypatch):
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     assert torch.equal(nn.functional.linear(x, rebuilt), linear(x))
     assert compat.torchao_fp8_parts(nn.Linear(4, 4).weight) is None  # plain weights: no torchao import
-    if importlib.util.find_spec("gemlite") is None:
-        assert compat.gemlite_fp8_linear(qdata, scale, torch.bfloat16) is None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
-def test_gemlite_reads_fp8_weights_in_place():
-    pytest.importorskip("torchao")
-    pytest.importorskip("gemlite")
-    from torchao.quantization import quantize_
-
-    from devmap.loading.quantize import torchao_config
-    from devmap.planning.quantization import parse_quantization
-
-    if torch.cuda.get_device_capability(0) < (8, 9):
-        pytest.skip("fp8 needs compute capability 8.9 and up")
-    linear = nn.Linear(1024, 512, bias=False, device="cuda", dtype=torch.bfloat16)
-    quantize_(linear, torchao_config(parse_quantization("fp8")))
-    qdata, scale = compat.torchao_fp8_parts(linear.weight)
-    gemlite = compat.gemlite_fp8_linear(qdata, scale, torch.bfloat16)
-    assert gemlite.W_q.untyped_storage().data_ptr() == qdata.untyped_storage().data_ptr()
-    x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        got, want = gemlite(x).float(), linear(x).float()
-    assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.mark.gpu

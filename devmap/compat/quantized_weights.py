@@ -130,13 +130,3 @@ def torchao_fp8_weight(qdata: torch.Tensor, scale: torch.Tensor, like: Any) -> A
     return type(like)(qdata, scale, [1, qdata.shape[1]], like.mm_config, like.act_quant_kwargs,
                       like.kernel_preference, like.dtype)
 
-
-def gemlite_fp8_linear(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Any | None:
-    """gemlite's fp8 × fp8 Linear over these tensors (`helper.A8W8_fp8_dynamic`, pre-quantized: it reads `qdata`
-    and `scale` in place, transposed views, and quantizes each token of its input as it comes), called as
-    `linear(x)`; None where gemlite is not installed."""
-    try:
-        from gemlite import helper  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return helper.A8W8_fp8_dynamic(device=str(qdata.device), dtype=dtype).from_weights(qdata, scales=scale)

@@ -2,12 +2,12 @@
 key and value, and the MLP's gate and up. A decode step of one or a few rows is bound by reading weights, and five
 products of a layer become two (fewer launches, each long enough to reach the memory's pace).
 
-`join_projections(model)` stores each group's weights end to end in one buffer (for int8 weights with a scale per
-output row, their int8 data and their scales, each in one buffer); the Linear modules keep their weights, as views
+`join_projections(model)` stores each group's weights end to end in one buffer (for int8 and float8 weights with a
+scale per output row, their data and their scales, each in one buffer); the Linear modules keep their weights, as views
 into it (no second copy; transformers' own forward and the weights' values are unchanged). A model whose weights
 share buffers this way must not be saved with safetensors, which refuses shared memory: the serving engine, which
 owns its models and never saves them, joins them at load. `JoinedLayer.of` finds such buffers in any model, and
-devmap's stages run such layers (prefills and decode steps) on them, int8 and 4-bit products through
+devmap's stages run such layers (prefills and decode steps) on them, int8, 4-bit and fp8 products through
 `kernels.quantized_products` (torchao's int4 and bitsandbytes' nf4 Linear layers are first taken into devmap's
 layout: `four_bit_linear`); layers it finds none in run transformers' own forward.
 """
@@ -38,10 +38,10 @@ JOINED_MODEL_TYPES = ("llama",)  # whose decoder layer `JoinedLayer.__call__` re
 def join_projections(model: nn.Module) -> int:
     """Store each LLaMA decoder layer's query, key and value weights (and biases) end to end in one buffer, and its
     gate and up weights in another, the Linear modules' parameters becoming views into them. Full-precision weights,
-    torchao's int8 weights with one scale per output row and 4-bit ones (torchao's int4 and bitsandbytes' nf4, on
-    GPUs, first swapped for `FourBitLinear` modules of the same numbers) are joined; others (bitsandbytes' int8,
-    offloaded, mixed) stay as they are, as does a group whose device has no room for the joined buffer for a moment.
-    Returns the groups joined (two per layer at most)."""
+    torchao's int8 and float8 weights with one scale per output row and 4-bit ones (torchao's int4 and bitsandbytes'
+    nf4, on GPUs, first swapped for `FourBitLinear` modules of the same numbers) are joined; others (bitsandbytes'
+    int8, offloaded, mixed) stay as they are, as does a group whose device has no room for the joined buffer for a
+    moment. Returns the groups joined (two per layer at most)."""
     if getattr(model.config, "model_type", None) not in JOINED_MODEL_TYPES:
         return 0
     own_four_bit_linears(model)

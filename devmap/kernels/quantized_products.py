@@ -1,6 +1,6 @@
 """devmap's quantized products behind one protocol: each family (`int8_products` for int8 weights with a scale per
 output row, `four_bit_products` for devmap's 4-bit layout, `fp8_products` for float8 weights with a scale per output
-row, on libraries' kernels) says when its kernels apply to an input, computes the product (its kernels where they
+row, on torchao's product) says when its kernels apply to an input, computes the product (its kernels where they
 apply, the library's formula elsewhere) and prepares its kernels for a model's weights at load. Callers hold a
 weight of any kind (`QuantizedWeight`) and call `product` and `prepare_kernels` here, never a family by name."""
 
