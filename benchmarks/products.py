@@ -11,7 +11,8 @@ quantized activations). A candidate that cannot run here (a
 library not installed, a kernel this card lacks) is listed with its reason instead of a time; one a CUDA graph cannot
 capture (devmap's steps are graphs) is timed as issued from the host and listed below the table. The table gives
 each candidate's time, the fastest library's, and devmap's ratio to it: devmap keeps its own kernel only where it
-beats every library by 10% or more at the rows serving uses.
+beats every library by 10% or more at the rows serving uses. A candidate's first product (a compile, a library's
+tuning: what every new process pays before it runs at speed) is printed beside its row where it took a second or more.
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/products.py [--shapes 13b,70b] [--rows 1,32,256]
 [--schemes int8,int4,nf4,fp8] [--products qkv,o,gate_up,down] [--out DIR]
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -175,11 +177,17 @@ def stored_bytes(weight: torch.Tensor, scheme: str) -> int:
     return weight.numel() * quantization.bits // 8 + weight_extra_bytes(quantization, *weight.shape)
 
 
-def timed(build: Callable[[], Product], weight_bytes: int, x: torch.Tensor) -> tuple[float, bool]:
-    """Microseconds per product over enough copies of the weight to be read from HBM, each called in turn, and
-    whether they were captured in a CUDA graph (as devmap's steps run); a product that cannot be captured is timed
-    as issued from the host instead."""
+def timed(build: Callable[[], Product], weight_bytes: int, x: torch.Tensor) -> tuple[float, bool, float]:
+    """Microseconds per product over enough copies of the weight to be read from HBM, each called in turn, whether
+    they were captured in a CUDA graph (as devmap's steps run; a product that cannot be captured is timed as issued
+    from the host instead), and the seconds its first product took (a compile's or a library's tuning: what a process
+    pays before the product runs at speed)."""
     copies = [build() for _ in range(max(1, min(8, -(-L2_OVER // weight_bytes))))]
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    copies[0](x)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - started
     turn = [0]
 
     def call() -> None:
@@ -187,12 +195,12 @@ def timed(build: Callable[[], Product], weight_bytes: int, x: torch.Tensor) -> t
         turn[0] += 1
 
     try:
-        return graph_timed_us(call, repeat=8 * len(copies)), True
+        return graph_timed_us(call, repeat=8 * len(copies)), True, first_s
     except Exception:  # noqa: BLE001 - the capture's failure is what this row reports
         torch.cuda.synchronize()
         release_generator()
         repeat = 8 * len(copies)
-        return best_seconds(lambda: [call() for _ in range(repeat)], 5) / repeat * 1e6, False
+        return best_seconds(lambda: [call() for _ in range(repeat)], 5) / repeat * 1e6, False, first_s
 
 
 def release_generator() -> None:
@@ -238,11 +246,12 @@ def main() -> None:
                     x = random(rows, inner)
                     row: dict[str, Any] = {"shape": f"{shape_name} {product_name}", "scheme": scheme, "rows": rows,
                                            "floor_us": size / bandwidth * 1e6, "times_us": {}, "cannot": {},
-                                           "uncaptured_us": {}}
+                                           "uncaptured_us": {}, "first_call_s": {}}
                     for name, build in candidates(scheme, weight).items():
                         try:  # a library missing, a kernel this card lacks: recorded with its reason
-                            us, captured = timed(build, size, x)
+                            us, captured, first_s = timed(build, size, x)
                             row["times_us" if captured else "uncaptured_us"][name] = us
+                            row["first_call_s"][name] = first_s
                         except Exception as exc:
                             row["cannot"][name] = why(exc)
                         torch.cuda.empty_cache()
@@ -258,7 +267,9 @@ def main() -> None:
 
 def line(row: dict[str, Any]) -> str:
     times = ", ".join(f"{name} {us:.1f}" for name, us in sorted(row["times_us"].items(), key=lambda kv: kv[1]))
-    return f"{row['shape']:>12} {row['scheme']:>4} {row['rows']:4d} rows: floor {row['floor_us']:.1f} us; {times}"
+    slow = ", ".join(f"{name} {s:.1f} s" for name, s in row["first_call_s"].items() if s >= 1)
+    return (f"{row['shape']:>12} {row['scheme']:>4} {row['rows']:4d} rows: floor {row['floor_us']:.1f} us; {times}"
+            + (f" (first product over a second: {slow})" if slow else ""))
 
 
 def report(results: list[dict[str, Any]]) -> None:
