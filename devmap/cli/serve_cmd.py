@@ -145,8 +145,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
             click.echo(f"loaded {described['id']} from {path} onto "
                        f"{', '.join(sorted(set(described['device_map'].values())))}: batches of up to "
                        f"{described['max_batch']} rows{lanes} of {described['cache_tokens_per_row']} cache tokens "
-                       f"(more rows of shorter caches), steps "
-                       f"{_steps(described)}; "
+                       f"(more rows of shorter caches), {_steps(described)}; "
                        + ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in described["load_seconds"].items()),
                        err=True)
     except ServiceError as exc:
