@@ -192,9 +192,16 @@ def test_torchao_fp8_weights_come_apart_and_back_together(monkeypatch):
     qdata, scale = compat.torchao_fp8_parts(linear.weight)
     assert qdata.dtype == torch.float8_e4m3fn and qdata.shape == (32, 64) and scale.shape == (32, 1)
     rebuilt = compat.torchao_fp8_weight(qdata, scale, linear.weight)
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
-    assert torch.equal(nn.functional.linear(x, rebuilt), linear(x))
+    assert rebuilt.qdata is qdata and rebuilt.scale is scale and rebuilt.dtype == linear.weight.dtype
+    assert rebuilt.act_quant_kwargs == linear.weight.act_quant_kwargs
     assert compat.torchao_fp8_parts(nn.Linear(4, 4).weight) is None  # plain weights: no torchao import
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    try:
+        expected = linear(x)
+    except RuntimeError as exc:  # torch 2.11's CPU float8 product takes one scale per tensor
+        assert "per-tensor scaling" in str(exc)
+        return
+    assert torch.equal(nn.functional.linear(x, rebuilt), expected)
 
 
 @pytest.mark.gpu

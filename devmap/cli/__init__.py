@@ -47,7 +47,12 @@ class DevmapGroup(click.Group):
 
             logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
         try:
-            return super().main(args=argv, prog_name=prog_name, standalone_mode=False, **extra)
+            result = super().main(args=argv, prog_name=prog_name, standalone_mode=False, **extra)
+            from .rank_launch import end_launched_rank, is_launched_rank
+
+            if is_launched_rank():
+                end_launched_rank()
+            return result
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.UsageError as exc:

@@ -30,6 +30,20 @@ def report_rank_error(message: str, code: int) -> bool:
     return True
 
 
+def is_launched_rank() -> bool:
+    """Whether this process is a rank this launcher started."""
+    return bool(os.environ.get(ERRORS_DIR)) and os.environ.get("RANK") is not None
+
+
+def end_launched_rank() -> None:
+    """End a rank this launcher started, whose command finished, without the interpreter's teardown: a process
+    group's threads (gloo's, NCCL's) can abort a process there ("terminate called without an active exception"),
+    and the launcher would then stop the other ranks and report a failure of a run that finished."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def worker_arguments(argv: list[str]) -> list[str]:
     """The command line each rank runs (`python -m devmap ...`): this one without --nproc-per-node."""
     out, skip = [], False
