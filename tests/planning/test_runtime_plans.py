@@ -81,6 +81,30 @@ def test_a_layer_like_one_measured_takes_its_bytes_as_running_it_would_give(monk
     assert reused["model.layers.3"].transient > 0 and (kind != "train" or reused["model.layers.3"].saved > 0)
 
 
+@pytest.mark.parametrize("kind", ["generate", "serve"])
+def test_a_meta_model_measured_in_place_gives_a_copys_bytes_and_is_left_as_it_was(monkeypatch, kind):
+    """A plan's own meta model is measured at the plan's dtype in place (no copy of its modules) and put back: the
+    same bytes as measuring a copy, and the same parameters, data, dtypes and buffers after."""
+    from devmap.planning import runtime_memory
+    from devmap.planning.models import resolve_source
+
+    model = resolve_source("tinyllama-1.1b").build()
+    params = {name: (p, p.dtype, p.shape) for name, p in model.named_parameters()}
+    buffers = {name: (b, b.dtype) for name, b in model.named_buffers()}
+    work = parse_workload(kind, causal_lm=True, context=2048, batch=8, seq_len=256, chunks=2)
+    in_place = runtime_by_unit(model, work, torch.bfloat16, ["LlamaDecoderLayer"], causal_lm=True)
+    assert all(p is params[name][0] and (p.dtype, p.shape) == params[name][1:] and p.is_meta
+               for name, p in model.named_parameters()) and len(params) == len(list(model.parameters()))
+    assert all(b is buffers[name][0] and b.dtype == buffers[name][1] for name, b in model.named_buffers())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    copies = []
+    real_copy, real_working = runtime_memory._meta_copy, runtime_memory._working_model
+    monkeypatch.setattr(runtime_memory, "_meta_copy", lambda m: copies.append(m) or real_copy(m))
+    monkeypatch.setattr(runtime_memory, "_working_model", lambda m, dtype, copy_it: real_working(m, dtype, True))
+    copied = runtime_by_unit(model, work, torch.bfloat16, ["LlamaDecoderLayer"], causal_lm=True)
+    assert copies and copied == in_place
+
+
 def test_serving_rows_are_the_most_that_fit_whether_all_fit_or_not():
     """`rows_that_fit` takes the service's most rows where they fit (planning twice), else the largest count that
     does (a binary search)."""
