@@ -141,9 +141,9 @@ def decode_attention_bytes(config: Any, dtype: torch.dtype, rows: int, tokens: i
 @contextlib.contextmanager
 def _working_model(model: nn.Module, dtype: torch.dtype, copy_it: bool) -> Iterator[nn.Module]:
     """The model at `dtype` with every tensor on the meta device, for the measuring passes; the model itself after
-    them as it was. A model already wholly on meta (a plan's) is converted in place and its tensors put back after
-    (a deep copy of a 13B model's modules took 0.15 s of each plan); any other, or with `copy_it` (a training pass,
-    whose backward leaves gradients), is copied (`_meta_copy`)."""
+    them as it was. A model already wholly on meta (a plan's) is converted in place and its tensors put back after:
+    a deep copy of every module was most of a plan's time, paid once per plan of a serving load's search for its
+    rows; any other, or with `copy_it` (a training pass, whose backward leaves gradients), is copied (`_meta_copy`)."""
     if copy_it or not all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         yield _meta_copy(model).to(dtype=dtype)
         return
