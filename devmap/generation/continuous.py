@@ -20,6 +20,7 @@ from .causal_lm import CausalLMStages
 from ..errors import UsageError
 from ..planning.runtime_memory import layer_kv_bytes
 from .continuous_rows import ContinuousBatch
+from .graphed_step import captures_are_paused
 from .row_types import Row, SlotRequest, StepFailed
 from .lane_runner import LaneRunner, place_lanes, split_lanes
 from .mixed_joins import rides_by_default
@@ -68,7 +69,8 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     (`generation.scores`; `batch.collect(scored=True)`); None: tokens alone.
 
     `every_shape`: whether the steps of every join shape run once before the first step (None: with graphs, which
-    captures them there; True without graphs: compiling them, as a service's compile beside its serving does)."""
+    captures them there, unless captures are paused; True without graphs: compiling them, as a service's compile
+    beside its serving does)."""
     sampling = sampling or Sampling()
     sampling.check()
     if rows < 1 or not 0 < first_slot <= cache_len:
@@ -105,8 +107,10 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
         for k, lane in enumerate(lane_list):
             run.decode.prepare_decode(k, lane, cache_len, entries, cache)
         vacant()
-        if run.graphs if every_shape is None else every_shape:
-            # every join shape captured (or compiled) up front (steps carrying packs run on the vacant rows: so again)
+        if run.graphs and not captures_are_paused() if every_shape is None else every_shape:
+            # every join shape captured (or compiled) up front (steps carrying packs run on the vacant rows: so again);
+            # not while captures are paused (a compile beside serving): the shapes would only run eagerly, slowly, all
+            # before the batch's first token; each captures at its second use instead
             run.start()
             batch.joins.capture()
             run.streams.join([])

@@ -139,6 +139,7 @@ class ContinuousBatch:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         self.run.compile = True
+        self.cache.new_pools()  # the old steps' graphs go with them: their pools cannot take new captures
         for lane in self.run.lanes:
             self.run.decode.remake_steps(lane, self.cache)
         self.packs.forget_steps()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import threading
 from typing import Any, Callable, Iterator
 
@@ -21,6 +22,7 @@ import torch
 from ..compat import begin_capture, fail_on_recompile, own_blas_workspace
 from ..pipelining.streams import check_cycles, new_stream, poison
 
+log = logging.getLogger("devmap.generation")
 
 _CAPTURING = threading.RLock()  # held by a capture, and to change `_paused`
 _paused = 0  # `captures_paused` blocks open now, in any thread
@@ -40,6 +42,11 @@ def captures_paused() -> Iterator[None]:
     finally:
         with _CAPTURING:
             _paused -= 1
+
+
+def captures_are_paused() -> bool:
+    """Whether a `captures_paused` block is open now, in any thread (a step due to capture would run eagerly)."""
+    return _paused > 0
 
 
 class GraphedStep:
@@ -128,6 +135,9 @@ class GraphedStep:
         current.wait_stream(side)
         if out is None:
             self.use_graph = False
+            reason = str(self.capture_error).splitlines()[0] if self.capture_error else "no output"
+            log.warning("a step stays eager (uncaptured, slower): its capture failed: %s: %s",
+                        type(self.capture_error).__name__, reason)
             return False
         self.graph, self.static_out = graph, out
         return True

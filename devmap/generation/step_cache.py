@@ -74,6 +74,14 @@ class StepCache:
         return self.pools[(device, stage)]
 
 
+    def new_pools(self) -> None:
+        """Fresh graph pools for the current signature's steps made from now on, for when every step of it is made
+        anew (`ContinuousBatch.recompile`): once all graphs of a pool are freed, torch's allocator refuses a capture
+        into that pool while its memory waits to be released (an internal assertion on `use_count`), and a capture
+        refused so would leave its step eager for good."""
+        self.pools.clear()
+
+
 def step_cache(model: nn.Module, kind: str, capacity: int | None = None) -> StepCache:
     """The model's cache of this kind of call; `capacity` (else `keep_shapes`'s count, else 1) for a new one."""
     caches = model.__dict__.setdefault(_ATTRIBUTE, {})

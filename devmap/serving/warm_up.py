@@ -12,9 +12,9 @@ eager tinygemm steps had given 0.15× (benchmarks/RESULTS.md). A cold start on o
 45-54 s at 13B bf16 and 60-64 s int8 (steps compiled region by region; 261 and 283 s compiled whole), 60-74 s int4.
 Other quantized weights (bitsandbytes') stay eager unless `--compile` asks: their compiled speed is not measured.
 `--no-compile` turns compiling off. The compile runs in a small continuous batch (its decode step, and its joins at
-every pack width), so that no request waits for it: beside the model's serving by default (`step_compile`: the model
-answers with captured eager steps at once, and its batches move to compiled steps once they are ready), at load before
-serving when `--compile` asks for it or when the model is split over processes (`--tensor-parallel`: their warm-ups
+every pack width), so that no request waits for it: at load, before the model serves, by default; beside its serving
+where asked (`--compile-beside`, `step_compile`: the model answers with eager steps at once, and its batches move to
+compiled steps once they are ready), never for a model split over processes (`--tensor-parallel`: their warm-ups
 meet in collectives, which a second thread's calls would interleave with). Inductor's on-disk cache makes a restart's
 compile faster.
 """

@@ -203,6 +203,32 @@ def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypa
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
+def test_a_batch_made_while_captures_are_paused_prepares_no_join_shape_up_front(model, run, monkeypatch):
+    """While a compile runs beside serving (captures paused), a new batch does not run its join shapes up front
+    (they would run eagerly, all before its first token; each captures at its second use instead), and its
+    requests still get their tokens."""
+    from devmap.generation import lanes
+    from devmap.generation.graphed_step import captures_paused
+    from devmap.generation.step_cache import release_graphs, step_cache
+
+    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
+    release_graphs(model)
+    reqs = requests(4, seed=3)
+    try:
+        with captures_paused():
+            got, left, queue = run(model, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=24)
+        entries = step_cache(model, "continuous").entries
+        prepared = [key for key in entries if isinstance(key, tuple) and key[0] == "join"]
+        prepared += [key for k in range(2) for key in entries.get(("rows", k), {}) if key[0] == "mixed"]
+    finally:
+        release_graphs(model)
+    widths = joins.pack_widths(joins.pack_limit(24, 4))
+    assert len(prepared) < len(widths) * (2 if every_layer_joined(model) else 1)  # only the widths joins used
+    assert not left and not queue
+    for r in reqs:
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
+
+
 def test_packs_hold_every_joiner_once_within_their_limit_in_few_widths():
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies

@@ -26,7 +26,7 @@ BESIDE = 4  # eager steps run beside the compile, after which the batch waits fo
 @pytest.mark.parametrize("gpus", [1, 2])
 @pytest.mark.parametrize("riding", [False, True], ids=["own prefills", "riding joiners"])
 def test_requests_moving_to_compiled_steps_mid_stream_get_the_tokens_of_generating_alone(model_root, gpus, riding,
-                                                                                       monkeypatch):
+                                                                                       monkeypatch, caplog):
     if gpu_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA GPUs, {gpu_count()} visible")
     monkeypatch.setenv("DEVMAP_STREAM_CHECK", "1")  # a reader that does not wait for its writer reads stale data
@@ -58,6 +58,8 @@ def test_requests_moving_to_compiled_steps_mid_stream_get_the_tokens_of_generati
         assert served == alone
     assert resident.compiled and resident.compiling.failure is None
     assert moved  # a running batch went on with compiled steps
+    # and captured them: the steps made anew capture into fresh pools (their old pools take no new capture)
+    assert not [r.getMessage() for r in caplog.records if "stays eager" in r.getMessage()]
 
 
 def test_a_service_started_again_on_its_filled_compile_cache_answers_the_same(model_root, tmp_path):
