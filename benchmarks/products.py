@@ -3,10 +3,11 @@ microseconds per product (captured in a CUDA graph, over copies of the weight th
 int8, int4, nf4 and fp8 weights at 1, 32 and 256 rows, on LLaMA-2-13B's and 70B's layer shapes (query/key/value and
 gate/up joined, as devmap runs them), beside bf16 and the floor of reading the weights (and scales) once.
 
-Candidates per scheme: devmap's own kernels (`devmap.kernels.int8_products`, `four_bit_products`) where it has
-them; torchao eager and under torch.compile, int8 and fp8 also with the inductor settings torchao sets by default
-(int8 weight-only and with int8 activations, int4 tinygemm, int4 preshuffled through mslk, fp8 with a scale per row
-through torch._scaled_mm or mslk); bitsandbytes (int8, nf4); gemlite (int8, int4, fp8 with and without
+Candidates per scheme: devmap's own products (`devmap.kernels.int8_products`, `four_bit_products`,
+`fp8_products`; the last eager and compiled, its tokens' quantization being torch operations); torchao eager and
+under torch.compile, int8 and fp8 also with the inductor settings torchao sets by default (int8 weight-only and with
+int8 activations, int4 tinygemm, int4 preshuffled through mslk, fp8 with a scale per row through torch._scaled_mm or
+mslk); bitsandbytes (int8, nf4); gemlite (int8, int4, fp8 with and without
 quantized activations). A candidate that cannot run here (a
 library not installed, a kernel this card lacks) is listed with its reason instead of a time; one a CUDA graph cannot
 capture (devmap's steps are graphs) is timed as issued from the host and listed below the table. The table gives
@@ -15,7 +16,7 @@ beats every library by 10% or more at the rows serving uses. A candidate's first
 tuning: what every new process pays before it runs at speed) is printed beside its row where it took a second or more.
 
 Run on one GPU:  PYTHONPATH=/tmp/site:. python3 benchmarks/products.py [--shapes 13b,70b] [--rows 1,32,256]
-[--schemes int8,int4,nf4,fp8] [--products qkv,o,gate_up,down] [--out DIR]
+[--schemes int8,int4,nf4,fp8] [--products qkv,o,gate_up,down] [--without gemlite,mslk] [--out DIR]
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def candidates(scheme: str, weight: torch.Tensor) -> dict[str, Callable[[], Prod
         made["devmap"] = lambda: devmap_four_bit(devmap_linear(weight, "nf4"))
         made["bitsandbytes"] = lambda: devmap_linear(weight, "nf4")
     elif scheme == "fp8":
+        made["devmap"] = lambda: devmap_fp8(weight)
+        made["devmap compiled"] = lambda: torch.compile(devmap_fp8(weight), dynamic=False)
         made["torchao"] = lambda: devmap_linear(weight, "fp8")
         made["torchao compiled"] = lambda: compiled(devmap_linear(weight, "fp8"))
         made["torchao compiled, tuned"] = lambda: compiled(devmap_linear(weight, "fp8"), tuned=True)
@@ -120,6 +123,20 @@ def devmap_int8(weight: torch.Tensor) -> Product:
     qdata, scale, _ = torchao_int8_parts(devmap_linear(weight, "int8").weight)
     int8 = Int8Weight(qdata, scale)
     return lambda x: product(x, int8)
+
+
+def devmap_fp8(weight: torch.Tensor) -> Product:
+    """devmap's fp8 product (`kernels.fp8_products`): the tokens quantized as torchao does, then its kernel at decode
+    rows, `torch._scaled_mm` past them; compiled, the tokens' quantization is fused as in a served step."""
+    from devmap.compat import torchao_fp8_parts
+    from devmap.kernels.fp8_products import Fp8Weight, product
+
+    linear = devmap_linear(weight, "fp8")
+    parts = torchao_fp8_parts(linear.weight)
+    if parts is None:
+        raise RuntimeError("not torchao's float8 weight with a scale per row")
+    fp8 = Fp8Weight.of(*parts, linear.weight)
+    return lambda x: product(x, fp8)
 
 
 def devmap_four_bit(linear: nn.Module) -> Product:
@@ -227,8 +244,11 @@ def main() -> None:
     parser.add_argument("--rows", default="1,32,256")
     parser.add_argument("--schemes", default="int8,int4,nf4,fp8")
     parser.add_argument("--products", default="qkv,o,gate_up,down", help="which of a layer's products to time")
+    parser.add_argument("--without", default="", help="candidates left out: comma-separated parts of their names "
+                        "(gemlite tunes for about a minute per weight shape)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    left_out = [part for part in args.without.split(",") if part]
     from devmap.compat import raise_recompile_limit
 
     raise_recompile_limit(256)  # compiled candidates: one entry per weight shape and rows
@@ -248,6 +268,8 @@ def main() -> None:
                                            "floor_us": size / bandwidth * 1e6, "times_us": {}, "cannot": {},
                                            "uncaptured_us": {}, "first_call_s": {}}
                     for name, build in candidates(scheme, weight).items():
+                        if any(part in name for part in left_out):
+                            continue
                         try:  # a library missing, a kernel this card lacks: recorded with its reason
                             us, captured, first_s = timed(build, size, x)
                             row["times_us" if captured else "uncaptured_us"][name] = us
@@ -279,8 +301,8 @@ def report(results: list[dict[str, Any]]) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for row in results:
         times = row["times_us"]
-        ours = times.get("devmap")
-        libraries = {k: v for k, v in times.items() if k != "devmap"}
+        ours = min((v for k, v in times.items() if k.startswith("devmap")), default=None)  # eager or compiled
+        libraries = {k: v for k, v in times.items() if not k.startswith("devmap")}
         best_name, best = min(libraries.items(), key=lambda kv: kv[1]) if libraries else ("-", None)
         fastest = min([t for t in (ours, best) if t is not None], default=None)
         ratio = f"{best / ours:.2f}x" if ours and best else "-"

@@ -196,6 +196,15 @@ def test_torchao_fp8_weights_come_apart_and_back_together(monkeypatch):
     assert rebuilt.act_quant_kwargs == linear.weight.act_quant_kwargs
     assert compat.torchao_fp8_parts(nn.Linear(4, 4).weight) is None  # plain weights: no torchao import
     x = torch.randn(5, 64, dtype=torch.bfloat16)
+    x[1] = 0  # a row of zeros: torchao's scale 0, as its own
+    from torchao.quantization.quantize_.common.quantize_tensor_kwargs import _choose_quant_func_and_quantize_tensor
+
+    tokens, scales = compat.torchao_fp8_tokens(x, linear.weight)
+    own = _choose_quant_func_and_quantize_tensor(x, linear.weight.act_quant_kwargs)
+    assert torch.equal(tokens.view(torch.uint8), own.qdata.view(torch.uint8)) and torch.equal(scales, own.scale)
+    assert scales.shape == (5, 1) and scales.dtype == torch.float32
+    assert compat.torchao_fp8_fast_accumulation(linear.weight) is linear.weight.mm_config.use_fast_accum
+    x[1] = 1
     try:
         expected = linear(x)
     except RuntimeError as exc:  # torch 2.11's CPU float8 product takes one scale per tensor

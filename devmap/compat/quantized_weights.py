@@ -130,3 +130,22 @@ def torchao_fp8_weight(qdata: torch.Tensor, scale: torch.Tensor, like: Any) -> A
     return type(like)(qdata, scale, [1, qdata.shape[1]], like.mm_config, like.act_quant_kwargs,
                       like.kernel_preference, like.dtype)
 
+
+def torchao_fp8_tokens(x: torch.Tensor, like: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 data: rows × in, float32 scales: rows × 1) of `x`'s rows quantized as torchao's float8 Linear `like`
+    quantizes its input (a scale per token: max |x| / the float8 maximum, within its activation bounds; its torch
+    formula, operation for operation, so the numbers are its own)."""
+    from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
+
+    kwargs = like.act_quant_kwargs
+    block = [1, x.shape[-1]]
+    scale = _choose_scale_float8(x, float8_dtype=kwargs.float8_dtype, block_size=block,
+                                 hp_value_lb=kwargs.hp_value_lb, hp_value_ub=kwargs.hp_value_ub)
+    return _quantize_affine_float8(x, scale, kwargs.float8_dtype), scale
+
+
+def torchao_fp8_fast_accumulation(like: Any) -> bool:
+    """Whether torchao's float8 Linear `like` asks `torch._scaled_mm` for fast accumulation."""
+    config = like.mm_config
+    return bool(config.use_fast_accum) if config is not None else False
+

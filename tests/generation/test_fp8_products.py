@@ -4,6 +4,7 @@ weights over views of them; decode steps over them, eager and compiled, give tor
 CPU product takes a scale per row (torch 2.12 and later; 2.11's CPU `_scaled_mm` takes one scale per tensor)."""
 
 import copy
+import textwrap
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_fp8_projections_join_their_data_and_scales(model, monkeypatch):
     assert len(CausalLMStages(clone).joined) == len(model.model.layers)
     weights = [p.quantized for p in joined_products(clone)]
     assert len(weights) == 4 * len(model.model.layers) and all(isinstance(w, Fp8Weight) for w in weights)
-    assert quantized_products.prepare_kernels(weights, torch.bfloat16) == 0  # torchao's product: nothing to prepare
+    assert quantized_products.prepare_kernels(weights, torch.bfloat16) == 0  # on a CPU no kernel of devmap's applies
     joined_state = clone.state_dict()
     for name, value in quantized.state_dict().items():  # the same numbers: float8 data and scales, as views
         assert all(torch.equal(a, b) for a, b in zip(stored_tensors(joined_state[name]), stored_tensors(value))), name
@@ -86,3 +87,45 @@ def test_fp8_joined_steps_compile_once_for_every_batch_size(model, monkeypatch, 
     products_on_this_cpu(clone.model.layers[0].self_attn.q_proj.weight)
     join_projections(clone)
     compiles_once_for_every_batch_size(clone, compiled_on_cpu)
+
+
+FP8_KERNEL_CHECK = textwrap.dedent("""
+    import torch
+    from devmap.kernels.fp8_products import kernel_product
+
+    torch.manual_seed(0)
+    # the decode kernel's block shapes: narrow products split in 4 parts, wide ones (8,192 outputs and more) not;
+    # inner dimensions the block divides and ones it does not
+    for rows, outs, ins in ((1, 96, 200), (5, 64, 256), (16, 40, 300), (3, 8200, 130), (24, 72, 160), (32, 8200, 64)):
+        tokens = (torch.randn(rows, ins) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scales = torch.rand(rows, 1) + 0.5
+        qdata = (torch.randn(outs, ins) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.rand(outs, 1) + 0.5
+        got = kernel_product(tokens, scales, qdata, scale)
+        want = (tokens.float() @ qdata.float().t()) * scales * scale.t()
+        assert got.shape == (rows, outs) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.bfloat16().float(), atol=0, rtol=2 ** -7)
+    print("kernel ok")
+""")
+
+
+def test_fp8_kernel_equals_the_exact_product_in_tritons_interpreter(tritons_interpreter):
+    done = tritons_interpreter(FP8_KERNEL_CHECK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernel ok" in done.stdout
+
+
+def test_fp8_products_off_gpus_are_torchaos_linear(model, monkeypatch):
+    """Where no kernel applies (here: the CPU) the product is torchao's float8 Linear itself."""
+    from devmap.kernels import fp8_products
+
+    quantized = fp8_copy(model, monkeypatch)
+    clone = copy.deepcopy(quantized)
+    join_projections(clone)
+    weight = JoinedLayer.of(clone.model.layers[0], "llama").qkv.quantized
+    x = torch.randn(3, weight.shape[1], dtype=torch.bfloat16)
+    assert not fp8_products.kernel_applies(x, weight)
+    calls = []
+    monkeypatch.setattr(fp8_products.F, "linear", lambda *args: calls.append(args[1]) or torch.zeros(3))
+    fp8_products.product(x, weight)
+    assert calls == [weight.library]

@@ -41,3 +41,25 @@ def test_an_fp8_llama_with_joined_projections_decodes_torchaos_greedy_tokens():
     ids = torch.randint(3, 500, (2, 12), device="cuda")
     expected = reference.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(generate(model, ids, max_new_tokens=12, eos_token_id=[]).cpu(), expected.cpu())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 40])
+@pytest.mark.parametrize("outs, ins", [(15360, 5120), (5120, 13824), (96, 208)])
+def test_fp8_rows_products_agree_with_torchs_scaled_mm(rows, outs, ins):
+    """devmap's kernel (decode rows) and `torch._scaled_mm` (past them) give torch's product of the same float8
+    tokens and weights, within bfloat16's rounding of sums whose order differs."""
+    from devmap.kernels.fp8_products import DECODE_ROWS, fp8_rows_product
+
+    torch.manual_seed(rows)
+    tokens = (torch.randn(rows, ins, device="cuda") * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(rows, 1, device="cuda") + 0.5
+    qdata = (torch.randn(outs, ins, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(outs, 1, device="cuda") + 0.5
+    got = fp8_rows_product(tokens, scales, qdata, scale, False)
+    want = torch._scaled_mm(tokens, qdata.t(), scale_a=scales, scale_b=scale.t(), out_dtype=torch.bfloat16)
+    exact = (tokens.double() @ qdata.double().t()) * scales.double() * scale.t().double()
+    assert got.shape == (rows, outs) and got.dtype == torch.bfloat16
+    if rows > DECODE_ROWS:
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got.double(), exact, atol=1e-3 * exact.abs().max().item(), rtol=2 ** -7)
+    torch.testing.assert_close(want.double(), exact, atol=1e-3 * exact.abs().max().item(), rtol=2 ** -7)
