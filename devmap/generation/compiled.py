@@ -3,16 +3,11 @@ code, traced once), a decode step's context (mask, positions, rotary cos/sin) an
 embedding, the loop over the layers) runs eager; devmap captures whole steps as CUDA graphs, so a replay pays no
 Python for it.
 
-Compiling a stage's step whole traced each of its layers again, so compiling grew with the depth, and a 13B model's
-service spent minutes compiling at every start, inductor's on-disk cache filled or not. A layer compiled on its own is
-traced once whatever the depth, and its compiled code is found in torch's on-disk caches at a restart. A continuous
-batch's first steps (decode and joins) of a tiny LLaMA on a 2-core CPU with inductor (`benchmarks/probes/
-compile_regions.py --tiny 4,16 --rows 8 --steps 16`): 4 layers 88.0 s compiled whole, 38.8 s by regions; 16 layers
-337.0 s whole, 32.4 s by regions; restarts (caches filled) 45.5 / 180.1 s whole, 8.1 / 7.0 s by regions. On a CPU,
-with no CUDA graph to replay, a step by regions runs slower (16 layers: 8.8 against 5.5 ms; a guard check per region),
-and so does a GPU step that devmap cannot capture (the last stage's, when the head lives on another device). On one
-H200, a `devmap serve` cold start (fresh process, inductor's cache empty): 13B 45 s by regions against 261 s whole,
-1.1B 49 against 160 s, with the same tokens per second (benchmarks/RESULTS.md).
+Compiling a stage's step whole traces each of its layers again, so compiling grows with the depth, inductor's
+on-disk cache filled or not. A layer compiled on its own is traced once whatever the depth, and its compiled code is
+found in torch's on-disk caches at a restart. The price is a guard check per region on every call, which a captured
+step does not pay and an uncaptured one does (a CPU step, or the last stage's when the head lives on another device).
+docs/generation.md has the measurements (`benchmarks/probes/compile_regions.py`).
 
 Regions are compiled without inductor's CUDA graphs (`mode=None`): devmap captures the steps itself, with their lanes'
 static KV caches, per-stage graph pools and event ordering. The first call of a step compiles its regions (eager run),
@@ -22,9 +17,9 @@ its on-disk caches (inductor's FX graph and autotuning caches, on by default) ma
 
 `dynamic=True` compiles one region for every batch size and cache length: the sizes each region's caller names (rows,
 tokens, cache columns) are symbolic, every other one fixed. A continuous batch meets a new shape whenever a service's
-traffic grows; a fixed-shape compile cost 25-45 s per shape for a 1.1B model on an H200, against about a second for a
-new capture of the dynamic step, with the same time per step once warm (benchmarks/probes/compile_shapes.py). Making
-every size symbolic instead compiled for minutes.
+traffic grows, and a dynamic step meets it with a new capture where a fixed-shape one would compile again, at the
+same time per step once warm (docs/serving.md, `benchmarks/probes/compile_shapes.py`). Making every size symbolic
+instead compiles for minutes.
 """
 
 from __future__ import annotations

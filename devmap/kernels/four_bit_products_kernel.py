@@ -7,9 +7,9 @@ half, so that both halves meet contiguous inputs (no shuffle in registers).
   inner dimension and block of rows (a decode step's rows are one block: each weight is read once), each weight's
   value made in registers and multiplied on tensor cores (`split_k` adds the parts). On CUDA the values come from bit
   patterns (`decode_ptx`): a code set into a half-precision mantissa, (q - 8) · scale + zero in one fused
-  multiply-add, rounded once, and no conversion from integer to float (with one per weight the kernel had issued ~6
-  instructions a weight and was issue-bound; H200: 23% less time at 1-16 rows, 10-22% at 64-256). Elsewhere
-  (Triton's interpreter) in float32, then rounded, as tinygemm.
+  multiply-add, rounded once, and no conversion from integer to float (with one per weight the kernel was bound by
+  issuing instructions, not by reading the weights: docs/kernels.md). Elsewhere (Triton's interpreter) in float32,
+  then rounded, as tinygemm.
 - `four_bit_dequantize_kernel` (more rows): the weight's values written out in half
   precision, one program per block of output columns and group, for a full-precision product (cuBLAS) to read."""
 

@@ -1,7 +1,7 @@
 """Matrix products with int8 weights that carry one scale per output row (what `--quantize int8` stores), as decode
 steps and prefills run them. torchao's product (`mm(x, w.to(x.dtype)) * scale`) first writes a full-precision copy of
-the weight: at a decode step's few rows that is about 2.5× the bytes of the full-precision product itself, and at a
-prefill's 2,048 rows it still costs 1.6× the full-precision product (H100). On CUDA, in half precision, Triton
+the weight, which at a decode step's few rows costs more bytes than the full-precision product itself and still
+costs more than it at a prefill's rows (docs/quantization.md has the figures). On CUDA, in half precision, Triton
 kernels read the int8 weights (`int8_products_kernel`):
 - up to DECODE_ROWS rows (a decode step; bound by reading the weights): the decode kernel, the weights converted in
   registers, the rows as they are (weight-only int8, torchao's `Int8WeightOnlyConfig`);

@@ -3,14 +3,10 @@
 A service compiles a model's decode steps and its joins (`devmap.generation.compiled`, dynamic sizes: one compile for
 every batch shape and pack width): the steps carrying joiners' prompts where they ride
 (`devmap.generation.mixed_joins`), else the joins' prefill. It compiles them where that wins: every block on a GPU, and
-weights that devmap's own products read (floating point, or torchao's int8 with a scale per row or int4 in layers
-whose projections are joined: `devmap.kernels.int8_products`, `devmap.kernels.four_bit_products`; a layer left
-unjoined would run torchao's product, which compiles to something slower than eager). Compiled, a 13B int8 model at
-32 clients gave 1.18× bf16's tokens/s on an H200 and 1.35× on an H100 (riding, by regions, products past 32 rows on
-int8 tensor cores), where eager int8 steps had given 0.83×; int4 0.94× (and 1.42× at one client) on an H200, where
-eager tinygemm steps had given 0.15× (benchmarks/RESULTS.md). A cold start on one H200 with an empty inductor cache:
-45-54 s at 13B bf16 and 60-64 s int8 (steps compiled region by region; 261 and 283 s compiled whole), 60-74 s int4.
-Other quantized weights (bitsandbytes') stay eager unless `--compile` asks: their compiled speed is not measured.
+weights that devmap's own products read (floating point, or int8, int4 and fp8 weights in layers whose projections
+are joined: `devmap.kernels`; a layer left unjoined would run the library's product, which compiles to something
+slower than eager). Other quantized weights (bitsandbytes') stay eager unless `--compile` asks: their compiled speed is
+not measured. docs/serving.md and docs/quantization.md have what compiling gains and what it costs at a start.
 `--no-compile` turns compiling off. The compile runs in a small continuous batch (its decode step, and its joins at
 every pack width), so that no request waits for it: at load, before the model serves, by default; beside its serving
 where asked (`--compile-beside`, `step_compile`: the model answers with eager steps at once, and its batches move to
