@@ -22,3 +22,7 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path):
     assert set(rows) == {"devmap/2gpu", "devmap+tp/2gpu"}
     assert all(row["requests"] > 0 and row["tokens_per_s"] > 0 for results in rows.values() for row in results)
     assert "| devmap+tp/2gpu | 2 |" in result.stdout
+    start = rows["devmap/2gpu"][0]["start"]  # where each server's start went, as it said
+    assert start["core_process_s"] > 0
+    assert all({"plan", "weights"} <= set(load["load_seconds"]) for load in start["loads"].values())
+    assert "devmap/2gpu start: core process" in result.stdout

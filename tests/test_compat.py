@@ -105,6 +105,17 @@ def test_recompile_limit_and_the_stance_that_refuses_to_compile():
             double(torch.ones(4, 4))  # a new shape would compile: refused
 
 
+def test_compile_totals_count_a_compile_s_seconds_and_graphs():
+    before = compat.compile_totals()
+    triple = torch.compile(lambda x: x * 3 + 1, backend="aot_eager", dynamic=False)
+    triple(torch.ones(5))
+    after = compat.compile_totals()
+    assert after.graphs == before.graphs + 1 and after.seconds > before.seconds
+    assert after.from_cache == before.from_cache  # aot_eager reads no inductor cache (hits: test_compile_cache)
+    triple(torch.ones(5))  # compiled already: nothing more
+    assert compat.compile_totals() == after
+
+
 def test_distinct_sizes_gives_equal_dimensions_their_own_symbols():
     from torch._dynamo.utils import counters
 

@@ -11,6 +11,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `own_forward`, `hook_execution_device`, `device_hooks_bypassed`, `device_hook_moved`: `_hf_hook`, `_old_forward`, `AlignDevicesHook` | accelerate | a placed model's device hooks re-check every argument (2x a decode step) and break compiled steps; a module swapped for devmap's (4-bit Linear layers) keeps its hook | 1.15 |
 | `raise_recompile_limit`: `torch._dynamo.config.recompile_limit` | torch | one compiled entry per stage, lane shape and kind | 2.11, 2.14 |
 | `fail_on_recompile`: `torch.compiler.set_stance` | torch | a CUDA-graph capture must never compile | 2.11, 2.14 |
+| `compile_totals`: `torch._dynamo.utils.compilation_time_metrics`, `counters` | torch | a load's compile phase in seconds, graphs and compile-cache hits (`serving.warm_up`), so that a slow start shows its cause | 2.11, 2.14 |
 | `dynamic_dims`: `torch._dynamo.maybe_mark_dynamic` (its `_dynamo_weak_dynamic_indices` mark) | torch | a continuous batch's decode step compiled once for its rows and cache length only (every size symbolic took minutes to compile) | 2.11, 2.14 |
 | `distinct_sizes`: `torch.fx.experimental._config.use_duck_shape` (set directly) | torch | a dynamic decode step must not tie its rows to an equal-sized dimension of the weights (4 rows per lane, 4 KV heads), which specializes them and recompiles per batch shape | 2.11, 2.14 |
 | `graph_pool`, `begin_capture`: `graph_pool_handle`, `CUDAGraph.capture_begin(capture_error_mode=)` | torch | steps of one stream share a pool; captures don't sync the device | 2.11, 2.14 |
@@ -32,7 +33,7 @@ import contextlib
 import inspect
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -247,6 +248,25 @@ def fail_on_recompile() -> Iterator[None]:
     """A compiled function whose guards fail raises instead of compiling (which a CUDA-graph capture cannot hold)."""
     with torch.compiler.set_stance("fail_on_recompile"):
         yield
+
+
+class CompileTotals(NamedTuple):
+    """What torch.compile has done in this process so far: seconds in dynamo's compiles (tracing, then inductor or
+    its on-disk caches), graphs compiled, and how many of inductor's graphs came from its FX graph cache."""
+
+    seconds: float
+    graphs: int
+    from_cache: int
+
+
+def compile_totals() -> CompileTotals:
+    """This process's compile totals so far (`torch._dynamo.utils.compilation_time_metrics` and `counters`: dynamo's
+    own bookkeeping, process-wide, every thread's compiles together); a difference of two gives what ran between."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(compilation_time_metrics.get("_compile.compile_inner", ()))
+    return CompileTotals(seconds, int(counters["stats"]["unique_graphs"]),
+                         int(counters["inductor"]["fxgraph_cache_hit"]))
 
 
 def dynamic_dims(tensor: torch.Tensor, dims: tuple[int, ...]) -> None:

@@ -15,6 +15,8 @@ import contextlib
 import gc
 import logging
 import threading
+import time
+from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
 import torch
@@ -42,6 +44,27 @@ def captures_paused() -> Iterator[None]:
     finally:
         with _CAPTURING:
             _paused -= 1
+
+
+class CaptureClock:
+    """Seconds the steps of one thread spent capturing inside a `timed_captures` block (a load's capture phase)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+_clock: ContextVar[CaptureClock | None] = ContextVar("devmap_capture_clock", default=None)
+
+
+@contextlib.contextmanager
+def timed_captures() -> Iterator[CaptureClock]:
+    """Inside, the captures of this thread's steps add their seconds to the clock it gives (other threads' don't)."""
+    clock = CaptureClock()
+    token = _clock.set(clock)
+    try:
+        yield clock
+    finally:
+        _clock.reset(token)
 
 
 def captures_are_paused() -> bool:
@@ -76,7 +99,11 @@ class GraphedStep:
         if self.graph is None and self.use_graph and self.calls > 1:
             with _CAPTURING:
                 if not _paused:  # else eager now, captured at a later use
+                    started = time.perf_counter()
                     self._capture()
+                    clock = _clock.get()
+                    if clock is not None:
+                        clock.seconds += time.perf_counter() - started
         if self.graph is not None:
             self.graph.replay()
             out = self.static_out

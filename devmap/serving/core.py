@@ -115,12 +115,20 @@ class EngineCore:
         for phase in PHASES:
             with contextlib.suppress(KeyError):
                 self.metrics.load_seconds.remove(model_id, phase)
+        for source in ("cache", "new"):
+            with contextlib.suppress(KeyError):
+                self.metrics.compiled_graphs.remove(model_id, source)
         self.unloaded(model_id)
 
     def render_metrics(self) -> bytes:
-        for resident in self.registry.all():  # a compile beside serving adds its phase when it ends
+        for resident in self.registry.all():  # a compile beside serving adds its phases when it ends
             for phase, seconds in dict(resident.load_seconds).items():
                 self.metrics.load_seconds.labels(model=resident.id, phase=phase).set(seconds)
+            graphs = resident.compiled_graphs
+            if graphs is not None:
+                shown = self.metrics.compiled_graphs
+                shown.labels(model=resident.id, source="cache").set(graphs.from_cache)
+                shown.labels(model=resident.id, source="new").set(graphs.total - graphs.from_cache)
         return self.metrics.render(self.registry.planned())
 
     def start_profile(self) -> dict[str, Any]:

@@ -1,21 +1,38 @@
 """Where a model's load went, phase by phase (planning, reading the weights onto their devices, preparing its
-products and tokenizer, compiling and warming up its steps): logged, in the model's description, and in `/metrics`
-(`devmap_model_load_seconds{model, phase}`), so that a slow start shows its cause."""
+products and tokenizer, compiling its steps, capturing them as CUDA graphs, and the rest of warming them up): logged,
+in the model's description, and in `/metrics` (`devmap_model_load_seconds{model, phase}`), with how many of the
+compiled graphs came from the compile cache, so that a slow start shows its cause."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
-PHASES = ("plan", "weights", "prepare", "compile")  # in load order; "compile" includes capturing and warming up
+PHASES = ("plan", "weights", "prepare", "compile", "capture", "warm_up")  # in load order
+
+
+class CompiledGraphs(NamedTuple):
+    """The graphs a load compiled (torch.compile's FX graphs), and how many of them came from the compile cache."""
+
+    total: int
+    from_cache: int
+
+    def describe(self) -> str:
+        """"5 graphs, all from the compile cache" and the like."""
+        if not self.total:
+            return "no graph compiled"
+        cached = ("all" if self.from_cache == self.total else str(self.from_cache)) if self.from_cache else "none"
+        return f"{self.total} graph{'s' if self.total != 1 else ''}, {cached} from the compile cache"
 
 
 class LoadPhases:
-    """Seconds per phase of one load, as `with phases.timed("weights"): ...` measures them."""
+    """Seconds per phase of one load, as `with phases.timed("weights"): ...` measures them (or `add` records), and
+    the graphs its compile made (`graphs`, None where nothing compiled)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.graphs: CompiledGraphs | None = None
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -23,8 +40,14 @@ class LoadPhases:
         try:
             yield
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+            self.add(phase, time.perf_counter() - started)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
     def summary(self) -> str:
-        """"plan 0.41 s, weights 1.12 s, ..." in load order."""
-        return ", ".join(f"{phase} {self.seconds[phase]:.2f} s" for phase in PHASES if phase in self.seconds)
+        """"plan 0.41 s, weights 1.12 s, ..., compile 9.5 s (5 graphs, all from the compile cache), ..." in load
+        order."""
+        return ", ".join(f"{phase} {self.seconds[phase]:.2f} s"
+                         + (f" ({self.graphs.describe()})" if phase == "compile" and self.graphs else "")
+                         for phase in PHASES if phase in self.seconds)

@@ -79,8 +79,12 @@ class EngineMetrics:
                              "(the engine core's process from its spawn to ready: interpreter and imports); each "
                              "model's load is devmap_model_load_seconds", ["phase"], registry=r)
         self.load_seconds = Gauge("devmap_model_load_seconds", "Seconds each phase of a resident model's load took "
-                                  "(plan, weights, prepare, compile: compiling, capturing and warming up its steps)",
+                                  "(plan, weights, prepare, compile: torch.compile, from the compile cache or not, "
+                                  "capture: its steps' CUDA graphs, warm_up: the rest of its warm-up batch)",
                                   ["model", "phase"], registry=r)
+        self.compiled_graphs = Gauge("devmap_model_compiled_graphs", "Graphs a resident model's compile made, by "
+                                     "where they came from (cache: the compile cache; new: compiled)",
+                                     ["model", "source"], registry=r)
         self.device_memory = Gauge("devmap_device_memory_bytes", "Memory allocated by torch on each GPU",
                                    ["device"], registry=r)
         self.device_memory_peak = Gauge("devmap_device_memory_peak_bytes", "The most memory torch has allocated on "

@@ -18,7 +18,7 @@ from torch import nn
 from ..planning.quantization import Quantization
 from .errors import ServiceError
 from .limits import EngineLimits
-from .load_phases import LoadPhases
+from .load_phases import CompiledGraphs, LoadPhases
 
 log = logging.getLogger("devmap.serving")
 
@@ -37,8 +37,8 @@ class Ready:
 
 def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: EngineLimits, rows: int,
                         phases: LoadPhases, compile_beside: bool = False) -> Ready:
-    """Prepare the loaded `model` (from `path`) for batches of up to `rows` rows under `limits`; the "prepare" and
-    "compile" phases timed in `phases`. The caller frees the model if this raises.
+    """Prepare the loaded `model` (from `path`) for batches of up to `rows` rows under `limits`; the "prepare" phase
+    and its compile's timed in `phases`. The caller frees the model if this raises.
 
     `compile_beside`: steps that compile by default are left to compile while the model serves (`Ready.compile_later`,
     `step_compile`); asked for (`limits.compile`), they compile now, and a compile that fails fails the load."""
@@ -57,8 +57,7 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
         # one attention choice for every step, prompt and compile of the model, in either thread, while it lives
         pin_decode_attention(model.config, decode_step_attention)
         return Ready(tokenizer, context, eos_ids, compiled=False, compile_later=True)
-    with phases.timed("compile"):
-        compiled = _compiled(model, limits, model.devmap_plan.quantization, rows, context)
+    compiled = _compiled(model, limits, model.devmap_plan.quantization, rows, context, phases)
     return Ready(tokenizer, context, eos_ids, compiled)
 
 
@@ -82,25 +81,32 @@ def _prepare_product_kernels(model: nn.Module, model_id: str) -> None:
 
 
 def _compiled(model: nn.Module, limits: EngineLimits, quantization: Quantization | None, rows: int,
-              context: int) -> bool:
-    """Whether the model's decode steps run compiled (`warm_up.compiles`), compiled now if so. A compile that fails
-    (no C compiler for inductor, an operator it cannot trace) leaves the model on captured eager steps, with a
-    warning in the log, unless it was asked for (`limits.compile`): then the load fails with the reason."""
+              context: int, phases: LoadPhases) -> bool:
+    """Whether the model's decode steps run compiled (`warm_up.compiles`), compiled now if so (its compile, capture
+    and warm-up phases timed in `phases`). A compile that fails (no C compiler for inductor, an operator it cannot
+    trace) leaves the model on captured eager steps, with a warning in the log, unless it was asked for
+    (`limits.compile`): then the load fails with the reason."""
     from ..generation.step_cache import release_graphs
+    from .compile_cache import compiled_anew
     from .warm_up import compiles, warm_up
 
     wanted = limits.compile
     if not compiles(model, wanted, quantization):
         return False
+    started = time.perf_counter()
     try:
-        warm_up(model, rows, context, limits.riding)
+        times = compiled_anew(lambda: warm_up(model, rows, context, limits.riding), lambda: release_graphs(model))
     except Exception as exc:
+        phases.add("compile", time.perf_counter() - started)  # what the failed compile cost
         release_graphs(model)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if wanted:
             raise ServiceError(f"cannot compile the model's decode steps: {reason}; serve it without --compile")
         log.warning("decode steps stay eager (captured): compiling them failed: %s", reason)
         return False
+    for phase, seconds in times.phases().items():
+        phases.add(phase, seconds)
+    phases.graphs = CompiledGraphs(times.graphs, times.from_cache)
     return True
 
 

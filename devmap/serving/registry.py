@@ -25,7 +25,7 @@ from ..planning.budget import resolve_budget
 from ..planning.devices import DeviceKey
 from .errors import DoesNotFit, ModelNotFound, ModelUnloading, ServiceError
 from .limits import EngineLimits
-from .load_phases import LoadPhases
+from .load_phases import CompiledGraphs, LoadPhases
 from .prepare import prepare_for_serving
 from .resident import ResidentModel
 from .step_compile import StepCompile
@@ -114,6 +114,7 @@ class ModelRegistry:
                 planned=_planned(model.devmap_plan),
                 report=report, max_rows=serving.rows, cache_len=serving.cache_len, lanes=serving.lanes,
                 compiled=ready.compiled, eos_ids=ready.eos_ids, load_seconds=phases.seconds,
+                compiled_graphs=phases.graphs,
             )
             self.add(resident)
             _freeze_survivors()
@@ -123,17 +124,19 @@ class ModelRegistry:
 
     def _compile_beside(self, resident: ResidentModel) -> None:
         """Compile the model's steps while it serves (`step_compile`); its batches move to them once ready."""
-        from .warm_up import warm_up
+        from .compile_cache import compiled_anew
+        from .warm_up import WarmUpTimes, warm_up
 
         model, rows, context, riding = resident.model, resident.max_rows, resident.context, self.limits.riding
 
-        def done(seconds: float) -> None:
-            resident.load_seconds["compile"] = seconds
+        def done(times: WarmUpTimes) -> None:
+            resident.load_seconds.update(times.phases())
+            resident.compiled_graphs = CompiledGraphs(times.graphs, times.from_cache)
             resident.compiled = True
             _freeze_survivors()  # what the compile made and keeps, left out of later collections too
 
-        resident.compiling = StepCompile(resident.id, lambda stop: warm_up(
-            model, rows, context, riding, beside_serving=True, stop=stop), done)
+        resident.compiling = StepCompile(resident.id, lambda stop: compiled_anew(lambda: warm_up(
+            model, rows, context, riding, beside_serving=True, stop=stop)), done)
 
     def add(self, resident: ResidentModel) -> None:
         """Make a model resident (one `load` made, or a caller's own) under its id."""

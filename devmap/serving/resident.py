@@ -13,6 +13,7 @@ from torch import nn
 
 from ..planning.devices import DeviceKey
 from .kv_budget import KVBudget
+from .load_phases import CompiledGraphs
 from .scheduler import BatchShape
 from .step_compile import StepCompile
 
@@ -42,6 +43,7 @@ class ResidentModel:
     batch_shape: BatchShape = field(default_factory=BatchShape)  # the largest continuous batch so far: later
     # ones reuse its shape (and its captured steps)
     load_seconds: dict[str, float] = field(default_factory=dict)  # per phase of its load (`load_phases`)
+    compiled_graphs: CompiledGraphs | None = None  # what its compile made, and how much of it the compile cache held
     unload_at: float | None = None  # being unloaded: its running requests are ended at this time.monotonic()
 
     def drained(self) -> bool:
@@ -70,4 +72,5 @@ class ResidentModel:
                 "cache_tokens_per_row": self.cache_len, "kv_cache_tokens": self.kv_budget.tokens,
                 "compiled": self.compiled, "compiling": self.compiling is not None and self.compiling.running,
                 "load_seconds": dict(self.load_seconds),  # a copy: a compile beside serving adds to it
+                "compiled_graphs": self.compiled_graphs._asdict() if self.compiled_graphs else None,
                 "device_map": {k: str(v) for k, v in self.model.hf_device_map.items()}}

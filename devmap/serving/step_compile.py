@@ -11,19 +11,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 log = logging.getLogger("devmap.serving")
 
-Work = Callable[[Callable[[], bool]], None]
-"""The compile itself, given `stop()`: True when it should end early (its model is being unloaded)."""
+Work = Callable[[Callable[[], bool]], Any]
+"""The compile itself, given `stop()`: True when it should end early (its model is being unloaded); what it returns
+(where its time went) goes to `done`."""
 
 
 class StepCompile:
-    """One model's compile in a thread of its own; `done(seconds)` is called once it succeeded (not when it failed
-    or was stopped). `failure`: why it failed, if it did."""
+    """One model's compile in a thread of its own; `done(result)` is called with what the compile returned once it
+    succeeded (not when it failed or was stopped). `failure`: why it failed, if it did."""
 
-    def __init__(self, model_id: str, work: Work, done: Callable[[float], None]) -> None:
+    def __init__(self, model_id: str, work: Work, done: Callable[[Any], None]) -> None:
         self.model_id, self.failure = model_id, None
         self._work, self._done = work, done
         self._stop, self._ended = threading.Event(), threading.Event()
@@ -47,7 +48,7 @@ class StepCompile:
     def _run(self) -> None:
         started = time.perf_counter()
         try:
-            self._work(self._stop.is_set)
+            result = self._work(self._stop.is_set)
         except Exception as exc:
             self.failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.warning("%s: decode steps stay eager (captured): compiling them failed: %s", self.model_id,
@@ -55,7 +56,7 @@ class StepCompile:
         else:
             if not self._stop.is_set():
                 seconds = time.perf_counter() - started
-                self._done(seconds)
+                self._done(result)
                 log.info("%s: compiled steps ready after %.1f s; its batches continue on them", self.model_id,
                          seconds)
         finally:

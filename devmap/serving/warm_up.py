@@ -18,13 +18,15 @@ compile faster.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import time
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
+from ..compat import compile_totals
 from ..generation.continuous import SlotRequest, continuous_batch
-from ..generation.graphed_step import captures_paused
+from ..generation.graphed_step import captures_paused, timed_captures
 from ..generation.joined_projections import every_layer_joined
 from ..generation.step_cache import release_graphs
 from ..planning.devices import is_gpu, parse_device_key
@@ -45,22 +47,42 @@ def compiles(model: nn.Module, wanted: bool | None, quantization: Quantization |
     return torch.cuda.is_available() and all(is_gpu(parse_device_key(d)) for d in devices)
 
 
+class WarmUpTimes(NamedTuple):
+    """Where a warm-up's seconds went: torch.compile (tracing, then inductor or its on-disk cache), capturing the steps
+    as CUDA graphs, and the rest of running its steps; the graphs it compiled and how many came from the compile
+    cache (all of them at a restart whose cache holds the model's steps)."""
+
+    compile: float
+    capture: float
+    warm_up: float
+    graphs: int
+    from_cache: int
+
+    def phases(self) -> dict[str, float]:
+        """The load phases they are (`load_phases.PHASES`)."""
+        return {"compile": self.compile, "capture": self.capture, "warm_up": self.warm_up}
+
+
 def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None = None, beside_serving: bool = False,
-            stop: Callable[[], bool] = lambda: False) -> None:
+            stop: Callable[[], bool] = lambda: False) -> WarmUpTimes:
     """Run a small continuous batch with compiled steps (compiling its decode step, and the steps carrying joiners'
     prompts or their joins' prefill, as `riding` chooses, at every pack width).
 
     Before the model serves: on GPUs its steps are captured too (a capture that would compile fails the warm-up),
     then freed. `beside_serving`: while the model serves in another thread, its steps run uncaptured in a batch of
     its own, leaving the model's kept steps alone; no step of any thread captures meanwhile (`captures_paused`: the
-    serving thread's steps run eagerly until then); `stop()` True ends it between two steps."""
+    serving thread's steps run eagerly until then); `stop()` True ends it between two steps.
+
+    Its compile seconds and graphs are the process's (dynamo counts them for every thread alike): a load compiles
+    one model at a time, and a compile beside serving is the only compile while it runs."""
     cache_len = min(CACHE_BUCKET, context) if context else CACHE_BUCKET
     prompt = [1] * 4
     rows = min(MIN_ROWS, max_rows)
     paused = captures_paused() if beside_serving else contextlib.nullcontext()
-    with paused, continuous_batch(model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True,
-                                  riding=riding, graphs=not beside_serving, keep_graphs=not beside_serving,
-                                  every_shape=True) as batch:
+    started, before = time.perf_counter(), compile_totals()
+    with timed_captures() as captures, paused, continuous_batch(
+            model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True, riding=riding,
+            graphs=not beside_serving, keep_graphs=not beside_serving, every_shape=True) as batch:
         # every row held: the batch's own decode step compiles; steps over its first rows reuse that compile
         batch.step([SlotRequest(prompt, WARM_UP_STEPS + 1, object()) for _ in range(rows)])
         for _ in range(WARM_UP_STEPS):
@@ -69,3 +91,7 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
         batch.collect(everything=True)
     if not beside_serving:
         release_graphs(model)
+    after, elapsed = compile_totals(), time.perf_counter() - started
+    compiling = after.seconds - before.seconds
+    return WarmUpTimes(compiling, captures.seconds, max(0.0, elapsed - compiling - captures.seconds),
+                       after.graphs - before.graphs, after.from_cache - before.from_cache)

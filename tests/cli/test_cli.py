@@ -109,14 +109,18 @@ def test_generated_text_shows_control_characters_as_escapes():
 
 
 def test_serve_keeps_compiled_steps_where_it_is_told_else_in_the_users_cache(tmp_path, monkeypatch):
-    from devmap.cli.serve_cmd import use_compile_cache
+    from importlib import metadata
+
+    from devmap.serving.compile_cache import release_key, use_compile_cache
 
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    use_compile_cache(None)
+    key = release_key()  # a folder per release: another torch or transformers never reads these entries
+    assert f"torch-{metadata.version('torch')}" in key and f"transformers-{metadata.version('transformers')}" in key
+    assert use_compile_cache(None) == (tmp_path / "home" / ".cache" / "devmap" / "compile" / key).resolve()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(
-        (tmp_path / "home" / ".cache" / "devmap" / "compile" / "inductor").resolve())
-    use_compile_cache(None)  # inductor's own variable, set: left as it is
+        (tmp_path / "home" / ".cache" / "devmap" / "compile" / key / "inductor").resolve())
+    assert use_compile_cache(None) is None  # inductor's own variable, set: left as it is
     use_compile_cache(str(tmp_path / "mine"))  # named: always
-    assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "mine" / "triton").resolve())
+    assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "mine" / key / "triton").resolve())

@@ -68,12 +68,16 @@ def test_a_service_started_again_on_its_filled_compile_cache_answers_the_same(mo
     reference = whole_model_answers(model_root, "tiny", 0)
     expected = [reference(p, n) for p, n in requests]
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    for _ in range(2):  # a fresh cache, then the one the first start filled
+    for start in range(2):  # a fresh cache, then the one the first start filled
         with running_server(model_root, "--max-tokens", "32", max_memory=None, env=env) as (url, _):
             assert ask_together(url, "tiny", requests) == expected  # eager steps, or compiled ones by now
             deadline = time.monotonic() + 600
             while any(m["compiling"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]):
                 assert time.monotonic() < deadline, "the compile beside serving did not end"
                 time.sleep(0.2)
-            assert all(m["compiled"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"])
+            described = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+            assert all(m["compiled"] for m in described)
+            graphs = [m["compiled_graphs"] for m in described]
+            assert all(g["total"] > 0 for g in graphs)
+            assert all((g["from_cache"] > 0) == (start == 1) for g in graphs)  # the restart read the cache
             assert ask_together(url, "tiny", requests) == expected  # compiled steps

@@ -103,7 +103,8 @@ def test_load_and_unload_a_second_model(server, model_root):
         assert loaded.status_code == 200, loaded.text
         body = loaded.json()
         assert body["id"] == "second" and body["plan"]["device_map"] and body["load_report"]["devices"]
-        assert list(body["load_seconds"]) == ["plan", "weights", "prepare", "compile"]  # where the load went
+        # where the load went (on a CPU its steps do not compile: no compile, capture or warm-up phase)
+        assert list(body["load_seconds"]) == ["plan", "weights", "prepare"] and body["compiled_graphs"] is None
         assert all(seconds >= 0 for seconds in body["load_seconds"].values())
         shown = http.get("/metrics").text
         assert 'devmap_model_load_seconds{model="second",phase="weights"}' in shown

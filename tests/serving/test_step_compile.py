@@ -28,7 +28,7 @@ def compile_beside(compiled_on_cpu, monkeypatch):
 
     def gated(*args, **kwargs):
         assert gate.wait(120)
-        real_warm_up(*args, **kwargs)
+        return real_warm_up(*args, **kwargs)
 
     def recorded(self):
         moved.append(self.steps)
@@ -80,7 +80,10 @@ def test_a_model_answers_while_its_steps_compile_and_its_requests_move_to_them(m
     finally:
         engine.close(timeout=120)
     assert resident.compiled and not resident.describe()["compiling"] and resident.compiling.failure is None
-    assert resident.load_seconds["compile"] > 0
+    assert resident.load_seconds["compile"] > 0 and resident.load_seconds["warm_up"] > 0
+    assert resident.load_seconds["capture"] == 0  # nothing captures beside serving (nor on a CPU)
+    graphs = resident.describe()["compiled_graphs"]
+    assert graphs["total"] > 0 and graphs["from_cache"] == 0  # aot_eager: no inductor, so no compile cache
     assert len(moved) == 1 and moved[0] > BESIDE  # the running batch went on with compiled steps
     eos = list(resident.eos_ids)
     for ids, new, answer in zip(prompts, budgets, served):
@@ -115,4 +118,6 @@ def test_a_compile_happens_before_the_model_serves_unless_beside_was_asked_for(m
     gate.set()
     registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=limits)
     resident = registry.load(model_root / "tiny")
-    assert resident.compiled and resident.compiling is None and "compile" in resident.load_seconds
+    assert resident.compiled and resident.compiling is None
+    assert list(resident.load_seconds) == ["plan", "weights", "prepare", "compile", "capture", "warm_up"]
+    assert resident.load_seconds["compile"] > 0 and resident.compiled_graphs.total > 0
