@@ -35,7 +35,7 @@ log = logging.getLogger("devmap.serving")
 CLOSE_COMPILE_SECONDS = 30.0  # how long closing waits for a compile beside serving to reach its next step
 
 # the core's methods the API may call
-CONTROL = ("models", "describe", "load", "unload", "render_metrics", "start_profile", "stop_profile")
+CONTROL = ("models", "describe", "load", "unload", "render_metrics", "record_startup", "start_profile", "stop_profile")
 
 
 class EngineCore:
@@ -130,6 +130,11 @@ class EngineCore:
                 shown.labels(model=resident.id, source="cache").set(graphs.from_cache)
                 shown.labels(model=resident.id, source="new").set(graphs.total - graphs.from_cache)
         return self.metrics.render(self.registry.planned())
+
+    def record_startup(self, phase: str, seconds: float) -> None:
+        """One phase of the service's start, measured outside the core (`devmap serve`'s own imports, its command
+        line's loads), beside the core's own (`core_process`) in `devmap_startup_seconds`."""
+        self.metrics.startup.labels(phase=phase).set(seconds)
 
     def start_profile(self) -> dict[str, Any]:
         """Record the worker's steps (torch.profiler, `--profile-dir`) from its next step on."""

@@ -95,6 +95,10 @@ class Engine:
         self.card(described["id"])  # its tokenizer ready before its first request
         return described
 
+    def record_startup(self, phase: str, seconds: float) -> None:
+        """One phase of the service's start, into the core's `devmap_startup_seconds`."""
+        self.core.call("record_startup", phase, seconds)
+
     def unload(self, model_id: str) -> None:
         """Unload a model (blocks: run it off the event loop): new requests for it get 503 at once, those it took
         finish within the limits' `unload_drain` (the rest end with an error), then it is freed."""

@@ -76,8 +76,10 @@ class EngineMetrics:
                                              "steps, per pipeline stage", ["stage", "device"], registry=r)
         self.models = Gauge("devmap_resident_models", "Models loaded", registry=r)
         self.startup = Gauge("devmap_startup_seconds", "Seconds the service's start took by phase: core_process "
-                             "(the engine core's process from its spawn to ready: interpreter and imports); each "
-                             "model's load is devmap_model_load_seconds", ["phase"], registry=r)
+                             "(the engine core's process from its spawn to ready: interpreter and imports), "
+                             "api_imports (devmap serve's process from its start through its own imports, beside "
+                             "the core's), command_line_loads (the models devmap serve was given, one after the "
+                             "other; each load's phases are devmap_model_load_seconds)", ["phase"], registry=r)
         self.load_seconds = Gauge("devmap_model_load_seconds", "Seconds each phase of a resident model's load took "
                                   "(plan, weights, prepare, compile: torch.compile, from the compile cache or not, "
                                   "capture: its steps' CUDA graphs, warm_up: the rest of its warm-up batch)",

@@ -109,7 +109,9 @@ def test_load_and_unload_a_second_model(server, model_root):
         shown = http.get("/metrics").text
         assert 'devmap_model_load_seconds{model="second",phase="weights"}' in shown
         assert 'devmap_startup_seconds{phase="core_process"}' in shown  # the engine core's process start
-        if sys.platform.startswith("linux"):  # devmap serve's start until it answered, from /proc
+        assert 'devmap_startup_seconds{phase="command_line_loads"}' in shown  # the models devmap serve was given
+        if sys.platform.startswith("linux"):  # devmap serve's own imports, and its start until it answered: /proc
+            assert 'devmap_startup_seconds{phase="api_imports"}' in shown
             ready = next(line for line in shown.splitlines() if line.startswith("devmap_serve_ready_seconds "))
             assert float(ready.split()[-1]) > 0
         assert sorted(m["id"] for m in http.get("/v1/models").json()["data"]) == ["second", "tiny"]
