@@ -9,8 +9,10 @@ be deleted whole. Deleting the folder clears the cache.
 
 An entry torch cannot read (a kernel library cut short by a full disk, a file changed by hand) fails the compile that
 meets it, naming the file. `compiled_anew` then removes what the failure names inside the cache and compiles again,
-with one warning, so the entry is made anew instead of the model losing its compiled steps at every start. torch
-itself already skips a cached graph it cannot unpickle (its own warning) and compiles it again.
+with one warning, so the entry is made anew instead of the model losing its compiled steps at every start. A whole
+model's compile only: the processes of a split warm up in step (their collectives pair up in order), so one of them
+must never start its warm-up again alone. torch itself already skips a cached graph it cannot unpickle (its own
+warning) and compiles it again.
 """
 
 from __future__ import annotations

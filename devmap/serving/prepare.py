@@ -94,8 +94,12 @@ def _compiled(model: nn.Module, limits: EngineLimits, quantization: Quantization
     if not compiles(model, wanted, quantization):
         return False
     started = time.perf_counter()
+    compile = lambda: warm_up(model, rows, context, limits.riding)  # noqa: E731
     try:
-        times = compiled_anew(lambda: warm_up(model, rows, context, limits.riding), lambda: release_graphs(model))
+        # a split's processes warm up in step (their collectives pair up in order): one of them alone must not start
+        # its warm-up again, so only a whole model's compile is made anew past an unreadable cache entry
+        split = model.devmap_plan.tensor_parallel is not None
+        times = compile() if split else compiled_anew(compile, lambda: release_graphs(model))
     except Exception as exc:
         phases.add("compile", time.perf_counter() - started)  # what the failed compile cost
         release_graphs(model)

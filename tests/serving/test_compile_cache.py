@@ -108,3 +108,39 @@ def test_a_restart_reads_its_graphs_from_the_cache_and_a_cut_entry_is_made_anew(
     assert healed["sum"] == first["sum"] and log.count("compile cache held entries torch could not read") == 1
     last, log = start()
     assert last == again and "compile cache held" not in log  # made anew: read from the cache again
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole model", "split over processes"])
+def test_a_load_compiles_anew_past_a_cut_entry_unless_its_processes_warm_up_in_step(tmp_path, monkeypatch, split):
+    # a split's processes meet in collectives in order during their warm-up: one of them starting it again alone
+    # would pair its collectives with the others' later ones
+    import types
+
+    import devmap.generation.step_cache as step_cache
+    import devmap.serving.warm_up as warm_up
+    from devmap.serving import prepare
+    from devmap.serving.limits import EngineLimits
+    from devmap.serving.load_phases import LoadPhases
+
+    entry = tmp_path / "kernel.so"
+    entry.write_bytes(b"cut")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def warming(*args, **kwargs):
+        calls.append(entry.exists())
+        if entry.exists():
+            raise ImportError(f"{entry}: file too short")
+        return warm_up.WarmUpTimes(1.0, 0.5, 0.25, graphs=3, from_cache=0)
+
+    monkeypatch.setattr(warm_up, "compiles", lambda model, wanted, quantization: True)
+    monkeypatch.setattr(warm_up, "warm_up", warming)
+    monkeypatch.setattr(step_cache, "release_graphs", lambda model: None)
+    model = types.SimpleNamespace(devmap_plan=types.SimpleNamespace(tensor_parallel=object() if split else None))
+    phases = LoadPhases()
+    compiled = prepare._compiled(model, EngineLimits(), None, rows=8, context=256, phases=phases)
+    if split:  # eager steps, with the reason, as any failed compile; the entry left for the next start's compile
+        assert not compiled and calls == [True] and entry.exists()
+    else:
+        assert compiled and calls == [True, False] and not entry.exists()
+        assert phases.seconds == {"compile": 1.0, "capture": 0.5, "warm_up": 0.25} and phases.graphs.total == 3
