@@ -100,7 +100,8 @@ def test_a_restart_reads_its_graphs_from_the_cache_and_a_cut_entry_is_made_anew(
     assert first["graphs"] == 1 and first["from_cache"] == 0
     again, log = start()
     assert again == {**first, "from_cache": 1} and "compile cache held" not in log
-    libraries = list((tmp_path / "inductor").rglob("*.so"))
+    # the graph's kernel library (inductor names it *.main.so; its vector-instruction probe's library is another .so)
+    libraries = list((tmp_path / "inductor").rglob("*.main.so"))
     assert libraries
     for library in libraries:  # cut short, as a full disk leaves a file
         library.write_bytes(library.read_bytes()[:16])
