@@ -31,6 +31,7 @@ from ..generation.joined_projections import every_layer_joined
 from ..generation.step_cache import release_graphs
 from ..planning.devices import is_gpu, parse_device_key
 from ..planning.quantization import Quantization
+from .interpreter_switch import switching_often
 from .scheduler import CACHE_BUCKET, MIN_ROWS
 
 WARM_UP_STEPS = 4  # the first decode step compiles, the second captures, the rest replay
@@ -71,7 +72,8 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
     Before the model serves: on GPUs its steps are captured too (a capture that would compile fails the warm-up),
     then freed. `beside_serving`: while the model serves in another thread, its steps run uncaptured in a batch of
     its own, leaving the model's kept steps alone; no step of any thread captures meanwhile (`captures_paused`: the
-    serving thread's steps run eagerly until then); `stop()` True ends it between two steps.
+    serving thread's steps run eagerly until then); `stop()` True ends it between two steps. Throughout, the
+    interpreter passes between threads often (`interpreter_switch`), so batches serving beside it keep their pace.
 
     Its compile seconds and graphs are the process's (dynamo counts them for every thread alike): a load compiles
     one model at a time, and a compile beside serving is the only compile while it runs."""
@@ -80,7 +82,7 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
     rows = min(MIN_ROWS, max_rows)
     paused = captures_paused() if beside_serving else contextlib.nullcontext()
     started, before = time.perf_counter(), compile_totals()
-    with timed_captures() as captures, paused, continuous_batch(
+    with switching_often(), timed_captures() as captures, paused, continuous_batch(
             model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True, riding=riding,
             graphs=not beside_serving, keep_graphs=not beside_serving, every_shape=True) as batch:
         # every row held: the batch's own decode step compiles; steps over its first rows reuse that compile
