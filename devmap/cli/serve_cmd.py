@@ -196,12 +196,10 @@ def _steps(described: dict) -> str:
 def _phases(described: dict) -> str:
     """Where a load's time went, for the console: "plan 0.4 s, ..., compile 9.5 s (5 graphs, all from the compile
     cache), ..."."""
-    from devmap.serving.load_phases import CompiledGraphs
+    from devmap.serving.load_phases import CompiledGraphs, phases_text
 
     graphs = described.get("compiled_graphs")
-    return ", ".join(f"{phase} {seconds:.1f} s" + (f" ({CompiledGraphs(**graphs).describe()})"
-                                                   if phase == "compile" and graphs else "")
-                     for phase, seconds in described["load_seconds"].items())
+    return phases_text(described["load_seconds"], CompiledGraphs(**graphs) if graphs else None)
 
 
 def _process_age() -> float | None:

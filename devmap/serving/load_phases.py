@@ -46,8 +46,15 @@ class LoadPhases:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
     def summary(self) -> str:
-        """"plan 0.41 s, weights 1.12 s, ..., compile 9.5 s (5 graphs, all from the compile cache), ..." in load
-        order."""
-        return ", ".join(f"{phase} {self.seconds[phase]:.2f} s"
-                         + (f" ({self.graphs.describe()})" if phase == "compile" and self.graphs else "")
-                         for phase in PHASES if phase in self.seconds)
+        """`phases_text` of this load, in load order."""
+        return phases_text({phase: self.seconds[phase] for phase in PHASES if phase in self.seconds}, self.graphs, 2)
+
+
+def phases_text(seconds: dict[str, float], graphs: CompiledGraphs | None, digits: int = 1) -> str:
+    """"plan 0.41 s, weights 1.12 s, ..., compile 9.5 s (5 graphs, all from the compile cache), ...": a load's phases
+    (`seconds`, in their order) and the graphs its compile made."""
+    def one(phase: str, spent: float) -> str:
+        made = f" ({graphs.describe()})" if phase == "compile" and graphs else ""
+        return f"{phase} {spent:.{digits}f} s{made}"
+
+    return ", ".join(one(phase, spent) for phase, spent in seconds.items())

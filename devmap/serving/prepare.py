@@ -18,7 +18,7 @@ from torch import nn
 from ..planning.quantization import Quantization
 from .errors import ServiceError
 from .limits import EngineLimits
-from .load_phases import CompiledGraphs, LoadPhases
+from .load_phases import LoadPhases
 
 log = logging.getLogger("devmap.serving")
 
@@ -110,7 +110,7 @@ def _compiled(model: nn.Module, limits: EngineLimits, quantization: Quantization
         return False
     for phase, seconds in times.phases().items():
         phases.add(phase, seconds)
-    phases.graphs = CompiledGraphs(times.graphs, times.from_cache)
+    phases.graphs = times.graphs
     return True
 
 

@@ -25,7 +25,7 @@ from ..planning.budget import resolve_budget
 from ..planning.devices import DeviceKey
 from .errors import DoesNotFit, ModelNotFound, ModelUnloading, ServiceError
 from .limits import EngineLimits
-from .load_phases import CompiledGraphs, LoadPhases
+from .load_phases import LoadPhases
 from .prepare import prepare_for_serving
 from .resident import ResidentModel
 from .step_compile import StepCompile
@@ -131,7 +131,7 @@ class ModelRegistry:
 
         def done(times: WarmUpTimes) -> None:
             resident.load_seconds.update(times.phases())
-            resident.compiled_graphs = CompiledGraphs(times.graphs, times.from_cache)
+            resident.compiled_graphs = times.graphs
             resident.compiled = True
             _freeze_survivors()  # what the compile made and keeps, left out of later collections too
 

@@ -32,6 +32,7 @@ from ..generation.step_cache import release_graphs
 from ..planning.devices import is_gpu, parse_device_key
 from ..planning.quantization import Quantization
 from .interpreter_switch import switching_often
+from .load_phases import CompiledGraphs
 from .scheduler import CACHE_BUCKET, MIN_ROWS
 
 WARM_UP_STEPS = 4  # the first decode step compiles, the second captures, the rest replay
@@ -56,8 +57,7 @@ class WarmUpTimes(NamedTuple):
     compile: float
     capture: float
     warm_up: float
-    graphs: int
-    from_cache: int
+    graphs: CompiledGraphs
 
     def phases(self) -> dict[str, float]:
         """The load phases they are (`load_phases.PHASES`)."""
@@ -96,4 +96,4 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
     after, elapsed = compile_totals(), time.perf_counter() - started
     compiling = after.seconds - before.seconds
     return WarmUpTimes(compiling, captures.seconds, max(0.0, elapsed - compiling - captures.seconds),
-                       after.graphs - before.graphs, after.from_cache - before.from_cache)
+                       CompiledGraphs(after.graphs - before.graphs, after.from_cache - before.from_cache))

@@ -121,7 +121,7 @@ def test_a_load_compiles_anew_past_a_cut_entry_unless_its_processes_warm_up_in_s
     import devmap.serving.warm_up as warm_up
     from devmap.serving import prepare
     from devmap.serving.limits import EngineLimits
-    from devmap.serving.load_phases import LoadPhases
+    from devmap.serving.load_phases import CompiledGraphs, LoadPhases
 
     entry = tmp_path / "kernel.so"
     entry.write_bytes(b"cut")
@@ -132,7 +132,7 @@ def test_a_load_compiles_anew_past_a_cut_entry_unless_its_processes_warm_up_in_s
         calls.append(entry.exists())
         if entry.exists():
             raise ImportError(f"{entry}: file too short")
-        return warm_up.WarmUpTimes(1.0, 0.5, 0.25, graphs=3, from_cache=0)
+        return warm_up.WarmUpTimes(1.0, 0.5, 0.25, CompiledGraphs(total=3, from_cache=0))
 
     monkeypatch.setattr(warm_up, "compiles", lambda model, wanted, quantization: True)
     monkeypatch.setattr(warm_up, "warm_up", warming)
