@@ -77,10 +77,11 @@ class DevmapGroup(click.Group):
 def _fail(message: str, code: int, debug: bool) -> None:
     if debug and sys.exc_info()[0] is not None:
         traceback.print_exc()
-    from .rank_launch import report_rank_error
+    from .rank_launch import end_launched_rank, report_rank_error
 
-    if not report_rank_error(message, code):  # a rank of `devmap train --nproc-per-node`: its launcher prints it
-        click.echo(f"Error: {message}", err=True)
+    if report_rank_error(message, code):  # a rank of `devmap train --nproc-per-node`: its launcher prints it
+        end_launched_rank(code)
+    click.echo(f"Error: {message}", err=True)
     sys.exit(code)
 
 

@@ -35,13 +35,14 @@ def is_launched_rank() -> bool:
     return bool(os.environ.get(ERRORS_DIR)) and os.environ.get("RANK") is not None
 
 
-def end_launched_rank() -> None:
-    """End a rank this launcher started, whose command finished, without the interpreter's teardown: a process
-    group's threads (gloo's, NCCL's) can abort a process there ("terminate called without an active exception"),
-    and the launcher would then stop the other ranks and report a failure of a run that finished."""
+def end_launched_rank(code: int = 0) -> None:
+    """End a rank this launcher started, whose command finished or whose error is reported, without the
+    interpreter's teardown: a process group's threads (gloo's, NCCL's) can abort a process there ("terminate called
+    without an active exception" on its stderr), and the launcher would then report a failure of a run that
+    finished, or print that line beside the error's one."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def worker_arguments(argv: list[str]) -> list[str]:
