@@ -46,7 +46,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = first.get("msg", "invalid request")
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's, of a validator
         if first.get("type") == "json_invalid":
             message = "the body is not valid JSON"
         text = f"{where}: {message}" if where else message

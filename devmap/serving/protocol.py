@@ -26,6 +26,20 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {  # values of unsupported fields that ask
 }
 
 
+def unicode_text(value: Any) -> Any:
+    """`value` (a text, a list of texts, or anything else, passed through) if every text in it is Unicode that UTF-8
+    can carry; JSON can spell a lone surrogate (`"\\ud800"`), which no tokenizer reads, so it is refused here."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else ():
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), which is not "
+                             "a character: send a surrogate pair's two halves together") from None
+    return value
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")  # checked against IGNORED and NEUTRAL below
 
@@ -50,10 +64,10 @@ class _Request(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def at_most_four_stops(cls, value: Any) -> Any:
+    def valid_stops(cls, value: Any) -> Any:
         if isinstance(value, list) and len(value) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop sequences (as OpenAI's API), got {len(value)}")
-        return value
+        return unicode_text(value)
 
     def budget(self) -> int | None:
         """The request's token budget as sent (None: the service's default)."""
@@ -83,8 +97,8 @@ class CompletionRequest(_Request):
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             if len(value) != 1:
                 raise ValueError("send one prompt per request (a list of several prompts is not supported)")
-            return value[0]
-        return value
+            value = value[0]
+        return unicode_text(value)
 
     def scores(self) -> tuple[int | None, bool]:
         return self.logprobs, self.echo and self.logprobs is not None
@@ -102,7 +116,8 @@ class ChatMessage(BaseModel):
         for part in value if isinstance(value, list) else ():
             if part.get("type") != "text":
                 raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text only)")
-        return value
+            unicode_text(part.get("text"))
+        return unicode_text(value)
 
     def text(self) -> str:
         if isinstance(self.content, list):
