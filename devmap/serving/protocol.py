@@ -6,6 +6,7 @@ here is accepted (`IGNORED`), and any other field is refused with 400 naming it,
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal, Union
@@ -26,21 +27,43 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {  # values of unsupported fields that ask
 }
 
 
-def unicode_text(value: Any) -> Any:
-    """`value` (a text, a list of texts, or anything else, passed through) if every text in it is Unicode that UTF-8
-    can carry; JSON can spell a lone surrogate (`"\\ud800"`), which no tokenizer reads, so it is refused here."""
-    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else ():
-        if not isinstance(text, str):
-            continue
+def lone_surrogate(value: Any, place: str = "") -> tuple[str, str, int] | None:
+    """The first text of a decoded JSON body (a field name or a value) that holds a lone surrogate, which JSON can
+    spell (`"\\ud800"`) but is no character (UTF-8 cannot carry it, no tokenizer reads it): (its place, as
+    `messages.0.content`, the text, the surrogate's index), or None."""
+    if isinstance(value, str):
         try:
-            text.encode("utf-8")
+            value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ValueError(f"holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), which is not "
-                             "a character: send a surrogate pair's two halves together") from None
-    return value
+            return place, value, exc.start
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{place}.{key}" if place else str(key)
+        if isinstance(key, str) and (found := lone_surrogate(key, place)):
+            return f"a field name in {place or 'the body'}", found[1], found[2]
+        if found := lone_surrogate(item, inner):
+            return found
+    return None
 
 
-class _Request(BaseModel):
+class _Body(BaseModel):
+    """A request body whose every text is made of characters (checked before its fields are)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def characters_only(cls, data: Any) -> Any:
+        try:  # the whole body at once; the walk below only finds the place
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except (UnicodeEncodeError, TypeError, ValueError):
+            if found := lone_surrogate(data):
+                place, text, index = found
+                raise ServiceError(f"{place} holds a lone surrogate ({text[index]!r} at character {index}), which is "
+                                   "not a character: send a surrogate pair's two halves together", param=place)
+        return data
+
+
+class _Request(_Body):
     model_config = ConfigDict(extra="allow")  # checked against IGNORED and NEUTRAL below
 
     model: str
@@ -64,10 +87,10 @@ class _Request(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def valid_stops(cls, value: Any) -> Any:
+    def at_most_four_stops(cls, value: Any) -> Any:
         if isinstance(value, list) and len(value) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop sequences (as OpenAI's API), got {len(value)}")
-        return unicode_text(value)
+        return value
 
     def budget(self) -> int | None:
         """The request's token budget as sent (None: the service's default)."""
@@ -97,8 +120,8 @@ class CompletionRequest(_Request):
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             if len(value) != 1:
                 raise ValueError("send one prompt per request (a list of several prompts is not supported)")
-            value = value[0]
-        return unicode_text(value)
+            return value[0]
+        return value
 
     def scores(self) -> tuple[int | None, bool]:
         return self.logprobs, self.echo and self.logprobs is not None
@@ -116,8 +139,7 @@ class ChatMessage(BaseModel):
         for part in value if isinstance(value, list) else ():
             if part.get("type") != "text":
                 raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text only)")
-            unicode_text(part.get("text"))
-        return unicode_text(value)
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -145,7 +167,7 @@ class ChatRequest(_Request):
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
 
-class LoadRequest(BaseModel):
+class LoadRequest(_Body):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="a directory under the service's model root")
