@@ -45,11 +45,16 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's, of a validator
-        if first.get("type") == "json_invalid":
-            message = "the body is not valid JSON"
-        text = f"{where}: {message}" if where else message
+        loc = tuple(first.get("loc", ()))
+        if first.get("type") == "json_invalid" and len(loc) == 2:  # its place is a character of the body, not a field
+            reason = (first.get("ctx") or {}).get("error", "an error")
+            where, text = None, f"the body is not valid JSON ({reason} at character {loc[-1]})"
+        elif loc == ("body",):
+            where, text = None, "the body must be a JSON object, sent as content-type: application/json"
+        else:
+            where = ".".join(str(p) for p in loc if p != "body")
+            message = first.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's, of a validator
+            text = f"{where}: {message}" if where else message
         return JSONResponse(error_body(text, "invalid_request_error", where or None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -142,6 +142,20 @@ def test_text_that_is_not_unicode_gets_400_naming_the_field(hostile_server, path
     assert response.status_code == whole and "lone surrogate" not in response.text, response.text
 
 
+@pytest.mark.parametrize("body, content_type, words", [
+    (b"not json", "application/json", "not valid JSON (Expecting value at character 0)"),
+    (b'{"model": "tiny",', "application/json", "not valid JSON"),
+    (b"[1, 2]", "application/json", "must be a JSON object"),
+    (b'{"model": "tiny", "prompt": "Hi"}', "text/plain", "content-type: application/json"),
+])
+def test_a_body_that_is_no_json_object_gets_400_saying_so(hostile_server, body, content_type, words):
+    response = httpx.post(hostile_server + "/v1/completions", content=body, headers={"content-type": content_type},
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert words in error["message"] and error["param"] is None, error
+
+
 def test_neutral_values_and_options_that_change_nothing_are_accepted(hostile_server):
     body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
             "max_tokens": 3, "frequency_penalty": 0, "presence_penalty": 0.0, "tools": [], "tool_choice": "none",
