@@ -4,6 +4,7 @@ fail another request; each gets a 4xx naming what was wrong. And the OpenAI scor
 (`logprobs`, `top_logprobs`, `echo`) against transformers' own logits."""
 
 import asyncio
+import json
 import threading
 import time
 
@@ -11,6 +12,8 @@ import httpx
 import openai
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import devmap
@@ -154,6 +157,47 @@ def test_a_body_that_is_no_json_object_gets_400_saying_so(hostile_server, body, 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert words in error["message"] and error["param"] is None, error
+
+
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+          "stream", "stop", "seed", "logprobs", "top_logprobs", "echo", "user", "stream_options", "logit_bias", "tools",
+          "response_format", "frequency_penalty", "suffix", "best_of"]
+TEXTS = st.one_of(st.text(max_size=30), st.sampled_from(["\ud800", "a\udc00b", "", "\x00", "\U0001f642", "</s>"]))
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.integers(-3, 300),
+                    st.floats(allow_nan=True, allow_infinity=True), st.floats(-3, 3), TEXTS)
+VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(TEXTS, inner, max_size=3)), max_leaves=8)
+MESSAGES = st.lists(st.fixed_dictionaries({
+    "role": st.one_of(st.sampled_from(["user", "system", "assistant", "tool", "developer"]), TEXTS),
+    "content": st.one_of(TEXTS, VALUES, st.lists(st.fixed_dictionaries({
+        "type": st.sampled_from(["text", "image_url"]), "text": TEXTS}), max_size=2))}), max_size=3)
+
+
+def test_no_body_gets_a_server_error(hostile_server):
+    """Valid bodies with up to three fields set to anything JSON can hold (NaN and lone surrogates too, unknown
+    fields, wrong types, nested values): each gets 200 with no error in its stream, or a 4xx with an error message."""
+
+    @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+           st.dictionaries(st.one_of(st.sampled_from(FIELDS), TEXTS), VALUES, max_size=3),
+           st.one_of(st.none(), MESSAGES), st.booleans())
+    def check(path, changes, messages, stream):
+        body = {"model": "tiny", "max_tokens": 2, "stream": stream}
+        if path == "/v1/completions":
+            body["prompt"] = "Hello"
+        else:
+            body["messages"] = messages if messages is not None else [{"role": "user", "content": "Hi"}]
+        body.update(changes)
+        with httpx.stream("POST", hostile_server + path, content=json.dumps(body, allow_nan=True).encode(),
+                          headers={"content-type": "application/json"}, timeout=60) as response:
+            data = response.read().decode()
+        assert response.status_code < 500, (body, data[:300])
+        if response.status_code >= 400:
+            assert json.loads(data)["error"]["message"], data
+        for line in data.splitlines():
+            assert not line.startswith("data: {") or "error" not in json.loads(line[6:]), (body, line)
+
+    check()
 
 
 def test_neutral_values_and_options_that_change_nothing_are_accepted(hostile_server):
