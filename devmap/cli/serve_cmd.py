@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import ipaddress
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -19,7 +22,8 @@ from .options import load_options
               help="Directory whose sub-directories clients may load with POST /v1/models/load.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs --api-key.")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to listen on, bound before any model loads (0: a free one, which the console names).")
 @click.option("--api-key", default=None, envvar="DEVMAP_API_KEY",
               help="Bearer key every request must send (or DEVMAP_API_KEY).")
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1),
@@ -112,6 +116,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
         raise click.UsageError("--compile-beside compiles a whole model's steps while it serves: leave out "
                                "--compile / --no-compile and --tensor-parallel")
 
+    listening = _bound(host, port)  # before anything loads: an address in use fails now, not after the loads
     from devmap.serving.compile_cache import use_compile_cache
     from devmap.serving.core_parts import RegistrySettings
     from devmap.serving.core_start import start_core
@@ -152,9 +157,11 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
                        f"(more rows of shorter caches), {_steps(described)}; {_phases(described)}", err=True)
     except ServiceError as exc:
         engine.close(timeout=30)
+        listening.close()
         raise click.ClickException(exc.message) from None
     except BaseException:
         engine.close(timeout=30)
+        listening.close()
         raise
     loaded = time.perf_counter() - loading
     if imported is not None:
@@ -162,11 +169,14 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     engine.record_startup("command_line_loads", loaded)
     app = create_app(engine, api_key=api_key)
     age = _process_age()
+    address = _address(listening)
     if age is not None:
         engine.metrics.ready_seconds.set(age)
         imports = f"its imports {imported:.1f} s beside the engine core's start, " if imported is not None else ""
-        click.echo(f"answering {age:.1f} s after devmap serve started: {imports}the loads above {loaded:.1f} s "
-                   "(/metrics: devmap_startup_seconds, devmap_serve_ready_seconds)", err=True)
+        click.echo(f"answering on {address} {age:.1f} s after devmap serve started: {imports}the loads above "
+                   f"{loaded:.1f} s (/metrics: devmap_startup_seconds, devmap_serve_ready_seconds)", err=True)
+    else:
+        click.echo(f"answering on {address}", err=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import gc
     import logging
@@ -181,7 +191,31 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     logging.getLogger("devmap").setLevel(log_level.upper())  # per-batch timings at debug
     # uvicorn handles SIGTERM and SIGINT: it stops accepting, lets in-flight requests finish, then the app's
     # lifespan drains the engine
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(request_timeout) + 5)
+    config = uvicorn.Config(app, host=host, port=listening.getsockname()[1], log_level=log_level,
+                            timeout_graceful_shutdown=int(request_timeout) + 5)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the signal it stopped on again, once stopped
+        uvicorn.Server(config).run(sockets=[listening])
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """A socket bound to the service's address (uvicorn listens on it), or one line saying why it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn picks it
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart rebinds at once
+        listening.bind((host, port))
+    except OSError as exc:
+        listening.close()
+        fix = ("stop what listens there or pick another --port" if exc.errno == errno.EADDRINUSE else
+               "pick another --host or --port")
+        raise click.ClickException(f"cannot listen on {host}:{port} ({exc.strerror or exc}): {fix}") from None
+    return listening
+
+
+def _address(listening: socket.socket) -> str:
+    """The URL clients reach the service at (the port the system gave, where --port 0 asked for any)."""
+    host, port = listening.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _steps(described: dict) -> str:

@@ -124,3 +124,18 @@ def test_serve_keeps_compiled_steps_where_it_is_told_else_in_the_users_cache(tmp
     assert use_compile_cache(None) is None  # inductor's own variable, set: left as it is
     use_compile_cache(str(tmp_path / "mine"))  # named: always
     assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "mine" / key / "triton").resolve())
+
+
+def test_serve_on_an_address_in_use_fails_at_once_in_one_line(tmp_path):
+    """The address is bound before the engine core starts or any model loads: a port in use is one line, exit 1."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "devmap", "serve", str(tmp_path), "--port", str(port)],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [f"Error: cannot listen on 127.0.0.1:{port} (Address already in use): stop "
+                                          "what listens there or pick another --port"], result.stderr
