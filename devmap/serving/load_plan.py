@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..generation.causal_lm import SAME_GLUE
 from ..generation.joins import pack_limit, pack_widths
 from ..planning.planner import Plan
 from ..planning.rows_fit import rows_that_fit
@@ -42,9 +43,11 @@ def plan_serving(model_source: Any, limits: EngineLimits, plan_with: Callable[[W
     """The serving plan of `model_source` (a resolved source) under `limits`; `plan_with(workload)` plans it on the
     caller's devices and budget (None: the weights alone). `cache_len` overrides the cache tokens per row the
     limits give."""
-    if not model_source.is_causal_lm:
-        raise ServiceError(f"{model_source.name} is not a causal LM: the service generates text with LLaMA-style "
-                           "models", param="model")
+    model_type = getattr(model_source.config, "model_type", None)
+    if not model_source.is_causal_lm or model_type not in SAME_GLUE:
+        kind = f"a {model_type!r} model" if model_source.is_causal_lm else "not a causal LM"
+        raise ServiceError(f"{model_source.name} is {kind}: the service generates text with LLaMA-style models "
+                           f"({', '.join(SAME_GLUE)})", param="model")
     context = int(getattr(model_source.config, "max_position_embeddings", 0) or 0)
     if cache_len is None:
         cache_len = largest_cache(limits.scheduling(), limits.max_prompt_tokens, limits.max_new_tokens, context)

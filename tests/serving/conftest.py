@@ -23,6 +23,8 @@ def model_root(tmp_path_factory):
     devmap.save("llama-tiny", root / "tiny")
     devmap.save("llama-tiny", root / "second", seed=1)
     (root / "outside").mkdir()
+    (root / "encoder").mkdir()  # a model the service does not generate with (not LLaMA-style)
+    (root / "encoder" / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
     return root
 
 

@@ -127,6 +127,8 @@ def test_load_and_unload_a_second_model(server, model_root):
             refused = http.post("/v1/models/load", json={"model": name})
             assert refused.status_code == status, (name, refused.text)
             assert refused.json()["error"]["message"]
+        encoder = http.post("/v1/models/load", json={"model": "encoder"})
+        assert encoder.status_code == 400 and "'bert' model" in encoder.json()["error"]["message"], encoder.text
         too_big = http.post("/v1/models/load", json={"model": "second", "max_memory": "cpu=10KB"})
         assert too_big.status_code == 409 and "does not fit" in too_big.json()["error"]["message"]
 
