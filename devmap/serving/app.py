@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .core_client import ModelCard
 from .engine import Engine
 from .errors import ServiceError
 from .logprob_bodies import TokenTexts, chat_logprobs, completion_logprobs
@@ -98,14 +99,13 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     async def stop_profile() -> dict[str, Any]:
         return await run_in_threadpool(engine.stop_profile)
 
+    # a prompt's tokenizing (and a chat's template) runs off the event loop: a megabyte of text takes a second to
+    # tokenize, in which no stream of any client would move
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
-        card = engine.card(body.model)
-        prompt = body.prompt
-        ids = prompt if isinstance(prompt, list) else card.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        job = engine.submit(body.model, list(ids), body.params())
+        card, ids, echoed = await run_in_threadpool(_completion_prompt, engine, body)
+        job = engine.submit(body.model, ids, body.params())
         request_id = new_id("cmpl")
-        echoed = (prompt if isinstance(prompt, str) else card.tokenizer.decode(ids)) if body.echo else ""
         scores = _CompletionScores(card.tokenizer, job, body.echo, len(echoed)) if body.logprobs is not None else None
         if body.stream:
             return _sse(_completion_events(engine, job, request_id, body.model, echoed, scores))
@@ -115,8 +115,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest) -> Any:
-        tokenizer = engine.card(body.model).tokenizer
-        ids = _chat_ids(tokenizer, body)
+        tokenizer, ids = await run_in_threadpool(_chat_prompt, engine, body)
         job = engine.submit(body.model, ids, body.params())
         request_id = new_id("chatcmpl")
         scores = _ChatScores(tokenizer, job) if body.logprobs else None
@@ -129,12 +128,22 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def _chat_ids(tokenizer: Any, body: ChatRequest) -> list[int]:
+def _completion_prompt(engine: Engine, body: CompletionRequest) -> tuple[ModelCard, list[int], str]:
+    """The model's card, the prompt's token ids and the text an `echo` gives back (blocks: tokenizes)."""
+    card, prompt = engine.card(body.model), body.prompt
+    ids = list(prompt) if isinstance(prompt, list) else card.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    echoed = (prompt if isinstance(prompt, str) else card.tokenizer.decode(ids)) if body.echo else ""
+    return card, ids, echoed
+
+
+def _chat_prompt(engine: Engine, body: ChatRequest) -> tuple[Any, list[int]]:
+    """The model's tokenizer and the token ids of the conversation in its chat template (blocks: tokenizes)."""
+    tokenizer = engine.card(body.model).tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ServiceError(f"model {body.model!r} has no chat template; use /v1/completions", param="messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return tokenizer, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:

@@ -4,6 +4,7 @@ request in the core, the queue's bound counts requests with no token yet, and a 
 request with a 503."""
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,44 @@ def test_a_core_that_is_gone_ends_every_open_request_with_503(tokenizer):
         return gone.value
 
     assert asyncio.run(run()).status == 503
+
+
+class ThreadRecordingTokenizer:
+    """The tokenizer, recording the threads that tokenize prompts and apply chat templates."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.threads = tokenizer, []
+
+    def __call__(self, *args, **kwargs):
+        self.threads.append(threading.get_ident())
+        return self.tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.threads.append(threading.get_ident())
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_prompts_are_tokenized_off_the_event_loop(tokenizer):
+    """A megabyte of prompt takes a second to tokenize, in which no stream on the event loop would move."""
+    import httpx
+
+    from devmap.serving.app import create_app
+
+    recording = ThreadRecordingTokenizer(tokenizer)
+    engine, core = engine_over(recording)
+    core.add = lambda job: core.deliver([TokenOutput(job.id, [7], "length")])  # one token, then done
+
+    async def run() -> list[int]:
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://devmap") as http:
+            for path, body in (("/v1/completions", {"prompt": "the quick brown fox"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+                response = await http.post(path, json={"model": "m", "max_tokens": 1, **body})
+                assert response.status_code == 200, response.text
+        return [threading.get_ident()]
+
+    loop_thread = asyncio.run(run())[0]
+    assert len(recording.threads) == 3 and loop_thread not in recording.threads
