@@ -133,4 +133,8 @@ def load_tokenizer(path: Path) -> Any:
         raise ServiceError(f"{path.name} has no usable tokenizer ({str(exc).splitlines()[0]}); a server answers "
                            "text, so the directory needs tokenizer files (devmap save writes them)") from None
     tokenizer.padding_side = "left"
+    # transformers sets the truncation and padding of its shared Rust tokenizer whenever a call asks for others
+    # than it has, which fails ("Already borrowed") while another thread encodes or decodes with it: set them here,
+    # before the API's threads share it, to what all of its calls ask for (none)
+    tokenizer("", add_special_tokens=False)
     return tokenizer

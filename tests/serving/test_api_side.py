@@ -159,3 +159,55 @@ def test_prompts_are_tokenized_off_the_event_loop(tokenizer):
 
     loop_thread = asyncio.run(run())[0]
     assert len(recording.threads) == 3 and loop_thread not in recording.threads
+
+
+def test_a_tokenizer_is_left_as_every_call_of_the_api_asks_before_threads_share_it(model_root, tmp_path):
+    """A tokenizer.json with truncation and padding set: transformers would unset them on the shared Rust tokenizer
+    at the first prompt, which fails ("Already borrowed") while another thread encodes or decodes; loading unsets
+    them first."""
+    import json
+    import shutil
+
+    from devmap.serving.prepare import load_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_root / "tiny" / name, tmp_path / name)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                       "pad_type_id": 0, "pad_token": "<unk>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.backend_tokenizer.truncation is None and tokenizer.backend_tokenizer.padding is None
+
+
+def test_prompts_tokenized_in_many_threads_at_once_get_their_own_ids(model_root):
+    """200 prompts at once, tokenized in worker threads while streams decode on the event loop: each request's ids
+    are those of its prompt tokenized alone (a tokenizer as the service loads it)."""
+    import httpx
+
+    from devmap.serving.app import create_app
+    from devmap.serving.prepare import load_tokenizer
+
+    tokenizer = load_tokenizer(model_root / "tiny")
+    engine, core = engine_over(tokenizer)
+    prompts = [" ".join(["the quick brown fox", "jumps over", "a lazy dog"][: 1 + i % 3]) * (1 + i % 17)
+               for i in range(200)]
+    added = {}
+
+    def add(job) -> None:
+        added[job.id] = job.prompt_ids
+        core.deliver([TokenOutput(job.id, [7, 8, 9], "length")])
+
+    core.add = add
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://devmap", timeout=60) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={
+                "model": "m", "prompt": p, "max_tokens": 3, "stream": i % 2 == 0}) for i, p in enumerate(prompts)))
+
+    responses = asyncio.run(run())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200][:2]
+    expected = sorted(tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts)
+    assert sorted(added.values()) == expected
