@@ -155,13 +155,11 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
                        f"{', '.join(sorted(set(described['device_map'].values())))}: batches of up to "
                        f"{described['max_batch']} rows{lanes} of {described['cache_tokens_per_row']} cache tokens "
                        f"(more rows of shorter caches), {_steps(described)}; {_phases(described)}", err=True)
-    except ServiceError as exc:
+    except BaseException as exc:
         engine.close(timeout=30)
         listening.close()
-        raise click.ClickException(exc.message) from None
-    except BaseException:
-        engine.close(timeout=30)
-        listening.close()
+        if isinstance(exc, ServiceError):
+            raise click.ClickException(exc.message) from None
         raise
     loaded = time.perf_counter() - loading
     if imported is not None:

@@ -131,7 +131,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
 def _completion_prompt(engine: Engine, body: CompletionRequest) -> tuple[ModelCard, list[int], str]:
     """The model's card, the prompt's token ids and the text an `echo` gives back (blocks: tokenizes)."""
     card, prompt = engine.card(body.model), body.prompt
-    ids = list(prompt) if isinstance(prompt, list) else card.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = prompt if isinstance(prompt, list) else card.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     echoed = (prompt if isinstance(prompt, str) else card.tokenizer.decode(ids)) if body.echo else ""
     return card, ids, echoed
 
@@ -143,7 +143,7 @@ def _chat_prompt(engine: Engine, body: ChatRequest) -> tuple[Any, list[int]]:
         raise ServiceError(f"model {body.model!r} has no chat template; use /v1/completions", param="messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
