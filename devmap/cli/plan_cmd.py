@@ -49,7 +49,7 @@ def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None,
     no memory is allocated and no weights are read.
     """
     from devmap.planning.layers import layer_table, parse_shape
-    from devmap.planning.planner import plan as make_plan
+    from devmap.planning.planner import plan as make_plan, planner
 
     if input_shape is not None and not layers and workload_kind is None:
         raise click.UsageError("--input-shape applies with --layers or --for")
@@ -63,7 +63,9 @@ def plan(source: str, device_map: str, gpus: int | None, gpu_memory: str | None,
 
     serving = None
     if workload_kind is not None and workload_kind.lower() == "serve":
-        serving = _serving_plan(source, batch, seq_len, chunks, input_shape, plan_with)
+        serving = _serving_plan(source, batch, seq_len, chunks, input_shape, planner(
+            source, device_map, max_memory, dtype, gpus=gpus, gpu_memory=gpu_memory, offload_folder=offload_folder,
+            quantization=quantize, tensor_parallel=tensor_parallel))
         result = serving.plan
     elif workload_kind is not None:
         from devmap.planning.models import resolve_source

@@ -192,8 +192,11 @@ def _torchvision_dir(path: Path) -> ModelSource | None:
     return ModelSource(name=arch, kind="torchvision", path=path, extra=extra, default_dtype=default)
 
 
-def resolve_source(source: Union[str, Path, nn.Module]) -> ModelSource:
-    """Turn a preset name, a local directory or an nn.Module into a ModelSource; never contacts a hub."""
+def resolve_source(source: Union[str, Path, nn.Module, ModelSource]) -> ModelSource:
+    """Turn a preset name, a local directory or an nn.Module into a ModelSource (one already resolved is returned as
+    it is: its config is read once); never contacts a hub."""
+    if isinstance(source, ModelSource):
+        return source
     if isinstance(source, nn.Module):
         return ModelSource(name=type(source).__name__, kind="module", module=source,
                            default_dtype=_module_dtype(source))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Callable, Mapping, Union
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from .quantization import (Quantization, check_placement, extra_bytes, quantized
 
 
 def plan(
-    source: Union[str, Path, nn.Module],
+    source: Union[str, Path, nn.Module, ModelSource],
     device_map: DeviceMapSpec = "auto",
     max_memory: str | Mapping[DeviceKey, Size] | None = None,
     dtype: str | torch.dtype | None = None,
@@ -51,6 +51,28 @@ def plan(
     the block that holds it. `tensor_parallel` N > 1 splits every attention and MLP block of a LLaMA-family model
     over each group of N GPUs (`devmap.planning.tensor_parallel`); the groups are planned as the devices of the map.
     """
+    return planner(source, device_map, max_memory, dtype, gpus=gpus, gpu_memory=gpu_memory,
+                   offload_folder=offload_folder, no_split_module_classes=no_split_module_classes,
+                   quantization=quantization, tensor_parallel=tensor_parallel)(workload)
+
+
+def planner(
+    source: Union[str, Path, nn.Module, ModelSource],
+    device_map: DeviceMapSpec = "auto",
+    max_memory: str | Mapping[DeviceKey, Size] | None = None,
+    dtype: str | torch.dtype | None = None,
+    *,
+    gpus: int | None = None,
+    gpu_memory: Size | None = None,
+    offload_folder: str | None = None,
+    no_split_module_classes: list[str] | None = None,
+    quantization: Any = None,
+    tensor_parallel: int = 1,
+) -> Callable[[Workload | None], Plan]:
+    """`plan` of one source, map and budget for any workload (None: the weights alone), as `workload -> Plan`: the
+    arguments are checked, the source read, the budget resolved and the model built on the meta device once, for
+    callers that plan the same model for many workloads (a service finding its largest batch plans it a dozen
+    times). Every plan it makes shares that meta model (`Plan.model`), which planning leaves as it found it."""
     device_map = normalize_device_map(device_map)
     torch_dtype = parse_dtype(dtype)
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
@@ -60,11 +82,11 @@ def plan(
     quantized, torch_dtype = resolve_quantization(quantization, torch_dtype, model_source)
     check_could_fit(model_source, budget, torch_dtype, quantized)
     if tensor_parallel > 1:
-        return _split_plan(model_source, tensor_parallel, device_map, budget, torch_dtype, no_split_module_classes,
-                           quantized, workload)
+        return lambda workload: _split_plan(model_source, tensor_parallel, device_map, budget, torch_dtype,
+                                            no_split_module_classes, quantized, workload)
     model = model_source.build("meta")
-    return plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized,
-                      workload)
+    return lambda workload: plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes,
+                                       quantized, workload)
 
 
 def _split_plan(model_source: ModelSource, size: int, device_map: DeviceMapSpec, budget: Budget, dtype: torch.dtype,
@@ -86,7 +108,7 @@ def _split_plan(model_source: ModelSource, size: int, device_map: DeviceMapSpec,
     return _spread(plan_of_one, TensorSplit(size, groups, vocab), budget)
 
 
-def plan_shard(source: Union[str, Path], size: int, rank: int,
+def plan_shard(source: Union[str, Path, ModelSource], size: int, rank: int,
                max_memory: str | Mapping[DeviceKey, Size] | None = None, dtype: str | torch.dtype | None = None,
                workload: Workload | None = None, stages: Mapping[str, DeviceKey] | None = None) -> Plan:
     """The plan of the shard process `rank` holds of `source` split `size` ways (`devmap.planning.tensor_parallel`),

@@ -219,10 +219,12 @@ def _control(core: EngineCore, method: str, args: tuple) -> Any:
 
 
 def import_model_stack() -> None:
-    """What every load needs (transformers' modeling code, accelerate), imported as the core's process starts, while
-    the API's process imports its own (`core_start`): a load's plan phase then times planning, not imports."""
+    """What every load needs (transformers' modeling code, LLaMA's, accelerate), imported as the core's process
+    starts, while the API's process imports its own (`core_start`): a load's plan phase then times planning, not
+    imports."""
     import accelerate  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401  (the family most served; others import at load)
 
 
 def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level: str, inbox: Connection,

@@ -160,14 +160,15 @@ class ModelRegistry:
     def _serving_plan(self, path: Path, device_map: Any, budget: Any, dtype: str | None) -> ServingPlan:
         """The largest batch the model will run within `budget`: its rows, lanes, cache tokens per row, and plan."""
         from ..planning.models import resolve_source
-        from ..planning.planner import plan, plan_shard
+        from ..planning.planner import plan_shard, planner
         from .load_plan import plan_serving
 
+        source = resolve_source(str(path))  # its config read once for every plan below
         if self.tensor_parallel > 1:  # this process's shard (rank 0's): its GPU of each group of the split
-            return plan_serving(resolve_source(str(path)), self.limits, lambda workload: plan_shard(
-                str(path), self.tensor_parallel, 0, budget, dtype, workload))
-        return plan_serving(resolve_source(str(path)), self.limits, lambda workload: plan(
-            str(path), device_map, budget, dtype, quantization=self.quantization, workload=workload))
+            return plan_serving(source, self.limits, lambda workload: plan_shard(
+                source, self.tensor_parallel, 0, budget, dtype, workload))
+        return plan_serving(source, self.limits, planner(source, device_map, budget, dtype,
+                                                         quantization=self.quantization))
 
     def planned(self) -> dict[DeviceKey, int]:
         """What the resident models' plans hold on each device at their largest batches."""

@@ -126,6 +126,32 @@ def test_serving_rows_are_the_most_that_fit_whether_all_fit_or_not():
     assert rows_that_fit(plan_for, most + 1)[0] == most
 
 
+def test_a_planner_reads_and_builds_its_model_once_and_plans_every_workload_as_plan_does(monkeypatch):
+    """`planner` (what a service's load plans through, a dozen workloads per load) resolves the source, reads the
+    budget and builds the meta model once; each of its plans is the one `devmap.plan` makes for that workload, and
+    every plan after another leaves the shared meta model as it was."""
+    from devmap.planning.models import ModelSource, resolve_source
+    from devmap.planning.planner import planner
+
+    source = resolve_source("tinyllama-1.1b")
+    assert resolve_source(source) is source  # an already resolved source is not read again
+    builds = []
+    build = ModelSource.build
+    monkeypatch.setattr(ModelSource, "build", lambda self, *a, **k: builds.append(a) or build(self, *a, **k))
+    args = dict(gpus=2, gpu_memory="3GiB", dtype="bf16")
+    plan_for = planner(source, "balanced", **args)
+    workloads = [None] + [parse_workload("serve", causal_lm=True, batch=rows, seq_len=2048, chunks=min(2, rows))
+                          for rows in (1, 8, 3, 8)]
+    plans = [plan_for(w) for w in workloads]
+    assert len(builds) == 1
+    shapes = {n: (p.shape, p.dtype, p.device) for n, p in plans[0].model.named_parameters()}
+    for workload, made in zip(workloads, plans):
+        alone = devmap.plan("tinyllama-1.1b", "balanced", workload=workload, **args)
+        assert made.device_map == alone.device_map
+        assert made.devices == alone.devices
+        assert {n: (p.shape, p.dtype, p.device) for n, p in made.model.named_parameters()} == shapes
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(kind="generate", causal_lm=False), "causal LM"),
     (dict(kind="train", causal_lm=True, batch=4), "needs --seq-len"),
