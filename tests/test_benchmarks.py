@@ -1,5 +1,6 @@
-"""The serving benchmark runs end to end on the CPU (`benchmarks/serve.py --cpu-check`: a whole model and one split
-over two gloo processes, their clients, tables and JSON), so that a GPU run does not find its script broken."""
+"""The serving benchmarks run end to end on the CPU (`benchmarks/serve.py --cpu-check`: a whole model and one split
+over two gloo processes, their clients, tables and JSON; `benchmarks/serve_load.py --cpu-check`: a second model
+loaded over HTTP beside a first one's streams), so that a GPU run does not find its script broken."""
 
 import json
 import os
@@ -26,3 +27,16 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path):
     assert start["startup_s"]["core_process"] > 0 and "command_line_loads" in start["startup_s"]
     assert all({"plan", "weights"} <= set(load["load_seconds"]) for load in start["loads"].values())
     assert "devmap/2gpu start: core_process" in result.stdout
+
+
+def test_the_benchmark_of_a_load_beside_serving_runs_on_the_cpu(tmp_path):
+    command = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--model", "llama-tiny", "--cpu-check",
+               "--clients", "2", "--seconds", "1", "--warmup", "0.5", "--pause", "0.3", "--new", "4", "--rounds", "2",
+               "--max-batch", "4", "--max-prompt-tokens", "128", "--prompt-words", "4,8", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "SERVE_BENCH_LOGS": str(tmp_path), "DEVMAP_BENCH_TMP": str(tmp_path)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    row = json.loads((tmp_path / "serve_load_llama-tiny.json").read_text())
+    assert row["steady"]["requests"] > 0 and len(row["loads"]) == 2
+    assert all(load["loaded_s"] > 0 and {"plan", "weights"} <= set(load["load_seconds"]) for load in row["loads"])
+    assert "| during load 2 |" in result.stdout and "load 2: answered" in result.stdout
