@@ -25,6 +25,7 @@ from ..planning.budget import resolve_budget
 from ..planning.devices import DeviceKey
 from .errors import DoesNotFit, ModelNotFound, ModelUnloading, ServiceError
 from .limits import EngineLimits
+from .interpreter_switch import switching_often
 from .load_phases import LoadPhases
 from .prepare import prepare_for_serving
 from .resident import ResidentModel
@@ -76,51 +77,57 @@ class ModelRegistry:
         """Load the directory onto its devices (within what the budget has left) and make it resident, its LLaMA
         layers' input projections joined (`generation.joined_projections`: two products where transformers runs
         five per decode step)."""
-        from ..loading.loader import load
-
         model_id = model_id or path.name
         with self._loading:
             with self._lock:
                 if model_id in self._models:
                     raise ServiceError(f"model {model_id!r} is already loaded; unload it first or pick another id",
                                        param="id")
-            budget = self._load_budget(max_memory)
-            phases = LoadPhases()
-            try:
-                with phases.timed("plan"):
-                    serving = self._serving_plan(path, device_map or self.device_map, budget, dtype or self.dtype)
-                with phases.timed("weights"):
-                    model = load(str(path), plan=serving.plan, random_weights=self.random_weights)
-            except DoesNotFitError as exc:
-                raise DoesNotFit(f"{model_id} does not fit in what the service's budget has left: {exc}") from None
-            except DevmapError as exc:
-                raise ServiceError(f"cannot load {model_id}: {exc}") from None
-            try:
-                self._weights_loaded(model_id)
-                # a whole model compiles while it serves where asked (--compile-beside); a split's processes
-                # compile in step before serving (the warm-up's collectives)
-                ready = prepare_for_serving(model, path, model_id, self.limits, serving.rows, phases,
-                                            compile_beside=self.limits.compile_beside and self.tensor_parallel == 1)
-            except BaseException:
-                _free(model)
-                raise
-            log.info("%s loaded: %s", model_id, phases.summary())
-            report = model.devmap_load_report.to_dict()
-            split = model.devmap_plan.tensor_parallel
-            vocab = model.get_input_embeddings().num_embeddings * (split.size if split and split.vocab else 1)
-            resident = ResidentModel(
-                id=model_id, path=path, model=model, tokenizer=ready.tokenizer, created=int(time.time()),
-                context=ready.context, vocab_size=vocab,
-                planned=_planned(model.devmap_plan),
-                report=report, max_rows=serving.rows, cache_len=serving.cache_len, lanes=serving.lanes,
-                compiled=ready.compiled, eos_ids=ready.eos_ids, load_seconds=phases.seconds,
-                compiled_graphs=phases.graphs,
-            )
-            self.add(resident)
-            _freeze_survivors()
-            if ready.compile_later:
-                self._compile_beside(resident)
-            return resident
+            with switching_often():  # other models' streams get the interpreter back within microseconds
+                return self._load(path, model_id, device_map, max_memory, dtype)
+
+    def _load(self, path: Path, model_id: str, device_map: Any, max_memory: str | Mapping[Any, Any] | None,
+              dtype: str | None) -> ResidentModel:
+        """`load`'s work, one load at a time (`_loading` held)."""
+        from ..loading.loader import load
+
+        budget = self._load_budget(max_memory)
+        phases = LoadPhases()
+        try:
+            with phases.timed("plan"):
+                serving = self._serving_plan(path, device_map or self.device_map, budget, dtype or self.dtype)
+            with phases.timed("weights"):
+                model = load(str(path), plan=serving.plan, random_weights=self.random_weights)
+        except DoesNotFitError as exc:
+            raise DoesNotFit(f"{model_id} does not fit in what the service's budget has left: {exc}") from None
+        except DevmapError as exc:
+            raise ServiceError(f"cannot load {model_id}: {exc}") from None
+        try:
+            self._weights_loaded(model_id)
+            # a whole model compiles while it serves where asked (--compile-beside); a split's processes
+            # compile in step before serving (the warm-up's collectives)
+            ready = prepare_for_serving(model, path, model_id, self.limits, serving.rows, phases,
+                                        compile_beside=self.limits.compile_beside and self.tensor_parallel == 1)
+        except BaseException:
+            _free(model)
+            raise
+        log.info("%s loaded: %s", model_id, phases.summary())
+        report = model.devmap_load_report.to_dict()
+        split = model.devmap_plan.tensor_parallel
+        vocab = model.get_input_embeddings().num_embeddings * (split.size if split and split.vocab else 1)
+        resident = ResidentModel(
+            id=model_id, path=path, model=model, tokenizer=ready.tokenizer, created=int(time.time()),
+            context=ready.context, vocab_size=vocab,
+            planned=_planned(model.devmap_plan),
+            report=report, max_rows=serving.rows, cache_len=serving.cache_len, lanes=serving.lanes,
+            compiled=ready.compiled, eos_ids=ready.eos_ids, load_seconds=phases.seconds,
+            compiled_graphs=phases.graphs,
+        )
+        self.add(resident)
+        _freeze_survivors()
+        if ready.compile_later:
+            self._compile_beside(resident)
+        return resident
 
     def _compile_beside(self, resident: ResidentModel) -> None:
         """Compile the model's steps while it serves (`step_compile`); its batches move to them once ready."""

@@ -28,7 +28,6 @@ from ..compat import compile_totals
 from ..generation.continuous import SlotRequest, continuous_batch
 from ..generation.graphed_step import captures_paused, timed_captures
 from ..generation.joined_projections import every_layer_joined
-from ..generation.step_cache import release_graphs
 from ..planning.devices import is_gpu, parse_device_key
 from ..planning.quantization import Quantization
 from .interpreter_switch import switching_often
@@ -69,11 +68,14 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
     """Run a small continuous batch with compiled steps (compiling its decode step, and the steps carrying joiners'
     prompts or their joins' prefill, as `riding` chooses, at every pack width).
 
-    Before the model serves: on GPUs its steps are captured too (a capture that would compile fails the warm-up),
-    then freed. `beside_serving`: while the model serves in another thread, its steps run uncaptured in a batch of
-    its own, leaving the model's kept steps alone; no step of any thread captures meanwhile (`captures_paused`: the
-    serving thread's steps run eagerly until then); `stop()` True ends it between two steps. Throughout, the
-    interpreter passes between threads often (`interpreter_switch`), so batches serving beside it keep their pace.
+    Before the model serves: on GPUs its steps are captured too (a capture that would compile fails the warm-up) and
+    kept on the model, so that a first batch of the warm-up's shape (a few short requests: MIN_ROWS rows of
+    CACHE_BUCKET tokens) replays them instead of capturing them in the engine's loop, where the streams of every model
+    the service holds would wait for those captures. `beside_serving`: while the model serves in another thread, its
+    steps run uncaptured in a batch of its own, leaving the model's kept steps alone; no step of any thread captures
+    meanwhile (`captures_paused`: the serving thread's steps run eagerly until then); `stop()` True ends it between
+    two steps. Throughout, the interpreter passes between threads often (`interpreter_switch`), so batches serving
+    beside it keep their pace.
 
     Its compile seconds and graphs are the process's (dynamo counts them for every thread alike): a load compiles
     one model at a time, and a compile beside serving is the only compile while it runs."""
@@ -91,8 +93,6 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
             if stop() or not batch.step([]):
                 break
         batch.collect(everything=True)
-    if not beside_serving:
-        release_graphs(model)
     after, elapsed = compile_totals(), time.perf_counter() - started
     compiling = after.seconds - before.seconds
     return WarmUpTimes(compiling, captures.seconds, max(0.0, elapsed - compiling - captures.seconds),

@@ -84,3 +84,33 @@ def test_a_service_started_again_on_its_filled_compile_cache_answers_the_same(mo
             else:  # the restart read the cache its first start filled
                 assert all(g["from_cache"] > 0 for g in graphs)
             assert ask_together(url, "tiny", requests) == expected  # compiled steps
+
+
+def test_a_first_batch_of_the_warm_ups_shape_replays_its_steps_and_answers_as_alone(model_root, monkeypatch):
+    """A model compiled before it serves keeps the steps its warm-up captured: a first batch of a few short requests
+    (the warm-up's shape) replays them instead of capturing in the engine's loop, where every model's streams would
+    wait for it; its greedy tokens are those of generating alone. Without them (freed), the same batch captures."""
+    from devmap.generation import graphed_step
+    from devmap.generation.step_cache import release_graphs, step_cache
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    limits = EngineLimits(max_batch=4)
+    registry = ModelRegistry(model_root, "balanced", {0: "8GiB"}, limits=limits)
+    resident = registry.load(model_root / "tiny")
+    assert resident.compiled and step_cache(resident.model, "continuous").shapes == 1
+    captures = [0]
+    begin = graphed_step.begin_capture
+
+    def counted(graph, pool):
+        captures[0] += 1
+        return begin(graph, pool)
+
+    monkeypatch.setattr(graphed_step, "begin_capture", counted)
+    for served, alone in served_and_alone(registry, limits, "tiny", 2):
+        assert served == alone
+    kept = captures[0]
+    release_graphs(resident.model)
+    captures[0] = 0
+    for served, alone in served_and_alone(registry, limits, "tiny", 2):
+        assert served == alone
+    assert kept < captures[0], (kept, captures[0])
