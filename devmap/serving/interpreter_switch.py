@@ -1,12 +1,14 @@
-"""How often the interpreter passes between threads while a compile shares the engine core's process with serving.
+"""How often the interpreter passes between threads while a compile or a load shares the engine core's process with
+serving.
 
-The engine core's process runs its batches in one thread while another compiles (`--compile-beside`, or a model
-loaded over HTTP beside those that serve). A step gives the interpreter up at every call into torch (each GPU call,
-copy and event), and dynamo's tracing in the other thread holds it until the next forced switch: at Python's
+The engine core's process runs its batches in one thread while another compiles (`--compile-beside`) or loads a model
+(over HTTP, beside those that serve). A step gives the interpreter up at every call into torch (each GPU call, copy
+and event), and dynamo's tracing or the load in the other thread holds it until the next forced switch: at Python's
 default interval (5 ms) a step that takes the interpreter back a few dozen times waits that many intervals. While a
-compile or a load runs (`warm_up`, `ModelRegistry.load`) the interval is SHARED (50 µs), so the serving thread gets it back within microseconds; the compile,
-yielding more often, takes longer while something serves beside it (nothing changes when nothing does: a switch is
-forced only when another thread waits). docs/serving.md has the measurement (`benchmarks/probes/gil_switch.py`).
+compile or a load runs (`warm_up`, `ModelRegistry.load`) the interval is SHARED (50 µs), so the serving thread gets it
+back within microseconds; the compile or load, yielding more often, takes longer while something serves beside it
+(nothing changes when nothing does: a switch is forced only when another thread waits). docs/serving.md has the
+measurements (`benchmarks/probes/gil_switch.py`, `benchmarks/serve_load.py`).
 """
 
 from __future__ import annotations
