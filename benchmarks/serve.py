@@ -165,10 +165,11 @@ def wait_compiled(url: str, timeout: float = 900) -> float:
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int) -> dict[str, Any]:
     """One streaming chat completion: time to its first piece of text, its output tokens (the final chunk's
-    usage, else the number of text pieces) and its time per output token after the first."""
+    usage, else the number of text pieces), its time per output token after the first, its longest pause between two
+    pieces of text, and when it was sent and ended (time.monotonic)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": new,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
+    sent, start = time.monotonic(), time.perf_counter()
     times: list[float] = []
     tokens = prompt_tokens = None
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -186,7 +187,9 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int
                 times.append(time.perf_counter())
     tokens = len(times) if tokens is None else tokens
     tpot = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None
-    return {"ttft": times[0] - start if times else None, "tokens": tokens, "tpot": tpot, "prompt_tokens": prompt_tokens}
+    return {"ttft": times[0] - start if times else None, "tokens": tokens, "tpot": tpot, "prompt_tokens": prompt_tokens,
+            "gap": max((b - a for a, b in zip(times, times[1:])), default=None), "sent": sent,
+            "ended": time.monotonic()}
 
 
 async def _window(url: str, model: str, clients: int, seconds: float, new: int, rng: random.Random,

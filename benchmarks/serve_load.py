@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,33 +34,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import WORDS, free_port, gpu_pace, model_bytes, server  # noqa: E402  (benchmarks/serve.py)
-
-
-async def streamed(http: httpx.AsyncClient, model: str, prompt: str, new: int) -> dict[str, Any]:
-    """One streaming chat completion: when it was sent and ended, its time to first text, its time per output token
-    after the first, and its longest pause between two pieces of text."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": new,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    sent = time.monotonic()
-    times: list[float] = []
-    tokens = None
-    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{response.status_code}: {(await response.aread()).decode()[:300]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content"):
-                times.append(time.monotonic())
-    tokens = len(times) if tokens is None else tokens
-    return {"sent": sent, "ended": time.monotonic(), "tokens": tokens,
-            "ttft": times[0] - sent if times else None,
-            "tpot": (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None,
-            "gap": max((b - a for a, b in zip(times, times[1:])), default=None)}
+from serve import WORDS, _quantile, free_port, gpu_pace, model_bytes, one_request, server  # noqa: E402
 
 
 async def clients(url: str, model: str, count: int, until: list[float], new: int, seed: int, lengths: list[int],
@@ -73,7 +46,7 @@ async def clients(url: str, model: str, count: int, until: list[float], new: int
     async def one(http: httpx.AsyncClient) -> None:
         while time.monotonic() < until[0]:
             prompt = " ".join(rng.choice(WORDS) for _ in range(rng.choice(lengths)))
-            into.append(await streamed(http, model, prompt, new))
+            into.append(await one_request(http, model, prompt, new))
 
     limits = httpx.Limits(max_connections=count + 4, max_keepalive_connections=count + 4)
     async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
@@ -101,7 +74,7 @@ async def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
             if answer.status_code != 200:
                 raise RuntimeError(f"the load answered {answer.status_code}: {answer.text[:300]}")
             loaded = time.monotonic()
-            first = await streamed(http, "second", "hello " * 8, 4)
+            first = await one_request(http, "second", "hello " * 8, 4)
             described = (await http.get("/v1/models/second")).json()
             loads.append({"sent": sent, "loaded_s": loaded - sent, "first_token_s": loaded + first["ttft"] - sent,
                           "load_seconds": described.get("load_seconds"),
@@ -125,14 +98,6 @@ def summary(results: list[dict[str, Any]], start: float, end: float) -> dict[str
     return {"requests": len(inside), "tokens_per_s": tokens / max(end - start, 1e-9),
             "tpot_p50": _quantile(tpots, 0.5), "tpot_p99": _quantile(tpots, 0.99),
             "longest_gap": max(gaps) if gaps else None}
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[min(int(q * 100), 99) - 1]
 
 
 def main() -> None:
