@@ -1,6 +1,7 @@
 """W5: load a 7B-shaped LLaMA bf16 checkpoint onto 2 GPUs — devmap vs transformers vs accelerate, plus raw read speed.
 
 Run on nvidia-h200-x2:  PYTHONPATH=. python benchmarks/load.py --out $OUT [--cold]
+On a CPU (host memory, where devmap's tensors are views of the files):  ... --model tinyllama-1.1b --device-map cpu
 With --cold, each system also runs as a fresh process (imports, then the load call, timed apart; the
 devmap CLI is one of them), `--repeat` rounds with the systems interleaved. `devmap+tf-imports` is devmap
 after the same top-of-script import a transformers script does, so that both calls start from equal imports.
@@ -168,7 +169,8 @@ def main() -> None:
                      "gb_per_s": size / best / 1e9, "per_gpu_bytes": memory[name],
                      "speedup_vs_faster_baseline": best_baseline / best if best_baseline else None})
     print(f"\nW5 load: {args.model} bf16, {size / 1e9:.2f} GB in {len(files)} shards, device_map={args.device_map}, "
-          f"torch {torch.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
+          f"torch {torch.__version__}, " + (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+                                             if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"))
     print(f"raw read loop (64 MiB read() calls, page cache): {raw:.2f} s = {size / raw / 1e9:.1f} GB/s")
     print(f"{'system':<14}{'best s':>8}{'median s':>10}{'GB/s':>8}{'vs faster baseline':>20}")
     for r in rows:

@@ -43,6 +43,23 @@ def test_transformers_mask_is_built_for_a_prompt(llama):
     assert mask.shape == (2, 1, 5, 5) and mask.dtype == torch.bool
 
 
+def test_a_model_built_with_weights_left_uninitialized_runs_no_init_and_keeps_its_buffers(monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    calls = []
+    original = LlamaPreTrainedModel._init_weights
+    monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", lambda self, module: calls.append(module) or
+                        original(self, module))
+    torch.manual_seed(0)
+    with compat.weights_left_uninitialized():
+        built = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
+    assert calls == []
+    initialized = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
+    assert calls  # outside the context the constructors initialize again (torch's init functions are back)
+    assert torch.equal(built.model.rotary_emb.inv_freq, initialized.model.rotary_emb.inv_freq)
+    assert torch.nn.init.normal_ is not None and torch.nn.init.normal_.__name__ == "normal_"
+
+
 def test_attention_implementation_is_read_from_the_config(llama):
     assert compat.attention_implementation(llama.config) == "sdpa"
     seen = []

@@ -70,6 +70,9 @@ def load(source: str, device_map: str, max_memory: str | None, dtype: str | None
           f"{d.seconds:.2f} s", f"{d.gb_per_s:.1f}" if d.gb_per_s else "-"] for d in report.devices.values()],
         right=(1, 2, 3, 4, 5),
     ))
+    if report.mapped_bytes:
+        click.echo(f"{format_bytes(report.mapped_bytes)} of host weights are views of the checkpoint's files (as "
+                   "transformers' CPU loads): read from the page cache on first use, never copied")
     if report.initialized:
         click.echo(f"Initialized randomly (missing from the checkpoint): {', '.join(report.initialized[:5])}")
     if run_forward:

@@ -1,5 +1,6 @@
 """What a load reports: per device the blocks, planned and allocated bytes, time and GB/s, and for the whole load
-the checkpoint, the bytes read and the tensors it had to initialize."""
+the checkpoint, the bytes read, the bytes mapped (host tensors that are views of their file: `file_maps`) and the
+tensors it had to initialize."""
 
 from __future__ import annotations
 
@@ -39,11 +40,13 @@ class LoadReport:
     devices: dict[str, DeviceLoad]
     initialized: list[str] = field(default_factory=list)
     offload_folder: str | None = None
+    mapped_bytes: int = 0  # host tensors left as views of their checkpoint file, read on first use
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source, "checkpoint": self.checkpoint, "random_init": self.random_init,
             "dtype": self.dtype, "seconds": self.seconds, "bytes_read": self.bytes_read,
+            "mapped_bytes": self.mapped_bytes,
             "gb_per_s": self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else None,
             "devices": {k: v.to_dict() for k, v in self.devices.items()},
             "initialized": self.initialized, "offload_folder": self.offload_folder,

@@ -22,6 +22,7 @@ from ..planning.budget import resolve_budget
 from .checkpoint import TensorEntry, index_checkpoint, match_state
 from ..errors import UsageError
 from .disk_offload import Deferred, offload_deferred, set_tensor, undo_offload_on_failure
+from .file_maps import FileMaps
 from .initialization import init_module_
 from ..planning.devices import DeviceKey, device_label, is_gpu, torch_device
 from ..planning.memory import Size, dtype_name, parse_dtype
@@ -245,6 +246,7 @@ def _materialize(
     deferred: dict[int, Deferred] = {}
     to_init: dict[str, torch.device] = {}
     later: dict[str, tuple[torch.device, TensorEntry | None]] = {}  # quantized weights, block by block
+    maps, mapped_bytes = FileMaps(), 0
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     for name, tensor in named:
         key = _target(plan, name)
@@ -265,7 +267,13 @@ def _materialize(
         if key == "disk" and isinstance(tensor, nn.Parameter):  # buffers stay in memory (accelerate moves them)
             deferred[id(tensor)] = Deferred(name, tuple(tensor.shape), dtype, tensor.requires_grad, entry, needs_init)
             continue
-        if tensor.device.type == "meta" or entry is not None:
+        mapped = maps.view(entry) if entry is not None and key == "cpu" and dtype == entry.dtype else None
+        if mapped is not None:  # host memory in the stored dtype: the file's own bytes, no copy
+            value = mapped
+            mapped_bytes += entry.nbytes
+            if progress is not None:
+                progress(entry.nbytes)
+        elif tensor.device.type == "meta" or entry is not None:
             value = torch.empty(tensor.shape, dtype=dtype, device=device)
         else:
             value = tensor.to(device)  # a buffer the constructor computed (e.g. rotary inv_freq)
@@ -275,7 +283,7 @@ def _materialize(
         set_tensor(model, name, value)
         if needs_init:
             to_init[name.rpartition(".")[0]] = device
-        if entry is not None:
+        if entry is not None and mapped is None:
             jobs.append(CopyJob(entry, value.data))
     generators: dict[torch.device, torch.Generator] = {}
     for module_name, device in to_init.items():
@@ -295,7 +303,8 @@ def _materialize(
                              else _host_bytes(model) if key == "cpu" else None),
             seconds=finished.get(label, 0.0),
         )
-    return {"devices": devices, "bytes_read": sum(e.nbytes for e in entries.values()) if entries else 0}
+    read = sum(e.nbytes for e in entries.values()) - mapped_bytes if entries else 0
+    return {"devices": devices, "bytes_read": read, "mapped_bytes": mapped_bytes}
 
 
 def _host_bytes(model: nn.Module) -> int:

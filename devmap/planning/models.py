@@ -70,7 +70,8 @@ class ModelSource:
         return self.kind in ("llama-preset", "hf-dir")
 
     def build(self, device: str | torch.device = "meta", cpu_buffers: bool = False) -> nn.Module:
-        """Build the model's modules on `device` (meta: no memory, no weights) in float32.
+        """Build the model's modules on `device` (meta: no memory, no weights) in float32; a transformers model
+        without its constructor's weight init (whoever builds it reads or initializes its tensors).
 
         With `cpu_buffers`, parameters go on meta but buffers are real CPU tensors, so buffers that no
         checkpoint holds (rotary inv_freq) keep the values the constructor computed.
@@ -91,9 +92,12 @@ class ModelSource:
             else:
                 from transformers import AutoModelForCausalLM
 
-                model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
-        if cpu_buffers and hasattr(model, "tie_weights"):
-            model.tie_weights()  # init_empty_weights re-wraps each registered parameter, which unties them
+                from ..compat import weights_left_uninitialized
+
+                with weights_left_uninitialized():  # devmap reads or initializes every tensor itself
+                    model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
+        if hasattr(model, "tie_weights"):  # transformers ties in its init, left out above; init_empty_weights also
+            model.tie_weights()  # re-wraps each registered parameter, which unties them
         return model.eval()
 
     def sample_input(self, shape: tuple[int, ...] | None = None, device: str | torch.device = "meta") -> torch.Tensor:
