@@ -22,6 +22,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import copy_bandwidth, graph_timed_us  # noqa: E402
 
+from fp8_matmul import L2_OVER, SHAPES  # noqa: E402  (LLaMA-2-13B's products; this probe's folder)
+
 from devmap.kernels.fp8_products import kernel_product as fp8_now  # noqa: E402
 from devmap.kernels.int8_products import BlockShape, block_shape  # noqa: E402
 from devmap.kernels.int8_products import kernel_product as int8_now  # noqa: E402
@@ -49,6 +51,16 @@ mov.b32 {low, $3}, f3;
 }"""
 
 @triton.jit
+def _widened_words(W, out, outs, word, keep_in, w_row, PTX: tl.constexpr):
+    """The four weights of each 32-bit word of W's rows `out` at `word` (uint16 bit patterns), widened by PTX."""
+    words = W.to(tl.pointer_type(tl.uint32))
+    packed = tl.load(words + out[:, None] * (w_row // 4) + word[None, :],
+                     mask=(out[:, None] < outs) & keep_in[None, :], other=0)
+    return tl.inline_asm_elementwise(PTX, "=h,=h,=h,=h,r", [packed],
+                                     dtype=(tl.uint16, tl.uint16, tl.uint16, tl.uint16), is_pure=True, pack=1)
+
+
+@triton.jit
 def int8_w(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row, out_split,
            BLOCK_ROWS: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, SPLIT: tl.constexpr,
            PTX: tl.constexpr, USE_PTX: tl.constexpr):
@@ -64,15 +76,10 @@ def int8_w(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row, out_split,
     if USE_PTX:
         QUARTER: tl.constexpr = BLOCK_IN // 4
         k = tl.arange(0, QUARTER)
-        words = W.to(tl.pointer_type(tl.uint32))
         for start in range(split * BLOCK_IN, ins, BLOCK_IN * SPLIT):
             word = start // 4 + k
             keep_in = word < ins // 4
-            packed = tl.load(words + out[:, None] * (w_row // 4) + word[None, :], mask=keep_outs & keep_in[None, :],
-                             other=0)
-            w0, w1, w2, w3 = tl.inline_asm_elementwise(PTX, "=h,=h,=h,=h,r", [packed],
-                                                       dtype=(tl.uint16, tl.uint16, tl.uint16, tl.uint16),
-                                                       is_pure=True, pack=1)
+            w0, w1, w2, w3 = _widened_words(W, out, outs, word, keep_in, w_row, PTX)
             xs = X + row[None, :] * x_row + 4 * word[:, None]
             m = keep_rows & keep_in[:, None]
             dt: tl.constexpr = X.dtype.element_ty
@@ -101,17 +108,12 @@ def int8_x_ptx(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row, out_spl
     out = block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     QUARTER: tl.constexpr = BLOCK_IN // 4
     k = tl.arange(0, QUARTER)
-    words = W.to(tl.pointer_type(tl.uint32))
     acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=tl.float32)
     dt: tl.constexpr = X.dtype.element_ty
     for start in range(split * BLOCK_IN, ins, BLOCK_IN * SPLIT):
         word = start // 4 + k
         keep_in = word < ins // 4
-        packed = tl.load(words + out[:, None] * (w_row // 4) + word[None, :],
-                         mask=(out[:, None] < outs) & keep_in[None, :], other=0)
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(PTX, "=h,=h,=h,=h,r", [packed],
-                                                   dtype=(tl.uint16, tl.uint16, tl.uint16, tl.uint16),
-                                                   is_pure=True, pack=1)
+        w0, w1, w2, w3 = _widened_words(W, out, outs, word, keep_in, w_row, PTX)
         xs = X + row[:, None] * x_row + 4 * word[None, :]
         m = (row[:, None] < rows) & keep_in[None, :]
         acc += tl.dot(tl.load(xs, mask=m, other=0.0), tl.trans(w0.to(dt, bitcast=True)))
@@ -143,38 +145,24 @@ def fp8_w(X, XScale, W, WScale, Out, rows, outs, ins, x_row, w_row, out_row, out
     tl.store(Out + split * out_split + row[None, :] * out_row + out[:, None], acc.to(Out.dtype.element_ty),
              mask=keep_rows & keep_outs)
 
-def int8_product(kernel, x, qdata, scale, shape: BlockShape, **constants) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """x · (qdata × scale)ᵀ through one of the int8 variants, cut as `shape` says, split-K parts summed."""
-    rows, ins = x.shape
+def launched(kernel, inputs: tuple, qdata, out_dtype, shape: BlockShape, **constants) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """One variant's product: `kernel` over `inputs` (the rows, then their scales for fp8) and `qdata` (+ the
+    weight's scales, last of `inputs`), cut as `shape` says, its split-K parts summed."""
+    rows, ins = inputs[0].shape
     outs = qdata.shape[0]
-    out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows, outs), dtype=out_dtype, device=qdata.device)
     parts = partial_sums(out, shape.splits)
+    *tokens, scale = inputs
     kernel[(triton.cdiv(outs, shape.out), shape.splits)](
-        x, qdata, scale, parts, rows, outs, ins, x.stride(0), qdata.stride(0), outs, rows * outs,
+        *tokens, qdata, scale, parts, rows, outs, ins, inputs[0].stride(0), qdata.stride(0), outs, rows * outs,
         BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), BLOCK_OUT=shape.out, BLOCK_IN=shape.inner,
         SPLIT=shape.splits, num_warps=shape.warps, num_stages=shape.stages, **constants)
     add_partial_sums(parts, out, shape.splits)
     return out
 
 
-def fp8_product(tokens, scales, qdata, scale, shape: BlockShape) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The fp8 product with the weights first, cut as `shape` says."""
-    rows, ins = tokens.shape
-    outs = qdata.shape[0]
-    out = torch.empty((rows, outs), dtype=torch.bfloat16, device=tokens.device)
-    parts = partial_sums(out, shape.splits)
-    fp8_w[(triton.cdiv(outs, shape.out), shape.splits)](
-        tokens, scales, qdata, scale, parts, rows, outs, ins, tokens.stride(0), qdata.stride(0), outs, rows * outs,
-        BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), BLOCK_OUT=shape.out, BLOCK_IN=shape.inner,
-        SPLIT=shape.splits, num_warps=shape.warps, num_stages=shape.stages)
-    add_partial_sums(parts, out, shape.splits)
-    return out
-
-
-SHAPES = {"qkv": (15360, 5120), "o": (5120, 5120), "gate_up": (27648, 5120), "down": (5120, 13824)}
 WIDE = [BlockShape(o, i, 1, 4, st) for o, i, st in itertools.product((64, 128), (256, 512), (3, 4))]
 NARROW = [BlockShape(o, i, sp, 4, 3) for o, i, sp in itertools.product((32, 64), (128, 256), (4, 8))]
-L2_OVER = 4 * 2**30 // 32  # copies of a weight until they hold at least this many bytes
 
 
 def main() -> None:
@@ -203,14 +191,14 @@ def main() -> None:
                 return next_copy
 
             variants = {
-                "int8 weights first, PTX": lambda shape: lambda i: int8_product(
-                    int8_w, x, qdata[i], scale[i], shape, PTX=BF16_PTX, USE_PTX=True),
-                "int8 weights first": lambda shape: lambda i: int8_product(
-                    int8_w, x, qdata[i], scale[i], shape, PTX="", USE_PTX=False),
-                "int8 PTX": lambda shape: lambda i: int8_product(int8_x_ptx, x, qdata[i], scale[i], shape,
-                                                                 PTX=BF16_PTX),
-                "fp8 weights first": lambda shape: lambda i: fp8_product(tokens, token_scales, fp8[i], scale[i],
-                                                                         shape),
+                "int8 weights first, PTX": lambda shape: lambda i: launched(
+                    int8_w, (x, scale[i]), qdata[i], x.dtype, shape, PTX=BF16_PTX, USE_PTX=True),
+                "int8 weights first": lambda shape: lambda i: launched(
+                    int8_w, (x, scale[i]), qdata[i], x.dtype, shape, PTX="", USE_PTX=False),
+                "int8 PTX": lambda shape: lambda i: launched(int8_x_ptx, (x, scale[i]), qdata[i], x.dtype, shape,
+                                                             PTX=BF16_PTX),
+                "fp8 weights first": lambda shape: lambda i: launched(fp8_w, (tokens, token_scales, scale[i]), fp8[i],
+                                                                      torch.bfloat16, shape),
             }
             want = int8_now(x, qdata[0], scale[0])
             for label in ("int8 weights first, PTX", "int8 weights first", "int8 PTX"):

@@ -29,8 +29,7 @@ class FileMaps:
     def view(self, entry: TensorEntry) -> torch.Tensor | None:
         """`entry`'s tensor as a view of its file's map, or None where it cannot be one: a pickled tensor, or bytes
         that do not start at a multiple of its element size."""
-        item = torch.empty((), dtype=entry.dtype).element_size()
-        if entry.tensor is not None or entry.start % item:
+        if entry.tensor is not None or entry.start % entry.dtype.itemsize:
             return None
         data = self._bytes.get(entry.file)
         if data is None:
