@@ -153,7 +153,8 @@ def fp8_gated_rows_product(tokens: torch.Tensor, scales: torch.Tensor, qdata: to
     shape = block_shape(rows, qdata.shape[0], card(tokens.device))
     fp8_gated_rows_kernel[(parts(size),)](
         tokens, scales, qdata, scale, h, maxes, rows, size, ins, tokens.stride(0), qdata.stride(0), size,
-        BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), HALF=HALF, BLOCK_IN=shape.inner, num_warps=shape.warps,
+        BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), HALF=HALF, BLOCK_IN=shape.inner, EXACT=tokens.is_cuda,
+        num_warps=shape.warps,
         num_stages=shape.stages)
     return h, maxes
 

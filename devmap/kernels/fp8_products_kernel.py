@@ -93,7 +93,7 @@ def fp8_rows_kernel(X, XScale, W, WScale, Out, rows, outs, ins, x_row, w_row, ou
 
 @triton.jit
 def fp8_gated_rows_kernel(X, XScale, W, WScale, H, Maxes, rows, size, ins, x_row, w_row, h_row,
-                          BLOCK_ROWS: tl.constexpr, HALF: tl.constexpr, BLOCK_IN: tl.constexpr):
+                          BLOCK_ROWS: tl.constexpr, HALF: tl.constexpr, BLOCK_IN: tl.constexpr, EXACT: tl.constexpr):
     """H[rows, size] = silu(G) · U, where G and U are `fp8_rows_kernel`'s products of X with W's first and second
     `size` rows (gate, then up), each in H's dtype; program b makes columns b·HALF … and leaves each row's max |H|
     over them in Maxes[b, rows]. Each float8 weight is read once."""
@@ -115,4 +115,4 @@ def fp8_gated_rows_kernel(X, XScale, W, WScale, H, Maxes, rows, size, ins, x_row
     gate = gate * row_scale * tl.load(WScale + col, mask=col < size, other=0.0)[None, :]
     up = up * row_scale * tl.load(WScale + size + col, mask=col < size, other=0.0)[None, :]
     gated_epilogue(gate.to(H.dtype.element_ty), up.to(H.dtype.element_ty), H, Maxes, block, row, col, rows, size,
-                   h_row, MAXES=True)
+                   h_row, MAXES=True, EXACT=EXACT)

@@ -61,5 +61,6 @@ def gated_by_kernel(out: torch.Tensor, maxes: bool) -> tuple[torch.Tensor, torch
     h = torch.empty((rows, size), dtype=out.dtype, device=out.device)
     row_max = torch.empty((parts(size), rows), dtype=torch.float32, device=out.device) if maxes else h
     gate_kernel[(parts(size),)](out, h, row_max, rows, size, out.stride(0), size,
-                                BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), HALF=HALF, MAXES=maxes)
+                                BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), HALF=HALF, MAXES=maxes,
+                                EXACT=out.is_cuda)
     return h, (row_max if maxes else None)

@@ -89,7 +89,8 @@ def int8_gated_rows_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.T
     shape = block_shape(rows, qdata.shape[0], card(x.device))
     int8_gated_rows_kernel[(parts(size),)](
         x, qdata, scale, h, rows, size, ins, x.stride(0), qdata.stride(0), size,
-        BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), HALF=HALF, BLOCK_IN=shape.inner, num_warps=shape.warps,
+        BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), HALF=HALF, BLOCK_IN=shape.inner, EXACT=x.is_cuda,
+        num_warps=shape.warps,
         num_stages=shape.stages)
     return h
 

@@ -36,7 +36,7 @@ def int8_rows_kernel(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row, o
 
 @triton.jit
 def int8_gated_rows_kernel(X, W, Scale, H, rows, size, ins, x_row, w_row, h_row, BLOCK_ROWS: tl.constexpr,
-                           HALF: tl.constexpr, BLOCK_IN: tl.constexpr):
+                           HALF: tl.constexpr, BLOCK_IN: tl.constexpr, EXACT: tl.constexpr):
     """H[rows, size] = silu(G) · U, where G and U are `int8_rows_kernel`'s products of X with W's first and second
     `size` rows (gate, then up), each in H's dtype; program b makes columns b·HALF …. Each int8 weight is read once."""
     block = tl.program_id(0)
@@ -56,7 +56,7 @@ def int8_gated_rows_kernel(X, W, Scale, H, rows, size, ins, x_row, w_row, h_row,
     gate = gate * tl.load(Scale + col, mask=col < size, other=0.0)[None, :]
     up = up * tl.load(Scale + size + col, mask=col < size, other=0.0)[None, :]
     gated_epilogue(gate.to(H.dtype.element_ty), up.to(H.dtype.element_ty), H, H, block, row, col, rows, size, h_row,
-                   MAXES=False)
+                   MAXES=False, EXACT=EXACT)
 
 
 # 1.5 · 2**23: v + ROUNDING - ROUNDING is float32 v rounded half to even (|v| < 2**22)
