@@ -21,7 +21,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `foreach_add_`, `foreach_zero_`, `foreach_copies`: `torch._foreach_*` | torch | gradient sums in one fused launch per group | 2.11, 2.14 |
 | `pipeline_stage_fixed`: `PipelineStage._shape_inference`, `_get_init_p2p_neighbors_ops` | torch | torch 2.11's shape inference moves BatchNorm statistics, and its start-up handshake sends to its own rank when a V schedule puts neighbouring stages on one rank (gloo refuses: "Pair is not connected") | 2.11, 2.14 |
 | `torchao_int8_rows`, `torchao_int8_parts`, `torchao_int8_weight`, `torchao_flat_state_dict`: `Int8Tensor` fields, `flatten_tensor_state_dict` | torchao | int8 per weight shape (2.5x less host time than `quantize_` per Linear); int8 weights joined and read by devmap's decode products (`kernels.int8_products`); pre-quantized saves | 0.18 |
-| `torchao_fp8_parts`, `torchao_fp8_weight`, `torchao_fp8_tokens`, `torchao_fp8_tokens_of`, `torchao_fp8_fast_accumulation`: `Float8Tensor` fields and constructor, `act_quant_kwargs`, `mm_config`, `quant_primitives._choose_scale_float8` / `_quantize_affine_float8` | torchao | fp8 weights joined (query/key/value, gate/up); decode rows quantized per token as torchao does, then devmap's product or `torch._scaled_mm` as torchao calls it (`kernels.fp8_products`) | 0.18 |
+| `torchao_fp8_parts`, `torchao_fp8_weight`, `torchao_fp8_tokens`, `torchao_fp8_fast_accumulation`: `Float8Tensor` fields and constructor, `act_quant_kwargs`, `mm_config`, `quant_primitives._choose_scale_float8` / `_quantize_affine_float8` | torchao | fp8 weights joined (query/key/value, gate/up); decode rows quantized per token as torchao does, then devmap's product or `torch._scaled_mm` as torchao calls it (`kernels.fp8_products`) | 0.18 |
 | `torchao_int4_codes`: `Int4TilePackedTo4dTensor.scale_and_zero`, `block_size`, `aten._weight_int4pack_mm` | torchao | int4 weights taken into devmap's plain layout, read by its kernels (`kernels.four_bit_products`) | 0.18 |
 | `bitsandbytes_four_bit_codes`: `Params4bit.quant_state` (`absmax`, `code`, `blocksize`, `shape`, `dtype`, `nested`), the packing of two codes a byte, `functional.dequantize_blockwise` | bitsandbytes | nf4 weights taken into devmap's plain layout, read by its kernels (`kernels.four_bit_products`) | 0.50 |
 | `gluon`: `triton.experimental.gluon` (layouts, TMA, mbarriers, warpgroup MMA; `tma_load`, `cta_barrier` by release), `GluonASTSource` + `triton.compile` for an sm_90 build without a GPU | triton | Hopper's 4-bit kernel (`kernels.four_bit_products_wgmma`): asynchronous tensor-core products that `tl.dot` does not give | 3.6, 3.8 |
@@ -383,5 +383,5 @@ def pipeline_stage_fixed(stage: Any) -> Any:
 
 from .quantized_weights import (  # noqa: E402, F401  (re-exported; imported after require_supported)
     bitsandbytes_four_bit_codes, stored_tensors, torchao_flat_state_dict, torchao_fp8_fast_accumulation,
-    torchao_fp8_parts, torchao_fp8_tokens, torchao_fp8_tokens_of, torchao_fp8_weight, torchao_int4_codes,
-    torchao_int8_parts, torchao_int8_rows, torchao_int8_weight)
+    torchao_fp8_parts, torchao_fp8_tokens, torchao_fp8_weight, torchao_int4_codes, torchao_int8_parts,
+    torchao_int8_rows, torchao_int8_weight)

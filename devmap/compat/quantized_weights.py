@@ -144,21 +144,6 @@ def torchao_fp8_tokens(x: torch.Tensor, like: Any) -> tuple[torch.Tensor, torch.
     return _quantize_affine_float8(x, scale, kwargs.float8_dtype), scale
 
 
-def torchao_fp8_tokens_of(x: torch.Tensor, most: torch.Tensor, lower: float | None,
-                          upper: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`torchao_fp8_tokens` of `x` (rows × in) whose rows' max |x| is known (`most`: rows × 1, any float dtype holding
-    x's values exactly): the operations of torchao's `_choose_scale_float8` after its row maximum (the maximum in x's
-    dtype, clamped to the bounds `lower` and `upper`, over float8's largest value, in float32), then its quantization
-    of x, so the numbers are those `torchao_fp8_tokens` gives (tests/test_compat.py checks that they are)."""
-    from torchao.quantization.quant_primitives import _quantize_affine_float8
-
-    max_abs = most.to(x.dtype)
-    if lower is not None or upper is not None:
-        max_abs = torch.clamp(max_abs, min=lower, max=upper)
-    scale = (max_abs / torch.finfo(torch.float8_e4m3fn).max).to(torch.float32)
-    return _quantize_affine_float8(x, scale, torch.float8_e4m3fn), scale
-
-
 def torchao_fp8_fast_accumulation(like: Any) -> bool:
     """Whether torchao's float8 Linear `like` asks `torch._scaled_mm` for fast accumulation."""
     config = like.mm_config

@@ -29,8 +29,7 @@ from ..kernels.four_bit_linear import FourBitLinear, own_four_bit_linears
 from ..kernels.four_bit_layout import FourBitWeight
 from ..kernels.fp8_products import Fp8Weight
 from ..kernels.int8_products import Int8Weight
-from ..kernels.gated import gated_applies
-from ..kernels.quantized_products import QuantizedWeight, gated_product, product
+from ..kernels.quantized_products import QuantizedWeight, product
 
 JOINED_MODEL_TYPES = ("llama",)  # whose decoder layer `JoinedLayer.__call__` redoes (qwen3 adds norms of q and k,
 # mistral and qwen2 pass sliding windows to their attention)
@@ -208,16 +207,10 @@ class Product:
             return cls(None, Fp8Weight.of(joined[0], joined[1], group[0].weight), bias, sizes)
         return cls(None, Int8Weight(joined[0], joined[1]), bias, sizes)
 
-    def __call__(self, x: torch.Tensor, maxes: torch.Tensor | None = None) -> torch.Tensor:
-        """x · weightᵀ (+ bias); `maxes`: x's row maxima from the `gated` product that made it (or None)."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return product(x, self.quantized, self.bias, maxes)
+            return product(x, self.quantized, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-    def gated(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """silu(x · gateᵀ) · (x · upᵀ) of a quantized gate/up product (`kernels.gated`), and the row maxima the down
-        product takes with it."""
-        return gated_product(x, self.quantized)
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The product, cut into each module's output."""
@@ -238,7 +231,6 @@ class JoinedLayer:
     gate_up: Product
     down: Product
     group: Any = None  # a tensor-parallel shard's process group: `out` and `down` give partial sums over it
-    gated: bool = False  # whether `gate_up` gates its own output (`kernels.gated`)
 
     @classmethod
     def of(cls, layer: nn.Module, model_type: str | None) -> JoinedLayer | None:
@@ -253,17 +245,14 @@ class JoinedLayer:
         if any(p is None for p in products) or any(type(m) not in (nn.Linear, FourBitLinear, RowParallelLinear)
                                                    for m in (attention.o_proj, mlp.down_proj)):
             return None
-        gate_up = products[2]
-        gated = gate_up.quantized is not None and gated_applies(
-            sum(gate_up.sizes), gate_up.sizes, getattr(getattr(mlp, "config", None), "hidden_act", None), gate_up.bias)
-        return cls(layer, *products, group=getattr(attention.o_proj, "group", None), gated=gated)
+        return cls(layer, *products, group=getattr(attention.o_proj, "group", None))
 
     def __call__(self, hidden: torch.Tensor, cache: Any, context: dict[str, Any]) -> torch.Tensor:
         """The layer's forward as transformers' `LlamaDecoderLayer` computes it, with two products for its five
         input projections (`cache`: None, or transformers' `Cache.update` protocol); `context` holds the mask and
         the rotary cos/sin (`position_embeddings`)."""
         layer = self.layer
-        attention = layer.self_attn
+        attention, mlp = layer.self_attn, layer.mlp
         normed = own_forward(layer.input_layernorm)(hidden)
         shape = (*normed.shape[:-1], -1, attention.head_dim)
         query, key, value = (part.view(shape).transpose(1, 2) for part in self.qkv.split(normed))
@@ -275,7 +264,8 @@ class JoinedLayer:
                                                       dropout=0.0, scaling=attention.scaling)
         hidden = hidden + self._summed(self.out(out.reshape(*normed.shape[:-1], -1).contiguous()))
         normed = own_forward(layer.post_attention_layernorm)(hidden)
-        return hidden + self._summed(self._feed_forward(normed))
+        gate, up = self.gate_up.split(normed)
+        return hidden + self._summed(self.down(mlp.act_fn(gate) * up))
 
     def mixed(self, hidden: torch.Tensor, rows: int, caches: tuple[Any, Any],
               contexts: tuple[dict[str, Any], dict[str, Any]]) -> torch.Tensor:
@@ -284,7 +274,7 @@ class JoinedLayer:
         end (`caches[1]`, `contexts[1]`: the pack's). Every product reads the weights once for both; only attention
         runs apart."""
         layer = self.layer
-        attention = layer.self_attn
+        attention, mlp = layer.self_attn, layer.mlp
         projected = self.qkv.split(own_forward(layer.input_layernorm)(hidden))
         outs = []
         # the step's rows as rows × 1 token, the pack as 1 row × its tokens
@@ -299,14 +289,8 @@ class JoinedLayer:
             outs.append(out.reshape(-1, out.shape[-2] * out.shape[-1]))
         hidden = hidden + self._summed(self.out(torch.cat(outs)))
         normed = own_forward(layer.post_attention_layernorm)(hidden)
-        return hidden + self._summed(self._feed_forward(normed))
-
-    def _feed_forward(self, normed: torch.Tensor) -> torch.Tensor:
-        """The MLP's down(act(gate) · up) over the joined products, gated in the gate/up product where it can be."""
-        if self.gated:
-            return self.down(*self.gate_up.gated(normed))
         gate, up = self.gate_up.split(normed)
-        return self.down(self.layer.mlp.act_fn(gate) * up)
+        return hidden + self._summed(self.down(mlp.act_fn(gate) * up))
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel product's output: on a tensor-parallel shard its partial sum, added up over the group."""

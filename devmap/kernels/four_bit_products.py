@@ -30,7 +30,6 @@ import torch
 
 from .four_bit_layout import SPAN, FourBitWeight, dequantize, code_value_table, zero_or_scale
 from .card import HOPPER, Card, card
-from .gated import gated_by_torch
 from .split_k import add_partial_sums, partial_sums
 
 NARROW_ROWS = 16  # rows up to which a block of 64 output columns takes every row and the rows kernel cuts the inner
@@ -77,18 +76,11 @@ def kernel_table(weight: FourBitWeight, device: torch.device) -> torch.Tensor:
     return weight.scale if weight.affine else code_value_table(weight.code_values, device, weight.scale.dtype)
 
 
-def product(x: torch.Tensor, weight: FourBitWeight, bias: torch.Tensor | None = None,
-            maxes: torch.Tensor | None = None) -> torch.Tensor:
-    """x (… × in) · weightᵀ (+ bias), in x's dtype (`maxes` is never given: `gated_product` leaves none)."""
+def product(x: torch.Tensor, weight: FourBitWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (… × in) · weightᵀ (+ bias), in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
     out = four_bit_rows_product(flat, *weight.tensors, list(weight.code_values)).reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
-
-
-def gated_product(x: torch.Tensor, weight: FourBitWeight) -> tuple[torch.Tensor, None]:
-    """silu(x · gateᵀ) · (x · upᵀ) of a joined gate/up weight: `product`, then the torch formula (the 4-bit kernels
-    have no gated epilogue: their wide products are cut along the inner dimension); no row maxima."""
-    return gated_by_torch(product(x, weight)), None
 
 
 @torch.library.custom_op("devmap::four_bit_rows_product", mutates_args=())

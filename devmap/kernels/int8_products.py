@@ -21,8 +21,6 @@ from typing import Iterable, NamedTuple
 import torch
 
 from .card import HOPPER, Card, card
-from .gated import (GATED_ACTIVATIONS, GATED_ROWS, HALF, WIDE_OUTS, gated_applies, gated_by_kernel, gated_by_torch,
-                    parts)
 from .split_k import add_partial_sums, partial_sums
 
 DECODE_ROWS = 32  # rows (tokens) up to which the decode kernel runs (all rows in one block)
@@ -48,56 +46,13 @@ def kernel_applies(x: torch.Tensor, weight: Int8Weight) -> bool:
             and scale.dtype.is_floating_point)
 
 
-def product(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None,
-            maxes: torch.Tensor | None = None) -> torch.Tensor:
-    """x (… × in) · (qdata (out × in, int8) × scale (out or out × 1))ᵀ (+ bias), in x's dtype (`maxes`, the row
-    maxima of a gated product, are not needed: the decode products are weight-only)."""
+def product(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (… × in) · (qdata (out × in, int8) × scale (out or out × 1))ᵀ (+ bias), in x's dtype."""
     qdata, scale = weight
     out = int8_rows_product(x.reshape(-1, x.shape[-1]), qdata, scale).reshape(*x.shape[:-1], qdata.shape[0])
     if bias is not None:
         out = out + bias
     return out
-
-
-def gated_product(x: torch.Tensor, weight: Int8Weight) -> tuple[torch.Tensor, None]:
-    """silu(x · gateᵀ) · (x · upᵀ) of a joined gate/up weight (gate's rows, then up's: `gated.gated_applies`), in x's
-    dtype: gated in devmap's decode kernel up to DECODE_ROWS rows, else `product` and the torch formula. No row
-    maxima (None): int8's decode products take their rows as they are."""
-    qdata, scale = weight
-    rows = x.reshape(-1, x.shape[-1])
-    h = int8_gated_rows_product(rows, qdata, scale) if kernel_applies(rows, weight) else \
-        gated_by_torch(torchao_formula(rows, qdata, scale))
-    return h.reshape(*x.shape[:-1], h.shape[-1]), None
-
-
-@torch.library.custom_op("devmap::int8_gated_rows_product", mutates_args=())
-def int8_gated_rows_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """silu(G) · U in x's dtype, for G and U the products of `int8_rows_product` with qdata's two halves (gate, then
-    up): devmap's gated decode kernel up to `gated.GATED_ROWS` rows, the decode kernel and a gate kernel up to
-    DECODE_ROWS, else `int8_rows_product` and the torch formula."""
-    if x.shape[0] > DECODE_ROWS:
-        return gated_by_torch(int8_rows_product(x, qdata, scale))
-    if x.shape[0] > GATED_ROWS:
-        return gated_by_kernel(kernel_product(x, qdata, scale), maxes=False)[0]
-    import triton
-
-    from .int8_products_kernel import int8_gated_rows_kernel
-
-    rows, ins = x.shape
-    size = qdata.shape[0] // 2
-    h = torch.empty((rows, size), dtype=x.dtype, device=x.device)
-    shape = block_shape(rows, qdata.shape[0], card(x.device))
-    int8_gated_rows_kernel[(parts(size),)](
-        x, qdata, scale, h, rows, size, ins, x.stride(0), qdata.stride(0), size,
-        BLOCK_ROWS=max(16, triton.next_power_of_2(rows)), HALF=HALF, BLOCK_IN=shape.inner, EXACT=x.is_cuda,
-        num_warps=shape.warps,
-        num_stages=shape.stages)
-    return h
-
-
-@int8_gated_rows_product.register_fake
-def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], qdata.shape[0] // 2))
 
 
 @torch.library.custom_op("devmap::int8_rows_product", mutates_args=())
@@ -129,8 +84,7 @@ PREPARED_ROWS = (1, 2, 16, 17, DECODE_ROWS, DECODE_ROWS + 1, TINY_TOKEN_ROWS + 1
 
 
 def prepare_kernels(weights: Iterable[Int8Weight], dtype: torch.dtype) -> int:
-    """Run the kernels once for each distinct int8 weight shape and each of PREPARED_ROWS (gated too where the shape
-    can be a gate/up pair's, up to the decode rows), so that
+    """Run the kernels once for each distinct int8 weight shape and each of PREPARED_ROWS, so that
     Triton compiles every variant a step can use now (then caches it on disk) instead of in a service's first
     requests. Returns the products run: 0 where the kernels do not apply (CPU, float32)."""
     seen, runs = set(), 0
@@ -140,16 +94,11 @@ def prepare_kernels(weights: Iterable[Int8Weight], dtype: torch.dtype) -> int:
             if key in seen:
                 continue
             seen.add(key)
-            gated = gated_applies(qdata.shape[0], [qdata.shape[0] // 2, qdata.shape[0] - qdata.shape[0] // 2],
-                                  GATED_ACTIVATIONS[0], None)
             for rows in PREPARED_ROWS:
                 x = torch.zeros(rows, qdata.shape[1], dtype=dtype, device=qdata.device)
                 if kernel_applies(x, Int8Weight(qdata, scale)):
                     int8_rows_product(x, qdata, scale)
                     runs += 1
-                    if gated and rows <= DECODE_ROWS + 1:
-                        int8_gated_rows_product(x, qdata, scale)
-                        runs += 1
     return runs
 
 
@@ -176,7 +125,7 @@ def block_shape(rows: int, outs: int, gpu: Card = HOPPER) -> BlockShape:
     of the H200's best). Wide products (qkv, gate_up) have programs enough: up to NARROW_ROWS blocks of 64 output
     columns, 128 where that would make more programs than the card's `programs` (two per SM); narrow ones (o, down:
     fewer output columns than 8,192) split their inner dimension so that every SM has weights to read."""
-    if outs >= WIDE_OUTS:
+    if outs >= 8192:
         if rows <= NARROW_ROWS:
             return BlockShape(64 if outs <= 64 * gpu.programs else 128, 256, 1)
         return BlockShape(128, 256, 1)

@@ -8,8 +8,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gated_kernel import gated_epilogue
-
 
 @triton.jit
 def int8_rows_kernel(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row, out_split,
@@ -32,31 +30,6 @@ def int8_rows_kernel(X, W, Scale, Out, rows, outs, ins, x_row, w_row, out_row, o
     acc = acc * tl.load(Scale + out, mask=out < outs, other=0.0)[None, :]
     tl.store(Out + split * out_split + row[:, None] * out_row + out[None, :], acc.to(Out.dtype.element_ty),
              mask=(row[:, None] < rows) & (out[None, :] < outs))
-
-
-@triton.jit
-def int8_gated_rows_kernel(X, W, Scale, H, rows, size, ins, x_row, w_row, h_row, BLOCK_ROWS: tl.constexpr,
-                           HALF: tl.constexpr, BLOCK_IN: tl.constexpr, EXACT: tl.constexpr):
-    """H[rows, size] = silu(G) · U, where G and U are `int8_rows_kernel`'s products of X with W's first and second
-    `size` rows (gate, then up), each in H's dtype; program b makes columns b·HALF …. Each int8 weight is read once."""
-    block = tl.program_id(0)
-    row = tl.arange(0, BLOCK_ROWS)
-    col = block * HALF + tl.arange(0, HALF)
-    gate = tl.zeros((BLOCK_ROWS, HALF), dtype=tl.float32)
-    up = tl.zeros((BLOCK_ROWS, HALF), dtype=tl.float32)
-    for start in range(0, ins, BLOCK_IN):
-        inner = start + tl.arange(0, BLOCK_IN)
-        x = tl.load(X + row[:, None] * x_row + inner[None, :], mask=(row[:, None] < rows) & (inner[None, :] < ins),
-                    other=0.0)
-        w_mask = (col[:, None] < size) & (inner[None, :] < ins)
-        w_gate = tl.load(W + col[:, None] * w_row + inner[None, :], mask=w_mask, other=0)
-        w_up = tl.load(W + (col[:, None] + size) * w_row + inner[None, :], mask=w_mask, other=0)
-        gate += tl.dot(x, tl.trans(w_gate.to(x.dtype)))
-        up += tl.dot(x, tl.trans(w_up.to(x.dtype)))
-    gate = gate * tl.load(Scale + col, mask=col < size, other=0.0)[None, :]
-    up = up * tl.load(Scale + size + col, mask=col < size, other=0.0)[None, :]
-    gated_epilogue(gate.to(H.dtype.element_ty), up.to(H.dtype.element_ty), H, H, block, row, col, rows, size, h_row,
-                   MAXES=False, EXACT=EXACT)
 
 
 # 1.5 · 2**23: v + ROUNDING - ROUNDING is float32 v rounded half to even (|v| < 2**22)

@@ -1,9 +1,8 @@
 """devmap's quantized products behind one protocol: each family (`int8_products` for int8 weights with a scale per
 output row, `four_bit_products` for devmap's 4-bit layout, `fp8_products` for float8 weights with a scale per output
 row, on torchao's product) says when its kernels apply to an input, computes the product (its kernels where they
-apply, the library's formula elsewhere), gates a feed-forward's joined gate/up product (`gated`) and prepares its
-kernels for a model's weights at load. Callers hold a weight of any kind (`QuantizedWeight`) and call `product`,
-`gated_product` and `prepare_kernels` here, never a family by name."""
+apply, the library's formula elsewhere) and prepares its kernels for a model's weights at load. Callers hold a
+weight of any kind (`QuantizedWeight`) and call `product` and `prepare_kernels` here, never a family by name."""
 
 from __future__ import annotations
 
@@ -28,13 +27,8 @@ class ProductFamily(Protocol):
     def kernel_applies(self, x: torch.Tensor, weight: Any) -> bool:
         """Whether its kernels compute x (rows × in) · weightᵀ."""
 
-    def product(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None,
-                maxes: torch.Tensor | None = None) -> torch.Tensor:
-        """x (… × in) · weightᵀ (+ bias), in x's dtype; `maxes`: x's row maxima from its `gated_product`, or None."""
-
-    def gated_product(self, x: torch.Tensor, weight: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """silu(x · gateᵀ) · (x · upᵀ) of a joined gate/up weight (`gated.gated_applies`), and the row maxima the
-        down product of the same family takes with it (None: it needs none)."""
+    def product(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (… × in) · weightᵀ (+ bias), in x's dtype."""
 
     def prepare_kernels(self, weights: Iterable[Any], dtype: torch.dtype) -> int:
         """Compile every kernel variant a step may use for these weights now; the products run (0: none apply)."""
@@ -47,16 +41,9 @@ def family(weight: QuantizedWeight) -> ProductFamily:
     return fp8_products if isinstance(weight, Fp8Weight) else int8_products  # type: ignore[return-value]
 
 
-def product(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-            maxes: torch.Tensor | None = None) -> torch.Tensor:
-    """x (… × in) · weightᵀ (+ bias), in x's dtype, by the weight's family (`maxes`: from `gated_product`)."""
-    return family(weight).product(x, weight, bias, maxes)
-
-
-def gated_product(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """silu(x · gateᵀ) · (x · upᵀ) of a joined gate/up weight by the weight's family, and the row maxima its down
-    product takes (`product(..., maxes=...)`; None: none)."""
-    return family(weight).gated_product(x, weight)
+def product(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (… × in) · weightᵀ (+ bias), in x's dtype, by the weight's family."""
+    return family(weight).product(x, weight, bias)
 
 
 def prepare_kernels(weights: Iterable[QuantizedWeight], dtype: torch.dtype) -> int:
