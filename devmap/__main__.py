@@ -1,5 +1,5 @@
 """`python -m devmap` runs the CLI."""
 
-from devmap.cli import main
+from devmap.cli import run
 
-main()
+run()

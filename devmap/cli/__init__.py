@@ -1,8 +1,18 @@
-"""The `devmap` command line: a click group whose one error boundary turns devmap errors into one-line messages."""
+"""The `devmap` command line: a click group whose one error boundary turns devmap errors into one-line messages.
+
+`run` is the program (`devmap`, `python -m devmap`): the group, then the process's end without the interpreter's
+teardown, which frees every object of torch's and transformers' modules one by one (~0.4 s after importing torch, ~1.1
+s after transformers' models, on 2 cores) and does nothing a finished command needs. The exit handlers still run
+(logging's flush, temporary files, child processes) and stdout and stderr are flushed; a command that leaves a
+thread running ends the usual way.
+"""
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -94,3 +104,29 @@ def main(debug: bool) -> None:
         from devmap.releases import require_supported
 
         require_supported()
+
+
+def run() -> None:
+    """`devmap` as a program: the command, its exit code, and the process's end (`end_process`)."""
+    try:
+        main.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    end_process(code)
+
+
+def end_process(code: int) -> None:
+    """End this process with `code` after its exit handlers and flushed output, skipping the interpreter's teardown;
+    where a thread other than a daemon is still running, the interpreter ends it as usual (it waits for the thread)."""
+    if any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
+        sys.exit(code)
+    atexit._run_exitfuncs()  # CPython's own call at exit: the handlers registered with atexit, last first
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to write to
+            pass
+    os._exit(code)

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .devices import device_label
+from .llama_layout import is_layout
 from .device_maps import owner_of
 from .planner import Plan
 from .quantization import quantized_weights, weight_extra_bytes
@@ -44,6 +45,8 @@ def layer_table(plan: Plan, input_shape: tuple[int, ...] | None = None) -> list[
     if plan.model is None or plan.model_source is None:
         raise UsageError("this plan carries no model; compute it with devmap.plan()")
     model, source = plan.model, plan.model_source
+    if is_layout(model):  # a plan of a LLaMA model's weights placed its layout, which does not run
+        model = source.build("meta")
     shapes: dict[str, list[int] | None] = {}
     hooks = []
     leaves = [(n, m) for n, m in model.named_modules() if n and not list(m.children())]

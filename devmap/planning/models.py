@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Union
 
@@ -55,19 +55,51 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 @dataclass
 class ModelSource:
-    """Where a model comes from and how to build it; `kind` is torchvision, llama-preset, hf-dir or module."""
+    """Where a model comes from and how to build it; `kind` is torchvision, llama-preset, hf-dir or module.
+
+    A LLaMA source (a preset, or a directory whose config.json says model_type "llama") keeps its config's values
+    (`settings`) and reads transformers' config from them on first use (`config`): a plan of its weights places its
+    `layout`, built from those values, and never imports transformers. Other causal LMs read transformers' config
+    when they are resolved."""
 
     name: str
     kind: str
-    config: Any = None
     path: Path | None = None
     module: nn.Module | None = None
     default_dtype: torch.dtype = torch.float32
     extra: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] | None = None
+    min_params: int = 0  # a lower bound on the parameter count, from the config's sizes (0: not known)
+    transformers_config: Any = field(default=None, repr=False, compare=False)
 
     @property
     def is_causal_lm(self) -> bool:
         return self.kind in ("llama-preset", "hf-dir")
+
+    @property
+    def config(self) -> Any:
+        """transformers' config of a causal LM (read on first use), None for torchvision models and modules."""
+        if self.transformers_config is None and self.settings is not None:
+            if self.kind == "llama-preset":
+                self.transformers_config = _preset_config(self.settings)
+            else:
+                assert self.path is not None
+                self.transformers_config = _read_hf_config(self.path, self.settings["model_type"])
+        return self.transformers_config
+
+    def with_config(self, config: Any) -> "ModelSource":
+        """This source with another transformers config (a shard's, of the same kind): built from it alone."""
+        return replace(self, settings=None, transformers_config=config)
+
+    def layout(self) -> nn.Module:
+        """What a plan of the weights alone places: a LLaMA source's layout (`devmap.planning.llama_layout`, no
+        transformers import), else the model built on the meta device."""
+        if self.settings is not None:
+            from .llama_layout import build_layout
+
+            where = self.name if self.path is None else f"{self.path}/config.json"
+            return build_layout(self.settings, where, lambda: self.config)
+        return self.build("meta")
 
     def build(self, device: str | torch.device = "meta", cpu_buffers: bool = False) -> nn.Module:
         """Build the model's modules on `device` (meta: no memory, no weights) in float32; a transformers model
@@ -84,6 +116,7 @@ class ModelSource:
             context = init_empty_weights(include_buffers=False)
         else:
             context = torch.device(device)
+        config = self.config
         with context:
             if self.kind == "torchvision":
                 import torchvision
@@ -95,7 +128,7 @@ class ModelSource:
                 from ..compat import weights_left_uninitialized
 
                 with weights_left_uninitialized():  # devmap reads or initializes every tensor itself
-                    model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
+                    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if hasattr(model, "tie_weights"):  # transformers ties in its init, left out above; init_empty_weights also
             model.tie_weights()  # re-wraps each registered parameter, which unties them
         return model.eval()
@@ -125,13 +158,26 @@ def default_no_split(model: nn.Module) -> list[str]:
 
 def llama_config(preset: str) -> Any:
     """The transformers LlamaConfig of a preset."""
+    return _preset_config(_preset_settings(preset))
+
+
+def _preset_settings(preset: str) -> dict[str, Any]:
+    """A preset's config values, as a config.json would spell them."""
+    return {"model_type": "llama", "rms_norm_eps": 1e-5, "dtype": "bfloat16", **LLAMA_PRESETS[preset]}
+
+
+def _preset_config(settings: dict[str, Any]) -> Any:
     from transformers import LlamaConfig
 
-    kwargs = dict(LLAMA_PRESETS[preset])
-    dtype = kwargs.pop("dtype", "bfloat16")
-    config = LlamaConfig(rms_norm_eps=1e-5, **kwargs)
-    config.dtype = dtype
+    kwargs = {k: v for k, v in settings.items() if k not in ("model_type", "dtype")}
+    config = LlamaConfig(**kwargs)
+    config.dtype = settings["dtype"]
     return config
+
+
+def _settings_dtype(settings: dict[str, Any]) -> torch.dtype:
+    value = settings.get("dtype", settings.get("torch_dtype"))
+    return getattr(torch, value) if value in ("float32", "float16", "bfloat16") else torch.float32
 
 
 def _config_dtype(config: Any) -> torch.dtype:
@@ -143,25 +189,16 @@ def _config_dtype(config: Any) -> torch.dtype:
     return torch.float32
 
 
-def _read_hf_config(path: Path) -> Any:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise SourceError(f"{path} has no config.json: "
-                          "a model directory needs the config.json that transformers writes")
-    raw = _read_json(config_file)
-    if "model_type" not in raw:
-        raise SourceError(f"{config_file} has no 'model_type': it is not a config.json transformers wrote")
-    min_params = check_config(raw, str(config_file))
+def _read_hf_config(path: Path, model_type: str) -> Any:
+    """transformers' config of a directory whose config.json `_hf_dir` checked; one line where it cannot read it."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        config.devmap_min_params = min_params
-        return config
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (ValueError, KeyError, OSError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SourceError(
-            f"{config_file} describes model_type {raw['model_type']!r}, which transformers cannot read: {first}"
+            f"{path / 'config.json'} describes model_type {model_type!r}, which transformers cannot read: {first}"
         ) from None
 
 
@@ -210,31 +247,16 @@ def resolve_source(source: Union[str, Path, nn.Module, ModelSource]) -> ModelSou
     if name in RESNETS:
         return ModelSource(name=name, kind="torchvision")
     if name in LLAMA_PRESETS:
-        config = llama_config(name)
-        return ModelSource(name=name, kind="llama-preset", config=config, default_dtype=_config_dtype(config))
+        settings = _preset_settings(name)
+        return ModelSource(name=name, kind="llama-preset", settings=settings, default_dtype=_settings_dtype(settings),
+                           min_params=check_config(settings, name))
     path = Path(name).expanduser()
     if path.is_dir():
         check_metadata_paths(path)
         torchvision_source = _torchvision_dir(path)
         if torchvision_source is not None:
             return torchvision_source
-        config = _read_hf_config(path)
-        from transformers import AutoModelForCausalLM
-
-        if type(config) not in AutoModelForCausalLM._model_mapping:
-            raise SourceError(
-                f"{path}/config.json describes a {config.model_type!r} model, which is not a causal language model "
-                "transformers knows; devmap loads causal LMs (LLaMA first) and torchvision ResNets"
-            )
-        quantized = getattr(config, "quantization_config", None)
-        if quantized is not None:
-            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
-            raise SourceError(
-                f"{path} holds pre-quantized weights ({method}); devmap quantizes while it loads a full-precision "
-                "checkpoint: pass the original checkpoint with --quantize, or load this one with transformers' "
-                "from_pretrained"
-            )
-        return ModelSource(name=name, kind="hf-dir", config=config, path=path, default_dtype=_config_dtype(config))
+        return _hf_dir(name, path)
     if path.exists():
         raise SourceError(f"{path} is a file: a model source is a preset name or a directory with config.json")
     if _HUB_ID.match(name):
@@ -246,6 +268,40 @@ def resolve_source(source: Union[str, Path, nn.Module, ModelSource]) -> ModelSou
         f"unknown model source {name!r}: use a preset ({', '.join(PRESETS)}) "
         "or a local directory holding a config.json"
     )
+
+
+def _hf_dir(name: str, path: Path) -> ModelSource:
+    """A local Hugging Face directory: a LLaMA one keeps its config's values (transformers reads them on first use),
+    any other is read by transformers now, and must be a causal LM it knows."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise SourceError(f"{path} has no config.json: "
+                          "a model directory needs the config.json that transformers writes")
+    raw = _read_json(config_file)
+    if "model_type" not in raw:
+        raise SourceError(f"{config_file} has no 'model_type': it is not a config.json transformers wrote")
+    min_params = check_config(raw, str(config_file))
+    quantized = raw.get("quantization_config")
+    if quantized is not None:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+        raise SourceError(
+            f"{path} holds pre-quantized weights ({method}); devmap quantizes while it loads a full-precision "
+            "checkpoint: pass the original checkpoint with --quantize, or load this one with transformers' "
+            "from_pretrained"
+        )
+    if raw["model_type"] == "llama":
+        return ModelSource(name=name, kind="hf-dir", path=path, settings=raw, default_dtype=_settings_dtype(raw),
+                           min_params=min_params)
+    config = _read_hf_config(path, raw["model_type"])
+    from transformers import AutoModelForCausalLM
+
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise SourceError(
+            f"{path}/config.json describes a {config.model_type!r} model, which is not a causal language model "
+            "transformers knows; devmap loads causal LMs (LLaMA first) and torchvision ResNets"
+        )
+    return ModelSource(name=name, kind="hf-dir", path=path, transformers_config=config,
+                       default_dtype=_config_dtype(config), min_params=min_params)
 
 
 def _module_dtype(module: nn.Module) -> torch.dtype:

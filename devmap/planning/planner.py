@@ -72,7 +72,9 @@ def planner(
     """`plan` of one source, map and budget for any workload (None: the weights alone), as `workload -> Plan`: the
     arguments are checked, the source read, the budget resolved and the model built on the meta device once, for
     callers that plan the same model for many workloads (a service finding its largest batch plans it a dozen
-    times). Every plan it makes shares that meta model (`Plan.model`), which planning leaves as it found it."""
+    times). Every plan it makes shares that meta model (`Plan.model`), which planning leaves as it found it; a plan
+    of a LLaMA source's weights alone places its layout (`ModelSource.layout`: the same names and shapes, no
+    transformers import), and the first workload builds transformers' model, which it runs on the meta device."""
     device_map = normalize_device_map(device_map)
     torch_dtype = parse_dtype(dtype)
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
@@ -84,9 +86,17 @@ def planner(
     if tensor_parallel > 1:
         return lambda workload: _split_plan(model_source, tensor_parallel, device_map, budget, torch_dtype,
                                             no_split_module_classes, quantized, workload)
-    model = model_source.build("meta")
-    return lambda workload: plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes,
-                                       quantized, workload)
+    layout = model_source.layout()
+    built = {"model": None if model_source.settings is not None else layout}
+
+    def plan_for(workload: Workload | None) -> Plan:
+        model = layout
+        if workload is not None:  # runtime memory runs the model on the meta device: transformers' own
+            model = built["model"] = built["model"] or model_source.build("meta")
+        return plan_model(model, model_source, device_map, budget, torch_dtype, no_split_module_classes, quantized,
+                          workload)
+
+    return plan_for
 
 
 def _split_plan(model_source: ModelSource, size: int, device_map: DeviceMapSpec, budget: Budget, dtype: torch.dtype,
@@ -195,7 +205,7 @@ def check_could_fit(model_source: ModelSource, budget: Budget, dtype: torch.dtyp
                     quantization: Quantization | None = None) -> None:
     """Refuse, before building anything, a model whose config alone shows it exceeds every budget together."""
     per_param = quantization.bits / 8 if quantization is not None else dtype.itemsize  # a lower bound either way
-    least = int(getattr(model_source.config, "devmap_min_params", 0) * per_param)
+    least = int(model_source.min_params * per_param)
     available = sum(budget.limits.values())
     if budget.limits and least > available:
         raise DoesNotFitError(

@@ -111,10 +111,8 @@ def local_config(config: Any, size: int, vocab: bool) -> Any:
 def shard_source(source: Any, size: int) -> tuple[Any, bool]:
     """The source (a ModelSource) of the model one GPU of a split of `size` holds, and whether its vocabulary is
     split: `check_split`, then `local_config`."""
-    from dataclasses import replace
-
     vocab = check_split(source, size)
-    return replace(source, config=local_config(source.config, size, vocab)), vocab
+    return source.with_config(local_config(source.config, size, vocab)), vocab
 
 
 def group_budget(budget: Budget, size: int) -> tuple[Budget, tuple[tuple[int, ...], ...]]:

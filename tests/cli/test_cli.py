@@ -22,6 +22,29 @@ def test_help_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_program_ends_with_its_exit_code_after_the_exit_handlers_and_its_output():
+    """`devmap` ends without the interpreter's teardown: the exit code, everything printed and what atexit
+    handlers do are kept; a command that leaves a thread running ends as usual (after the thread)."""
+    template = ("import atexit, sys, threading, time\n"
+                "atexit.register(lambda: print('handler ran', flush=True))\n{extra}"
+                "sys.argv = ['devmap', *{args!r}]\nfrom devmap.cli import run\nrun()\n")
+    cases = [((["plan", "llama-tiny", "--json"]), "", 0), ((["plan", "nope"]), "", 2),
+             ((["plan", "llama-tiny", "--gpus", "x"]), "", 2),
+             ((["env", "--json"]), "threading.Thread(target=lambda: (time.sleep(0.5), print('thread ended')))"
+                                   ".start()\n", 0)]
+    for args, extra, code in cases:
+        done = subprocess.run([sys.executable, "-c", template.format(extra=extra, args=args)], capture_output=True,
+                              text=True)
+        assert done.returncode == code, (args, done.stderr)
+        assert done.stdout.rstrip().endswith("handler ran"), (args, done.stdout)
+        printed = [line for line in done.stdout.splitlines() if line not in ("handler ran", "thread ended")]
+        if code == 0:
+            assert json.loads("\n".join(printed))
+        else:
+            assert done.stderr.startswith("Error: ") and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert ("thread ended" in done.stdout) == bool(extra)
+
+
 def test_plan_table():
     code, out = run("plan", "resnet50", "--gpus", "2", "--gpu-memory", "80GiB")
     assert code == 0, out
