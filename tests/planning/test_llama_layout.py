@@ -101,14 +101,15 @@ def test_a_layout_refuses_what_it_cannot_build(tmp_path):
 
 
 def test_a_fresh_plan_of_a_llama_model_imports_neither_transformers_nor_torchs_compiler(tmp_path):
-    """What keeps `devmap plan llama-tiny` near the import of torch itself in a fresh process."""
+    """What keeps `devmap plan llama-tiny` near the import of torch itself in a fresh process (nor devmap's
+    serving, generation or kernels)."""
     (tmp_path / "config.json").write_text(json.dumps(tiny_settings()))
     for source in ("llama-tiny", str(tmp_path)):
         code = ("import sys, json\nfrom devmap.cli import main\n"
                 f"try:\n    main.main(['plan', {source!r}, '--gpus', '2', '--gpu-memory', '1GiB', '--json'])\n"
                 "except SystemExit:\n    pass\n"
-                "print(json.dumps(sorted(m for m in ('transformers', 'torchvision', 'torch._dynamo') "
-                "if m in sys.modules)))")
+                "print(json.dumps(sorted(m for m in ('transformers', 'torchvision', 'torch._dynamo', "
+                "'devmap.serving', 'devmap.generation', 'devmap.kernels') if m in sys.modules)))")
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         *printed, imported = done.stdout.strip().splitlines()
         assert json.loads(imported) == [], source
