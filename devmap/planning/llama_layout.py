@@ -121,18 +121,24 @@ def is_layout(model: nn.Module) -> bool:
     return bool(getattr(model, "devmap_layout", False))
 
 
+def names_every_size(settings: dict[str, Any]) -> bool:
+    """Whether `settings` names every size a layout is built from (else transformers' defaults would fill them in,
+    and its own model is the one to plan)."""
+    return all(isinstance(settings.get(key), int) for key in _REQUIRED)
+
+
 def layout_sizes(settings: dict[str, Any], where: str) -> dict[str, Any]:
-    """The sizes a layout is built from, with transformers' defaults where `settings` (config.json's values, sizes
-    already checked as whole numbers by `check_config`) leaves them out; a config that names too little to build,
-    or heads that do not divide the hidden size, is refused in one line."""
-    missing = [key for key in _REQUIRED if settings.get(key) is None]
+    """The sizes a layout is built from, with transformers' defaults and derivations where `settings` (config.json's
+    values, sizes already checked as whole numbers by `check_config`) leaves them out; a config that does not name
+    every size, or whose heads do not divide its hidden size, is refused in one line."""
+    missing = [key for key in _REQUIRED if not isinstance(settings.get(key), int)]
     if missing:
         raise SourceError(f"{where} has no {', '.join(missing)}: a LLaMA config.json names each of them")
     sizes = {key: settings[key] for key in _REQUIRED}
     heads = sizes["num_attention_heads"]
     sizes["num_key_value_heads"] = settings.get("num_key_value_heads") or heads
     head_dim = settings.get("head_dim")
-    if head_dim is None:
+    if head_dim is None:  # as transformers' LlamaConfig derives it, and refuses
         if sizes["hidden_size"] % heads:
             raise SourceError(f"{where}: hidden_size {sizes['hidden_size']} is not a multiple of num_attention_heads "
                               f"{heads}; give head_dim, or fix the sizes")

@@ -289,7 +289,9 @@ def _hf_dir(name: str, path: Path) -> ModelSource:
             "checkpoint: pass the original checkpoint with --quantize, or load this one with transformers' "
             "from_pretrained"
         )
-    if raw["model_type"] == "llama":
+    from .llama_layout import names_every_size
+
+    if raw["model_type"] == "llama" and names_every_size(raw):
         return ModelSource(name=name, kind="hf-dir", path=path, settings=raw, default_dtype=_settings_dtype(raw),
                            min_params=min_params)
     config = _read_hf_config(path, raw["model_type"])

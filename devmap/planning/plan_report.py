@@ -78,7 +78,9 @@ class Run:
 
 @dataclass
 class Plan:
-    """A device map with its per-device report. `model` is the meta-device model it was computed on."""
+    """A device map with its per-device report. `model` is the meta-device model it was computed on: for a plan of a
+    LLaMA model's weights alone, its layout (`devmap.planning.llama_layout`: transformers' names and shapes, and its
+    `config`, but no forward)."""
 
     source: str
     strategy: str

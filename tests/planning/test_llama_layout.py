@@ -93,8 +93,13 @@ def test_a_layout_refuses_what_it_cannot_build(tmp_path):
     with pytest.raises(SourceError, match="has no intermediate_size"):
         build_layout({"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 4}, "x",
                      lambda: None)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_settings(num_attention_heads=5)))
     with pytest.raises(SourceError, match="not a multiple of num_attention_heads"):
-        build_layout(tiny_settings(num_attention_heads=5), "x", lambda: None)
+        devmap.plan(str(tmp_path))
+    partial = {k: v for k, v in tiny_settings().items() if k != "vocab_size"}  # transformers' default fills it in
+    (tmp_path / "config.json").write_text(json.dumps(partial))
+    source = resolve_source(str(tmp_path))
+    assert source.settings is None and not is_layout(source.layout())
     (tmp_path / "config.json").write_text(json.dumps(tiny_settings(quantization_config={"quant_method": "awq"})))
     with pytest.raises(SourceError, match="pre-quantized weights"):
         resolve_source(str(tmp_path))
