@@ -31,7 +31,7 @@ Each server's cold start (a fresh process until it answers) is printed; `--resta
 more after its runs, for a restart's time with the compile caches on disk that its first start filled. A devmap server
 that compiles beside its serving (`+beside`: --compile-beside) answers on eager steps while its steps compile: from its
 first answer until its compiled steps serve it gets windows of the first client count (their TTFT and tok/s printed:
-the swap's cost), and the timed rows start after.
+the swap's cost), and the timed rows start after; a restart gets the same windows.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its release does
 not know are dropped one at a time, and the flags used are printed. `transformers+int8` (+int4, +nf4, +fp8) serves a
 pre-quantized copy of the preset's checkpoint (`devmap save MODEL --quantize`, the same seed: torchao's or bitsandbytes'
@@ -129,6 +129,16 @@ def while_compiling(url: str, model: str, clients: int, seconds: float, new: int
     while compiling(url) and time.monotonic() - started < timeout:
         windows.append(load_test(url, model, clients, seconds, new, seed=len(windows), lengths=lengths))
     return windows, time.monotonic() - started + wait_compiled(url, timeout)
+
+
+def compiling_line(ready: float, windows: list[dict[str, Any]], clients: int) -> str:
+    """When a server's compiled steps served, and how its clients fared in the windows before."""
+    line = f"compiled steps serve {ready:.1f} s after its process started; {len(windows)} windows of {clients} clients"
+    if not windows:
+        return line + " before that"
+    worst = max(w["ttft_p99"] or 0.0 for w in windows)
+    rates = [w["tokens_per_s"] for w in windows]
+    return line + f" before that, TTFT p99 at most {worst:.2f} s, {min(rates):,.0f}-{max(rates):,.0f} tok/s"
 
 
 def start_phases(url: str) -> dict[str, Any]:
@@ -620,12 +630,7 @@ def main() -> None:
                                                       [int(w) for w in args.prompt_words.split(",")])
                     compiled = {"compiled_s": cold + waited, "while_compiling": windows, "start": start_phases(url)}
                     print(f"  {name} start: {phases_line(compiled['start'])}", flush=True)
-                    worst = max((w["ttft_p99"] or 0.0 for w in windows), default=None)
-                    print(f"  {name}: compiled steps serve {cold + waited:.1f} s after its process started; "
-                          f"{len(windows)} windows of {counts[0]} clients before that"
-                          + (f", TTFT p99 at most {worst:.2f} s, "
-                             f"{min(w['tokens_per_s'] for w in windows):,.0f}-"
-                             f"{max(w['tokens_per_s'] for w in windows):,.0f} tok/s" if windows else ""), flush=True)
+                    print(f"  {name}: {compiling_line(cold + waited, windows, counts[0])}", flush=True)
                 for clients in counts:
                     before: dict[str, float] = {}
                     profiling: list[threading.Thread] = []
@@ -672,10 +677,12 @@ def main() -> None:
                 port = free_port()
                 command[command.index("--port") + 1] = str(port)
                 with server(command, port, f"{name}-restart", env=env, cwd=tree) as (again_url, again):
-                    rows[name][0]["restart_s"] = again
-                    rows[name][0]["restart_compiled_s"] = again + wait_compiled(again_url)
-                    rows[name][0]["restart"] = start_phases(again_url)
+                    windows, waited = while_compiling(again_url, model, counts[0], args.seconds, args.new,
+                                                      [int(w) for w in args.prompt_words.split(",")])
+                    rows[name][0].update(restart_s=again, restart_compiled_s=again + waited,
+                                         restart_while_compiling=windows, restart=start_phases(again_url))
                     print(f"  {name} restart: {phases_line(rows[name][0]['restart'])}", flush=True)
+                    print(f"  {name} restart: {compiling_line(again + waited, windows, counts[0])}", flush=True)
     report(args.model, rows, counts, args.out, schemes)
 
 

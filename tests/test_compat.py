@@ -122,6 +122,24 @@ def test_recompile_limit_and_the_stance_that_refuses_to_compile():
             double(torch.ones(4, 4))  # a new shape would compile: refused
 
 
+def test_compile_backend_is_the_backend_its_name_compiles_with():
+    from torch._inductor.compile_fx import compile_fx
+
+    assert compat.compile_backend("aot_eager") is torch._dynamo.lookup_backend("aot_eager")
+    seen = []
+
+    def wrapped(graph, example_inputs):  # a backend of one's own that calls the named one
+        seen.append(len(example_inputs))
+        return compat.compile_backend("aot_eager")(graph, example_inputs)
+
+    torch._dynamo.reset()
+    add = torch.compile(lambda x: x + 1, backend=wrapped, dynamic=False)
+    assert add(torch.ones(2)).tolist() == [2.0, 2.0] and seen == [1]
+    torch._dynamo.reset()
+    inductor = compat.compile_backend("inductor")  # what torch.compile(backend="inductor") calls: compile_fx
+    assert "compile_fx" in inductor.__code__.co_names and callable(compile_fx)
+
+
 def test_compile_totals_count_a_compile_s_seconds_and_graphs():
     before = compat.compile_totals()
     triple = torch.compile(lambda x: x * 3 + 1, backend="aot_eager", dynamic=False)

@@ -12,6 +12,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `own_forward`, `hook_execution_device`, `device_hooks_bypassed`, `device_hook_moved`: `_hf_hook`, `_old_forward`, `AlignDevicesHook` | accelerate | a placed model's device hooks re-check every argument (2x a decode step) and break compiled steps; a module swapped for devmap's (4-bit Linear layers) keeps its hook | 1.15 |
 | `raise_recompile_limit`: `torch._dynamo.config.recompile_limit` | torch | one compiled entry per stage, lane shape and kind | 2.11, 2.14 |
 | `fail_on_recompile`: `torch.compiler.set_stance` | torch | a CUDA-graph capture must never compile | 2.11, 2.14 |
+| `compile_backend`: `torch._dynamo.lookup_backend` | torch | a region's backend is inductor (aot_eager in tests) wrapped to pause CUDA-graph captures while it compiles, so that a compile beside serving lets the serving thread capture while dynamo traces | 2.11, 2.14 |
 | `compile_totals`: `torch._dynamo.utils.compilation_time_metrics`, `counters` | torch | a load's compile phase in seconds, graphs and compile-cache hits (`serving.warm_up`), so that a slow start shows its cause | 2.11, 2.14 |
 | `dynamic_dims`: `torch._dynamo.maybe_mark_dynamic` (its `_dynamo_weak_dynamic_indices` mark) | torch | a continuous batch's decode step compiled once for its rows and cache length only (every size symbolic took minutes to compile) | 2.11, 2.14 |
 | `distinct_sizes`: `torch.fx.experimental._config.use_duck_shape` (set directly) | torch | a dynamic decode step must not tie its rows to an equal-sized dimension of the weights (4 rows per lane, 4 KV heads), which specializes them and recompiles per batch shape | 2.11, 2.14 |
@@ -265,6 +266,12 @@ def fail_on_recompile() -> Iterator[None]:
     """A compiled function whose guards fail raises instead of compiling (which a CUDA-graph capture cannot hold)."""
     with torch.compiler.set_stance("fail_on_recompile"):
         yield
+
+
+def compile_backend(name: str) -> Any:
+    """The dynamo backend `torch.compile(backend=name)` would use (inductor's `compile_fx` for "inductor"), to call
+    from a backend of devmap's own."""
+    return torch._dynamo.lookup_backend(name)
 
 
 class CompileTotals(NamedTuple):

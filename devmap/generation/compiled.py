@@ -15,6 +15,11 @@ the second captures it; a capture never compiles (a guard that fails there raise
 torch keys compiled code by the function and its guards, so every step, lane and stage of the same kind shares it, and
 its on-disk caches (inductor's FX graph and autotuning caches, on by default) make a fresh process compile faster.
 
+A compile may run beside a serving thread's captures (`devmap serve --compile-beside`): its region calls lift that
+thread's pause of the captures (`graphed_step.tracing_lifted`: guards and dynamo's tracing are host work), and the
+backend's compile and every run of what it compiled pause them again (`graphed_step.device_work_paused`), so the
+serving thread captures while dynamo traces, most of a restart's compile.
+
 `dynamic=True` compiles one region for every batch size and cache length: the sizes each region's caller names (rows,
 tokens, cache columns) are symbolic, every other one fixed. A continuous batch meets a new shape whenever a service's
 traffic grows, and a dynamic step meets it with a new capture where a fixed-shape one would compile again, at the
@@ -30,7 +35,8 @@ import torch
 
 from torch import nn
 
-from ..compat import call_decoder_layer, distinct_sizes, dynamic_dims, raise_recompile_limit
+from ..compat import call_decoder_layer, compile_backend, distinct_sizes, dynamic_dims, raise_recompile_limit
+from .graphed_step import captures_paused, device_work_paused, tracing_lifted
 from .joined_projections import JoinedLayer
 
 BACKEND = "inductor"  # tests on CPU swap in "aot_eager": the same tracing and guards, no C++ compiler needed
@@ -41,20 +47,48 @@ Sizes = Callable[..., Iterable[tuple[torch.Tensor, tuple[int, ...]]]]
 """Given a region's arguments: (tensor, dimensions) whose sizes vary between its calls."""
 
 
+class CaptureSafeBackend:
+    """A dynamo backend (`name`'s: inductor) that pauses CUDA-graph captures while it compiles a graph (kernel loads,
+    autotuning: device work that fails while any stream captures) and while what it compiled runs in a thread that
+    lifted its pause for tracing. One object per backend name, so that dynamo's compiled entries are shared by every
+    `torch.compile` of a region, as they are for the backend's name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = self.__name__ = name
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        with captures_paused():
+            compiled = compile_backend(self.name)(graph, example_inputs)
+
+        def run(*args: Any) -> Any:
+            with device_work_paused():
+                return compiled(*args)
+
+        return run
+
+
+_BACKENDS: dict[str, CaptureSafeBackend] = {}
+
+
+def backend() -> CaptureSafeBackend:
+    """The capture-safe backend for `BACKEND` (read at each compile: tests swap it)."""
+    return _BACKENDS.setdefault(BACKEND, CaptureSafeBackend(BACKEND))
+
+
 def compile_region(function: Callable[..., Any], dynamic: bool = False,
                    sizes: Sizes | None = None) -> Callable[..., Any]:
     """`function` compiled for fixed shapes (every lane of a `generate` call keeps its shape for the whole call), or
     with `dynamic` sizes: those `sizes(*args)` names at each call (one compile for every shape a service's
     continuous batches take)."""
     raise_recompile_limit(RECOMPILE_LIMIT)
-    compiled = torch.compile(function, backend=BACKEND, dynamic=None if dynamic else False, fullgraph=False)
+    compiled = torch.compile(function, backend=backend(), dynamic=None if dynamic else False, fullgraph=False)
     if not dynamic:
         return compiled
 
     def sized_apart(*args: Any) -> Any:  # only eager calls and captures come here, never replays
         for tensor, dims in sizes(*args) if sizes is not None else ():
             dynamic_dims(tensor, dims)
-        with distinct_sizes():
+        with distinct_sizes(), tracing_lifted():
             return compiled(*args)
 
     return sized_apart

@@ -26,24 +26,75 @@ from ..pipelining.streams import check_cycles, new_stream, poison
 
 log = logging.getLogger("devmap.generation")
 
-_CAPTURING = threading.RLock()  # held by a capture, and to change `_paused`
-_paused = 0  # `captures_paused` blocks open now, in any thread
+_CAPTURING = threading.RLock()  # held by a capture, and to change `_paused` or `_beside`
+_paused = 0  # pauses in force now, in any thread: `captures_paused` blocks open, less those lifted for tracing
+_beside = 0  # `captures_paused(but_while_tracing=True)` blocks open, in any thread
+
+
+class _ThreadPauses(threading.local):
+    """This thread's share of the pauses: its `but_while_tracing` blocks open, and whether a compiled call of this
+    thread has lifted its pause (`tracing_lifted`)."""
+
+    beside = 0
+    lifted = False
+
+
+_thread = _ThreadPauses()
 
 
 @contextlib.contextmanager
-def captures_paused() -> Iterator[None]:
+def captures_paused(but_while_tracing: bool = False) -> Iterator[None]:
     """While inside (any thread), no step captures: a step due to capture runs eagerly and captures at a later use.
     Entering waits for a capture in flight to end. For GPU work of another thread that must not overlap a capture: a
     compile beside serving (its device synchronizations and kernel loads fail with "operation not permitted when
-    stream is capturing" while any stream of the device captures, whichever thread's)."""
-    global _paused
+    stream is capturing" while any stream of the device captures, whichever thread's).
+
+    `but_while_tracing`: except while this thread traces a compiled region (`tracing_lifted`: dynamo's guards and
+    tracing, on fake tensors, reach no device), so that steps of other threads capture meanwhile; the backend's
+    compile and the compiled graphs' runs pause them again (`device_work_paused`)."""
+    global _paused, _beside
     with _CAPTURING:
         _paused += 1
+        _beside += but_while_tracing
+    _thread.beside += but_while_tracing
     try:
         yield
     finally:
+        _thread.beside -= but_while_tracing
         with _CAPTURING:
             _paused -= 1
+            _beside -= but_while_tracing
+
+
+@contextlib.contextmanager
+def tracing_lifted() -> Iterator[None]:
+    """Around a call of a compiled region: in a thread whose captures are paused `but_while_tracing`, the pause is
+    lifted for the call (its guards, and its tracing where it compiles: host work only); elsewhere nothing changes.
+    Whatever reaches a device inside pauses again (`device_work_paused`)."""
+    global _paused
+    if not _thread.beside or _thread.lifted:
+        yield
+        return
+    with _CAPTURING:
+        _paused -= 1
+    _thread.lifted = True
+    try:
+        yield
+    finally:
+        _thread.lifted = False
+        with _CAPTURING:  # waits for a capture in flight to end
+            _paused += 1
+
+
+@contextlib.contextmanager
+def device_work_paused() -> Iterator[None]:
+    """Around device work inside a compiled call (its backend's compile: kernel loads, autotuning; a compiled graph's
+    run): captures paused again where `tracing_lifted` lifted them; elsewhere nothing changes."""
+    if not _thread.lifted:
+        yield
+        return
+    with captures_paused():
+        yield
 
 
 class CaptureClock:
@@ -68,8 +119,9 @@ def timed_captures() -> Iterator[CaptureClock]:
 
 
 def captures_are_paused() -> bool:
-    """Whether a `captures_paused` block is open now, in any thread (a step due to capture would run eagerly)."""
-    return _paused > 0
+    """Whether captures are paused now, in any thread (a step due to capture would run eagerly), or may pause at any
+    moment (a `but_while_tracing` block is open: a compile beside serving)."""
+    return _paused > 0 or _beside > 0
 
 
 class GraphedStep:

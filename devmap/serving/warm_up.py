@@ -73,16 +73,16 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
     CACHE_BUCKET tokens) replays them instead of capturing them in the engine's loop, where the streams of every model
     the service holds would wait for those captures. `beside_serving`: while the model serves in another thread, its
     steps run uncaptured in a batch of its own, leaving the model's kept steps alone; no step of any thread captures
-    meanwhile (`captures_paused`: the serving thread's steps run eagerly until then); `stop()` True ends it between
-    two steps. Throughout, the interpreter passes between threads often (`interpreter_switch`), so batches serving
-    beside it keep their pace.
+    meanwhile but while dynamo traces (`captures_paused(but_while_tracing=True)`: the serving thread's steps due to
+    capture run eagerly until a trace lets them capture); `stop()` True ends it between two steps. Throughout, the
+    interpreter passes between threads often (`interpreter_switch`), so batches serving beside it keep their pace.
 
     Its compile seconds and graphs are the process's (dynamo counts them for every thread alike): a load compiles
     one model at a time, and a compile beside serving is the only compile while it runs."""
     cache_len = min(CACHE_BUCKET, context) if context else CACHE_BUCKET
     prompt = [1] * 4
     rows = min(MIN_ROWS, max_rows)
-    paused = captures_paused() if beside_serving else contextlib.nullcontext()
+    paused = captures_paused(but_while_tracing=True) if beside_serving else contextlib.nullcontext()
     started, before = time.perf_counter(), compile_totals()
     with switching_often(), timed_captures() as captures, paused, continuous_batch(
             model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True, riding=riding,

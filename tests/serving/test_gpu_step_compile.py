@@ -3,6 +3,7 @@ and moves to compiled ones mid-stream (its graphs captured anew) get the greedy 
 on one GPU and over two, both ways of joining; a service started again on the compile caches its first start filled
 answers the same."""
 
+import asyncio
 import threading
 import time
 
@@ -10,12 +11,13 @@ import httpx
 import pytest
 import torch
 
+import devmap
 from devmap.generation.continuous_rows import ContinuousBatch
-from devmap.serving import EngineLimits, ModelRegistry
+from devmap.serving import Engine, EngineLimits, GenerationParams, ModelRegistry
 from devmap.testing import gpu_count, require_gpus
 
 from .conftest import running_server
-from .lane_checks import served_and_alone
+from .lane_checks import _drain, served_and_alone
 from .test_split_serving import SENTENCES, ask_together, whole_model_answers
 
 pytestmark = require_gpus(1)
@@ -59,6 +61,63 @@ def test_requests_moving_to_compiled_steps_mid_stream_get_the_tokens_of_generati
     assert resident.compiled and resident.compiling.failure is None
     assert moved  # a running batch went on with compiled steps
     # and captured them: the steps made anew capture into fresh pools (their old pools take no new capture)
+    assert not [r.getMessage() for r in caplog.records if "stays eager" in r.getMessage()]
+
+
+def test_steps_capture_while_the_compile_beside_traces_and_requests_get_the_tokens_of_generating_alone(
+        model_root, monkeypatch, caplog):
+    """The serving thread keeps taking requests (new batch shapes, joiners mid-stream) throughout the compile: its
+    steps capture while dynamo traces (the compile thread's pause lifted), never while inductor compiles or compiled
+    code runs, and no capture fails."""
+    from devmap.generation import graphed_step
+
+    torch._dynamo.reset()  # the compile traces its regions anew (not dynamo's entries from an earlier test)
+    monkeypatch.setenv("DEVMAP_STREAM_CHECK", "1")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    limits = EngineLimits(max_batch=4, compile_beside=True)
+    registry = ModelRegistry(model_root, "balanced", {0: "8GiB"}, limits=limits)
+    resident = registry.load(model_root / "tiny")
+    during, begin = [], graphed_step.begin_capture
+
+    def counted(graph, pool):
+        if resident.compiling.running and threading.current_thread() is not threading.main_thread():
+            during.append(graphed_step._paused)  # the engine's thread (not generating alone, for the references)
+        return begin(graph, pool)
+
+    monkeypatch.setattr(graphed_step, "begin_capture", counted)
+    eos = list(resident.eos_ids)
+    engine = Engine(registry, limits)  # one engine throughout: closing it would stop the compile
+    engine.start()
+
+    async def waves() -> list:
+        asked, wave = [], 0
+        while resident.compiling.running or not wave:
+            count = 1 + wave % 3
+            requests = [([5 + (13 * i + 7 * k + wave) % 400 for k in range(3 + (5 * i + wave) % 23)],
+                         4 + (7 * i + wave) % 29) for i in range(2 * count)]
+            jobs = [engine.submit("tiny", p, GenerationParams(max_new_tokens=n, temperature=0))
+                    for p, n in requests[:count]]
+            done = [asyncio.ensure_future(_drain(engine, job)) for job in jobs]
+            while not any(job.generated for job in jobs):
+                await asyncio.sleep(0.001)
+            later = [engine.submit("tiny", p, GenerationParams(max_new_tokens=n, temperature=0))
+                     for p, n in requests[count:]]
+            done += [asyncio.ensure_future(_drain(engine, job)) for job in later]
+            await asyncio.gather(*done)
+            asked += [(p, n, list(job.generated)) for (p, n), job in zip(requests, jobs + later)]
+            wave += 1
+        return asked
+
+    try:
+        asked = asyncio.run(waves())
+    finally:
+        engine.close(timeout=120)
+    assert resident.compiled and resident.compiling.failure is None
+    assert during and not any(during), during  # captured during the compile, each with no pause in force
+    for prompt, new, served in asked:
+        out = devmap.generate(resident.model, torch.tensor([prompt]), max_new_tokens=new, eos_token_id=eos,
+                              pad_token_id=eos[0])[0, len(prompt):].tolist()
+        assert served == out[:next((k + 1 for k, t in enumerate(out) if t in eos), len(out))]
     assert not [r.getMessage() for r in caplog.records if "stays eager" in r.getMessage()]
 
 
