@@ -42,6 +42,9 @@ def graph_pauses() -> int:
 def test_a_compile_beside_serving_lifts_the_pause_while_tracing_only(compiled_on_cpu, monkeypatch):
     from torch._dynamo.callback import callback_handler
 
+    # torch 2.11 without CUDA crashes a process whose first compile ran in a thread that has ended, at its next
+    # compile (its fake tensors' no-op device guard): a compile in this thread first avoids it
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
     seen = []
     region, started = _recording_region(seen, monkeypatch)
     try:
