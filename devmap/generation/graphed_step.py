@@ -66,15 +66,19 @@ def captures_paused(but_while_tracing: bool = False) -> Iterator[None]:
             _beside -= but_while_tracing
 
 
-@contextlib.contextmanager
-def tracing_lifted() -> Iterator[None]:
+_UNCHANGED = contextlib.nullcontext()  # what the two below give where they change nothing: no generator per call
+
+
+def tracing_lifted() -> contextlib.AbstractContextManager[None]:
     """Around a call of a compiled region: in a thread whose captures are paused `but_while_tracing`, the pause is
     lifted for the call (its guards, and its tracing where it compiles: host work only); elsewhere nothing changes.
     Whatever reaches a device inside pauses again (`device_work_paused`)."""
+    return _UNCHANGED if not _thread.beside or _thread.lifted else _lifted()
+
+
+@contextlib.contextmanager
+def _lifted() -> Iterator[None]:
     global _paused
-    if not _thread.beside or _thread.lifted:
-        yield
-        return
     with _CAPTURING:
         _paused -= 1
     _thread.lifted = True
@@ -86,15 +90,10 @@ def tracing_lifted() -> Iterator[None]:
             _paused += 1
 
 
-@contextlib.contextmanager
-def device_work_paused() -> Iterator[None]:
+def device_work_paused() -> contextlib.AbstractContextManager[None]:
     """Around device work inside a compiled call (its backend's compile: kernel loads, autotuning; a compiled graph's
     run): captures paused again where `tracing_lifted` lifted them; elsewhere nothing changes."""
-    if not _thread.lifted:
-        yield
-        return
-    with captures_paused():
-        yield
+    return captures_paused() if _thread.lifted else _UNCHANGED
 
 
 class CaptureClock:
