@@ -134,6 +134,10 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     settings = RegistrySettings(model_root, device_map, max_memory, dtype, quantize,
                                 random_weights=load_format.lower() == "dummy", tensor_parallel=tensor_parallel)
     started = start_core(settings, limits, log_level)
+    from devmap.bytecode import bytecode_advice, recompiled_packages
+
+    if recompiled := recompiled_packages():  # the engine core and every restart pay for it
+        click.echo(f"warning: {bytecode_advice(recompiled)}", err=True)
 
     import uvicorn
     from transformers import AutoTokenizer  # noqa: F401 - each model's tokenizer is read here once it is loaded

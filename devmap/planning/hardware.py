@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..bytecode import bytecode_advice, recompiled_packages
 from ..releases import releases
 
 
@@ -117,6 +118,8 @@ def describe_environment() -> Environment:
     available, total = host_memory()
     found = releases()
     notes = [] if gpus else ["no CUDA GPU is visible: plan with --gpus N --gpu-memory SIZE to simulate GPUs"]
+    if recompiled := recompiled_packages():
+        notes.append(bytecode_advice(recompiled))
     return Environment(
         gpus=gpus,
         peer_access=peers,
