@@ -117,16 +117,19 @@ class BatchRunner:
             joining = [job for job in jobs if not job.finished]
             clock = PhaseClock(self.metrics)
             while True:
+                began = time.perf_counter()
                 try:
                     if not batch.step([_slot_request(job) for job in joining]):
                         break
                 except StepFailed as failed:
                     outcome.failure = failed
                     break
+                launched = time.perf_counter()
                 clock.mark("launch")
                 self.metrics.decode_steps.inc()
                 tokens = batch.collect(scored=True)
                 clock.mark("collect")
+                trace.step(began, launched, len(joining), compiled)
                 self._busy(batch)
                 self._hand_back(batch, tokens, eos, trace)
                 clock.mark("hand_back")

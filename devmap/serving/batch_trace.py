@@ -13,6 +13,7 @@ from .metrics import EngineMetrics
 
 log = logging.getLogger("devmap.serving")
 SLOW_FIRST_TOKEN = 0.25  # seconds: a request slower than this to its first token is logged with its phases (debug)
+SLOW_STEP = 0.1  # seconds: a step slower than this is logged with its phases (debug)
 
 
 class PhaseClock:
@@ -41,6 +42,16 @@ class BatchTrace:
 
     def __post_init__(self) -> None:
         self.admitted = {}
+
+    def step(self, began: float, launched: float, joining: int, compiled: bool) -> None:
+        """A step issued from `began` to `launched` (perf_counter seconds) and collected until now, with `joining`
+        prompts in it, on compiled steps or not: logged (debug) where it took longer than SLOW_STEP."""
+        now = time.perf_counter()
+        if now - began > SLOW_STEP and log.isEnabledFor(logging.DEBUG):
+            log.debug("slow step (%.0f ms: issued in %.0f, collected in %.0f) with %d prompts joining, %s steps, "
+                      "%.0f ms into the batch", 1000 * (now - began), 1000 * (launched - began),
+                      1000 * (now - launched), joining, "compiled" if compiled else "eager",
+                      1000 * (now - self.started))
 
     def first_token(self, job: Job) -> None:
         now = time.perf_counter()
