@@ -6,8 +6,9 @@ A decode step of a large model's few dozen rows is bound by reading its weights:
 arithmetic pace, and a few hundred prompt tokens more cost little beside them. A prefill of its own reads every
 weight again and holds up every row while it runs. Joiners take their rows at once (no one else gets them) and wait
 in the batch's queue; each lane's step carries its queued prompts, oldest first, up to `riding_tokens` tokens (one
-prompt at least), in a pack of its own. A prompt's keys and values go into its row's columns right before the
-next step's slot, and its first token comes out of the step beside the rows' next ones.
+prompt at least; more while its steps run eager beside a compile), in a pack of its own. A prompt's keys and values
+go into its row's columns right before the next step's slot, and its first token comes out of the step beside the
+rows' next ones.
 
 Used when every decoder layer is joined (`joined_projections`: devmap runs those layers itself) and the model is large
 enough for it to pay and not 4-bit (`rides_by_default`), or when asked; other batches join through prefills of their
@@ -24,6 +25,7 @@ from torch import nn
 
 from ..pipelining.streams import scatter_later, to_host
 from ..kernels.four_bit_linear import FourBitLinear
+from .graphed_step import captures_are_paused
 from .packs import Packs, onto
 from .joins import on_device, pack_width, pack_widths, prompt_columns, to_device
 from .lane_decode import computed_rows
@@ -32,6 +34,11 @@ from .row_types import SlotRequest
 RIDING_TOKENS = 512  # prompt tokens one lane's step carries at most (one prompt at least): at 13B on an H200 the
 # products of 32 rows plus 512 prompt tokens are bound by arithmetic (19 ms against 6.7 ms for the rows alone,
 # benchmarks/probes/product_rows.py); more would only lengthen the rows' steps while a wave of joiners comes in
+
+PAUSED_RIDING_TOKENS = 2048  # prompt tokens one lane's eager step carries at most while captures are paused (a
+# compile beside serving): its steps then run uncaptured, bound by the host's issuing of every layer's kernels beside
+# the compile (150-400 ms a 13B step on one H200), and a step carrying a pack limit's prompts costs about what one
+# carrying RIDING_TOKENS does: a wave of joiners gets its first tokens in a quarter of the steps
 
 RIDING_MIN_PARAMETERS = 10_000_000_000  # by default steps carry prompts for models this large: where a decode step
 # is bound by reading the weights, the host's extra work for a riding step hides behind it. On one H200, serving a
@@ -87,8 +94,10 @@ class Riding:
 
     @property
     def riding_tokens(self) -> int:
-        """The most prompt tokens one lane's step carries (within a pack's limit; a longer prompt rides alone)."""
-        return min(RIDING_TOKENS, self.packs.limit)
+        """The most prompt tokens one lane's step carries (within a pack's limit; a longer prompt rides alone): more
+        while the batch's steps are eager and captures paused (PAUSED_RIDING_TOKENS), read at each step."""
+        eager_beside = not self.batch.run.compile and captures_are_paused()
+        return min(PAUSED_RIDING_TOKENS if eager_beside else RIDING_TOKENS, self.packs.limit)
 
     def reserve(self, joining: list[tuple[SlotRequest, int, int]]) -> None:
         """Each (request, lane, row) takes its row now and waits in the queue for a step to carry its prompt."""
@@ -107,9 +116,10 @@ class Riding:
         full: set[int] = set()
         per_lane: dict[int, list[Rider]] = {}
         left = []
+        budget = self.riding_tokens
         for request, k, row in self.queued:
             length = len(request.prompt)
-            if k in full or (k in tokens and tokens[k] + length > self.riding_tokens):
+            if k in full or (k in tokens and tokens[k] + length > budget):
                 full.add(k)  # its later joiners wait for the next step, behind this one
                 left.append((request, k, row))
                 continue

@@ -1,5 +1,7 @@
 """Continuous batching on CPU, two stages: requests that join free rows mid-batch get the tokens of generating alone."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -471,6 +473,33 @@ def test_joiners_beyond_a_steps_prompt_tokens_wait_in_their_rows(model, run, mon
     for r in reqs[:6]:
         assert r.owner in left or len(got[r.owner]) == r.max_new_tokens
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens)[:len(got[r.owner])]
+
+
+def test_eager_steps_carry_more_prompt_tokens_while_captures_are_paused(model, run, monkeypatch):
+    """While captures are paused (a compile beside serving) a batch's eager steps carry up to PAUSED_RIDING_TOKENS
+    (the first step then takes every joiner that RIDING_TOKENS would leave waiting), with the tokens of generating
+    alone; compiled steps keep RIDING_TOKENS."""
+    from devmap.generation.graphed_step import captures_paused
+
+    if not every_layer_joined(model):
+        pytest.skip("joiners ride decode steps where every layer is joined")
+    monkeypatch.setattr(mixed_joins, "RIDING_TOKENS", 12)
+    monkeypatch.setattr(mixed_joins, "PAUSED_RIDING_TOKENS", 1000)
+    reqs = requests(6, seed=11)
+    got, _, _ = run(model, reqs, [], rows=6, stop_after=0)  # stopped after its first step
+    assert not all(got[r.owner] for r in reqs), "some joiners wait for later steps"
+    with captures_paused(but_while_tracing=True):
+        got, _, _ = run(model, reqs, [], rows=6, stop_after=0)
+    for r in reqs:
+        assert got[r.owner], f"{r.owner} rode the first step"
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens)[:len(got[r.owner])]
+    with captures_paused(but_while_tracing=True):
+        got, left, queue = run(model, reqs[:3], reqs[3:], rows=6)
+    assert not left and not queue
+    assert got == {r.owner: alone(model, r.prompt, r.max_new_tokens) for r in reqs}
+    compiled = mixed_joins.Riding(SimpleNamespace(run=SimpleNamespace(compile=True)), SimpleNamespace(limit=4096))
+    with captures_paused(but_while_tracing=True):
+        assert compiled.riding_tokens == 12
 
 
 def test_each_lanes_step_carries_its_own_joiners_prompt_tokens(model, monkeypatch):
