@@ -31,11 +31,16 @@ def _recompiled(package: str, module: str) -> str | None:
         return None
     folder = os.path.dirname(spec.origin)
     sources = [spec.origin, os.path.join(folder, module)]
-    missing = [s for s in sources if os.path.exists(s) and not os.path.exists(importlib.util.cache_from_source(s))]
+    try:
+        missing = [importlib.util.cache_from_source(s) for s in sources if os.path.exists(s)]
+    except NotImplementedError:  # an interpreter without bytecode caching
+        return None
+    missing = [cached for cached in missing if not os.path.exists(cached)]
     if not missing:
         return None
-    cache_dir = os.path.dirname(importlib.util.cache_from_source(missing[0]))
-    nearest = cache_dir if os.path.isdir(cache_dir) else os.path.dirname(cache_dir)
+    nearest = os.path.dirname(missing[0])  # Python makes the missing folders of a cache path where it may write
+    while not os.path.isdir(nearest) and os.path.dirname(nearest) != nearest:
+        nearest = os.path.dirname(nearest)
     if sys.dont_write_bytecode or not os.access(nearest, os.W_OK):
         return os.path.dirname(folder)
     return None
