@@ -10,10 +10,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "devmap"
 # A sub-package may import those of lower rank and itself only (cli -> serving -> comparison/generation/
-# distributed -> pipelining -> loading -> planning/kernels -> compat -> releases -> errors); peers of one rank never
-# import each other.
-RANK = {"errors": -2, "releases": -1, "compat": 0, "testing": 0, "planning": 1, "kernels": 1, "loading": 2,
-        "pipelining": 3,
+# distributed -> pipelining -> loading -> planning/kernels -> compat -> releases/bytecode -> errors); peers of one
+# rank never import each other.
+RANK = {"errors": -2, "releases": -1, "bytecode": -1, "compat": 0, "testing": 0, "planning": 1, "kernels": 1,
+        "loading": 2, "pipelining": 3,
         "generation": 4, "comparison": 4, "distributed": 4, "serving": 5, "cli": 6}
 
 
