@@ -13,6 +13,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `raise_recompile_limit`: `torch._dynamo.config.recompile_limit` | torch | one compiled entry per stage, lane shape and kind | 2.11, 2.14 |
 | `fail_on_recompile`: `torch.compiler.set_stance` | torch | a CUDA-graph capture must never compile | 2.11, 2.14 |
 | `compile_backend`: `torch._dynamo.lookup_backend` | torch | a region's backend is inductor (aot_eager in tests) wrapped to pause CUDA-graph captures while it compiles, so that a compile beside serving lets the serving thread capture while dynamo traces | 2.11, 2.14 |
+| `ahead_of_time`, `entry_bytes`, `entry_from_bytes`, `entry_accepts`: `torch.compile(...).aot_compile`, `AOTCompiledFunction` (`serialize`, `deserialize`, `guard_check`, `disable_guard_check`) | torch | a compiled region saved with its guards and loaded by the next process without dynamo tracing it again (`generation.region_store`): ~6 s of a 13B restart | 2.14 |
 | `compile_totals`: `torch._dynamo.utils.compilation_time_metrics`, `counters` | torch | a load's compile phase in seconds, graphs and compile-cache hits (`serving.warm_up`), so that a slow start shows its cause | 2.11, 2.14 |
 | `dynamic_dims`: `torch._dynamo.maybe_mark_dynamic` (its `_dynamo_weak_dynamic_indices` mark) | torch | a continuous batch's decode step compiled once for its rows and cache length only (every size symbolic took minutes to compile) | 2.11, 2.14 |
 | `distinct_sizes`: `torch.fx.experimental._config.use_duck_shape` (set directly) | torch | a dynamic decode step must not tie its rows to an equal-sized dimension of the weights (4 rows per lane, 4 KV heads), which specializes them and recompiles per batch shape | 2.11, 2.14 |
@@ -35,7 +36,7 @@ import contextlib
 import inspect
 import threading
 import weakref
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -256,65 +257,6 @@ _BYPASSING = threading.Lock()
 # --- torch --------------------------------------------------------------------------------------------------------
 
 
-def raise_recompile_limit(limit: int) -> None:
-    """Let dynamo keep at least `limit` compiled entries per function (its default of 8 is too few)."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-
-
-@contextlib.contextmanager
-def fail_on_recompile() -> Iterator[None]:
-    """A compiled function whose guards fail raises instead of compiling (which a CUDA-graph capture cannot hold)."""
-    with torch.compiler.set_stance("fail_on_recompile"):
-        yield
-
-
-def compile_backend(name: str) -> Any:
-    """The dynamo backend `torch.compile(backend=name)` would use (inductor's `compile_fx` for "inductor"), to call
-    from a backend of devmap's own."""
-    return torch._dynamo.lookup_backend(name)
-
-
-class CompileTotals(NamedTuple):
-    """What torch.compile has done in this process so far: seconds in dynamo's compiles (tracing, then inductor or
-    its on-disk caches), graphs compiled, and how many of inductor's graphs came from its FX graph cache."""
-
-    seconds: float
-    graphs: int
-    from_cache: int
-
-
-def compile_totals() -> CompileTotals:
-    """This process's compile totals so far (`torch._dynamo.utils.compilation_time_metrics` and `counters`: dynamo's
-    own bookkeeping, process-wide, every thread's compiles together); a difference of two gives what ran between."""
-    from torch._dynamo.utils import compilation_time_metrics, counters
-
-    seconds = sum(compilation_time_metrics.get("_compile.compile_inner", ()))
-    return CompileTotals(seconds, int(counters["stats"]["unique_graphs"]),
-                         int(counters["inductor"]["fxgraph_cache_hit"]))
-
-
-def dynamic_dims(tensor: torch.Tensor, dims: tuple[int, ...]) -> None:
-    """Compile code that reads `tensor` for any size of `dims` (the others stay fixed): `maybe_mark_dynamic`'s mark,
-    set directly on a plain tensor (~17 µs a dimension through its decorators, at every call of a compiled region)."""
-    if type(tensor) not in (torch.Tensor, nn.Parameter):  # a subclass: dynamo marks its inner tensors too
-        torch._dynamo.maybe_mark_dynamic(tensor, list(dims))
-    else:
-        tensor.__dict__.setdefault("_dynamo_weak_dynamic_indices", set()).update(dims)
-
-
-@contextlib.contextmanager
-def distinct_sizes() -> Iterator[None]:
-    """A context in which a dynamic compile gives equal-sized dimensions symbols of their own (dynamo's "duck shaping"
-    ties them, and specializing one, a KV head count, would specialize the other, the rows); set directly."""
-    from torch.fx.experimental import _config
-
-    before, _config.use_duck_shape = _config.use_duck_shape, False
-    try:
-        yield
-    finally:
-        _config.use_duck_shape = before
-
-
 def graph_pool() -> Any:
     """A new memory pool for CUDA graphs to share."""
     return torch.cuda.graph_pool_handle()
@@ -385,6 +327,12 @@ def pipeline_stage_fixed(stage: Any) -> Any:
         stage._get_init_p2p_neighbors_ops = handshake_with_other_ranks
     return stage
 
+
+# --- torch.compile: `compiling` ---------------------------------------------------------------------------------
+
+from .compiling import (  # noqa: E402, F401  (re-exported; imported after require_supported)
+    CompileTotals, ahead_of_time, ahead_of_time_possible, compile_backend, compile_totals, distinct_sizes,
+    dynamic_dims, entry_accepts, entry_bytes, entry_from_bytes, fail_on_recompile, raise_recompile_limit)
 
 # --- torchao and bitsandbytes: `quantized_weights` -----------------------------------------------------------
 

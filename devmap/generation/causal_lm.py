@@ -185,10 +185,15 @@ class CausalLMStages:
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary cos/sin computed on hidden's device, from a copy of the rotary module's buffers there (no
         cross-device read inside a captured decode step)."""
-        module = self._rotary.get(hidden.device)
-        if module is None:
-            module = self._rotary[hidden.device] = module_on(self.base.rotary_emb, hidden.device)
+        module = self.rotary_on(hidden.device)
         return type(module).forward(module, hidden, position_ids)
+
+    def rotary_on(self, device: torch.device) -> nn.Module:
+        """The rotary module's copy on `device` (made at the first use there)."""
+        module = self._rotary.get(device)
+        if module is None:
+            module = self._rotary[device] = module_on(self.base.rotary_emb, device)
+        return module
 
     def float_mask_dtype(self) -> torch.dtype | None:
         """The decode mask's form for this model's attention: booleans for sdpa, additive floats for eager."""
@@ -208,18 +213,12 @@ class CausalLMStages:
         if stage == 0:
             hidden = self.embed(hidden)
         hidden = hidden.to(device)
-        hidden = self.run(stage, hidden, self.regions.context(self, hidden, inputs), inputs.cache)
+        context = self.regions.context(self.rotary_on(device), hidden, inputs)
+        hidden = self.run(stage, hidden, context, inputs.cache)
         inputs.cache.advance()
         if stage + 1 < len(self.stages):
             return hidden
-        return self.regions.logits(self, hidden)
-
-    def decode_context(self, hidden: torch.Tensor, inputs: Any) -> dict[str, Any]:
-        """A decode step's mask, position ids and rotary cos/sin for its rows (`hidden`: rows × 1 × hidden size), from
-        the lane's `DecodeInputs` on this stage (the mask marks the column the step writes)."""
-        position_ids = inputs.position_ids()
-        return {"attention_mask": inputs.mask(), "position_ids": position_ids,
-                "position_embeddings": self.rotary(hidden, position_ids)}
+        return self.logits(hidden)
 
     def mixes(self) -> bool:
         """Whether every decoder layer is joined (`JoinedLayer`): a decode step can then carry a pack of prompts."""
@@ -236,7 +235,7 @@ class CausalLMStages:
         if stage == 0:
             flat = self.embed(flat)
         flat = flat.to(device)
-        step = self.regions.context(self, flat[:rows, None], inputs)
+        step = self.regions.context(self.rotary_on(device), flat[:rows, None], inputs)
         packed = {"attention_mask": pack["attention_mask"], "position_ids": pack["position_ids"],
                   "position_embeddings": self.rotary(flat[None, rows:], pack["position_ids"])}
         for layer in self.stages[stage].layers:
@@ -245,7 +244,11 @@ class CausalLMStages:
         inputs.cache.advance()
         if stage + 1 < len(self.stages):
             return flat
-        return self.regions.logits(self, flat[:rows, None]), flat[rows:]
+        return self.logits(flat[:rows, None]), flat[rows:]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The float logits of each row's last token (the head region: final norm and lm_head)."""
+        return self.regions.logits(self.base.norm, self.model.lm_head, hidden, self.norm_device, self.head_device)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head (logits in the model's dtype, as transformers returns them)."""

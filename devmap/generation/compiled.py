@@ -20,6 +20,9 @@ thread's pause of the captures (`graphed_step.tracing_lifted`: guards and dynamo
 backend's compile and every run of what it compiled pause them again (`graphed_step.device_work_paused`), so the
 serving thread captures while dynamo traces, most of a restart's compile.
 
+Where a store is set (`region_store.keep_regions_in`: `devmap serve` sets one in its compile cache), a dynamic region's
+entries are compiled ahead of time and kept there, and a later process loads them without tracing.
+
 `dynamic=True` compiles one region for every batch size and cache length: the sizes each region's caller names (rows,
 tokens, cache columns) are symbolic, every other one fixed. A continuous batch meets a new shape whenever a service's
 traffic grows, and a dynamic step meets it with a new capture where a fixed-shape one would compile again, at the
@@ -35,9 +38,11 @@ import torch
 
 from torch import nn
 
-from ..compat import call_decoder_layer, compile_backend, distinct_sizes, dynamic_dims, raise_recompile_limit
+from ..compat import (call_decoder_layer, compile_backend, distinct_sizes, dynamic_dims, own_forward,
+                      raise_recompile_limit)
 from .graphed_step import captures_paused, device_work_paused, tracing_lifted
 from .joined_projections import JoinedLayer
+from .region_store import store_folder, stored_call
 
 BACKEND = "inductor"  # tests on CPU swap in "aot_eager": the same tracing and guards, no C++ compiler needed
 RECOMPILE_LIMIT = 64  # a region has an entry per kind of step (decode, prefill, attention implementation, fixed
@@ -89,7 +94,9 @@ def compile_region(function: Callable[..., Any], dynamic: bool = False,
         for tensor, dims in sizes(*args) if sizes is not None else ():
             dynamic_dims(tensor, dims)
         with distinct_sizes(), tracing_lifted():
-            return compiled(*args)
+            if store_folder() is None:
+                return compiled(*args)
+            return stored_call(function, BACKEND, args, compiled)
 
     return sized_apart
 
@@ -126,13 +133,21 @@ def _mixed(joined: JoinedLayer, flat: torch.Tensor, caches: tuple[Any, Any],
     return joined.mixed(flat, contexts[0]["position_ids"].shape[0], caches, contexts)
 
 
-def _context(stages: Any, hidden: torch.Tensor, inputs: Any) -> dict[str, Any]:
-    return stages.decode_context(hidden, inputs)
+def _context(rotary: nn.Module, hidden: torch.Tensor, inputs: Any) -> dict[str, Any]:
+    """A decode step's mask, position ids and rotary cos/sin for its rows (`hidden`: rows × 1 × hidden size), from the
+    lane's `DecodeInputs` on this stage (the mask marks the column the step writes) and the rotary module's copy on
+    the stage's device. Regions take the modules and tensors they read, not the stages holding them: what a region
+    takes is what its compiled code keeps of it (`region_store`)."""
+    position_ids = inputs.position_ids()
+    return {"attention_mask": inputs.mask(), "position_ids": position_ids,
+            "position_embeddings": type(rotary).forward(rotary, hidden, position_ids)}
 
 
-def _logits(stages: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """The float logits of each row's last token."""
-    return stages.head(hidden)[:, -1].float()
+def _logits(norm: nn.Module, head: nn.Module, hidden: torch.Tensor, norm_device: torch.device,
+            head_device: torch.device) -> torch.Tensor:
+    """The float logits of each row's last token: the final norm on its device, lm_head on its own."""
+    normed = own_forward(norm)(hidden.to(norm_device)).to(head_device)
+    return own_forward(head)(normed)[:, -1].float()
 
 
 class Regions:
@@ -149,5 +164,5 @@ class Regions:
             but_last(hidden), *context_sizes(context)])
         self.mixed = compile_region(_mixed, self.dynamic, lambda joined, flat, caches, contexts: [
             but_last(flat), *context_sizes(contexts[0]), *context_sizes(contexts[1])])
-        self.context = compile_region(_context, self.dynamic, lambda stages, hidden, inputs: [but_last(hidden)])
-        self.logits = compile_region(_logits, self.dynamic, lambda stages, hidden: [but_last(hidden)])
+        self.context = compile_region(_context, self.dynamic, lambda rotary, hidden, inputs: [but_last(hidden)])
+        self.logits = compile_region(_logits, self.dynamic, lambda norm, head, hidden, *devices: [but_last(hidden)])

@@ -3,9 +3,10 @@ there cannot be read.
 
 torch keeps compiled code in on-disk caches (inductor's FX graph, AOT autograd and kernel caches, Triton's kernel
 cache), each entry keyed by its graph (the model's shapes, dtypes, quantization and devices: its config and map), the
-card and the releases. `devmap serve` puts them in one folder (`--compile-cache`, default ~/.cache/devmap/compile),
-a sub-folder per release of torch, Triton and transformers, so that an upgrade starts an empty one and the old one can
-be deleted whole. Deleting the folder clears the cache.
+card and the releases; devmap keeps its compiled regions beside them (`generation.region_store`: each entry with its
+guards, loaded at the next start without dynamo tracing it again). `devmap serve` puts them in one folder
+(`--compile-cache`, default ~/.cache/devmap/compile), a sub-folder per release of torch, Triton and transformers, so
+that an upgrade starts an empty one and the old one can be deleted whole. Deleting the folder clears the cache.
 
 An entry torch cannot read (a kernel library cut short by a full disk, a file changed by hand) fails the compile that
 meets it, naming the file. `compiled_anew` then removes what the failure names inside the cache and compiles again,
@@ -29,6 +30,7 @@ log = logging.getLogger("devmap.serving")
 T = TypeVar("T")
 RETRIES = 4  # compiles again at most this many times, each after removing the entries the last failure named
 _RELEASED = ("torch", "triton", "transformers")  # the releases a cache folder is for
+REGIONS = "DEVMAP_REGION_STORE"  # where `use_compile_cache` tells the engine core's process to keep compiled regions
 
 
 def release_key() -> str:
@@ -49,18 +51,28 @@ def use_compile_cache(folder: str | None) -> Path | None:
     ~/.cache/devmap/compile, unless the environment names inductor's cache already: then it is left as it is and
     None returned), for this process and those it starts; the folder they use."""
     if folder is None and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        os.environ[REGIONS] = str(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).resolve() / "devmap-regions")
         return None
     root = (Path(folder).expanduser() if folder else
             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "devmap", "compile")).resolve()
     here = root / release_key()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(here / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(here / "triton")
+    os.environ[REGIONS] = str(here / "regions")
     return here
 
 
+def keep_regions() -> None:
+    """In the engine core's process: keep compiled regions where `use_compile_cache` said (`region_store`)."""
+    from ..generation.region_store import keep_regions_in
+
+    keep_regions_in(os.environ.get(REGIONS) or None)
+
+
 def cache_folders() -> tuple[Path, ...]:
-    """The folders this process's compiled code is cached in now (inductor's and Triton's, where set)."""
-    return tuple(Path(os.environ[name]).resolve() for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    """The folders this process's compiled code is cached in now (inductor's, Triton's and devmap's regions, where
+    set)."""
+    return tuple(Path(os.environ[name]).resolve() for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", REGIONS)
                  if os.environ.get(name))
 
 

@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
+from .compile_cache import keep_regions
 from .core import CONTROL, EngineCore
 from .core_parts import RegistrySettings, StartedCore
 from .shard_start import StartedShards
@@ -244,6 +245,7 @@ def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level
             outbox.send(message)
 
     import_model_stack()
+    keep_regions()
     split = None
     if settings.tensor_parallel > 1:
         from .shard_start import start_shards
