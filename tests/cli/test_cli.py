@@ -136,7 +136,7 @@ def test_serve_keeps_compiled_steps_where_it_is_told_else_in_the_users_cache(tmp
 
     from devmap.serving.compile_cache import release_key, use_compile_cache
 
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME"):
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "DEVMAP_REGION_STORE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     key = release_key()  # a folder per release: another torch or transformers never reads these entries
@@ -144,9 +144,14 @@ def test_serve_keeps_compiled_steps_where_it_is_told_else_in_the_users_cache(tmp
     assert use_compile_cache(None) == (tmp_path / "home" / ".cache" / "devmap" / "compile" / key).resolve()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(
         (tmp_path / "home" / ".cache" / "devmap" / "compile" / key / "inductor").resolve())
-    assert use_compile_cache(None) is None  # inductor's own variable, set: left as it is
+    assert os.environ["DEVMAP_REGION_STORE"] == str(
+        (tmp_path / "home" / ".cache" / "devmap" / "compile" / key / "regions").resolve())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "theirs"))
+    assert use_compile_cache(None) is None  # inductor's own variable, set: left as it is, devmap's regions inside
+    assert os.environ["DEVMAP_REGION_STORE"] == str((tmp_path / "theirs" / "devmap-regions").resolve())
     use_compile_cache(str(tmp_path / "mine"))  # named: always
     assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "mine" / key / "triton").resolve())
+    assert os.environ["DEVMAP_REGION_STORE"] == str((tmp_path / "mine" / key / "regions").resolve())
 
 
 def test_serve_on_an_address_in_use_fails_at_once_in_one_line(tmp_path):

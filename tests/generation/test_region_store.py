@@ -1,7 +1,8 @@
 """Compiled regions kept in a store (`devmap.generation.region_store`), on the CPU (aot_eager): a continuous batch
 compiled with a store gives the eager batch's tokens and saves every region's entries; a fresh process loads them,
 traces nothing and gives the same tokens; a cut entry is skipped with one warning, removed and compiled again; a
-region that cannot be compiled whole compiles through dynamo; a call whose guards no entry passes compiles one more."""
+region that cannot be compiled whole compiles through dynamo; a call whose guards no entry passes compiles one more.
+On a GPU (inductor), a second process loads the first one's entries and both get the eager batch's tokens."""
 
 import json
 import logging
@@ -14,6 +15,7 @@ import torch
 
 from devmap.generation import region_store
 from devmap.generation.continuous import SlotRequest
+from devmap.testing import gpu_count
 
 CONFIG = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -160,3 +162,21 @@ def test_an_entry_serves_only_calls_its_guards_accept(tmp_path, compiled_on_cpu)
         assert len(list(tmp_path.rglob(f"*{region_store.SUFFIX}"))) == 2
     finally:
         region_store.keep_regions_in(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() < 1, reason="needs 1 CUDA GPU")
+def test_on_a_gpu_a_second_process_loads_the_first_ones_entries_and_gets_its_tokens(model, run_continuous, tmp_path):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reqs = _requests()
+    try:
+        eager, left, _ = run_continuous(model.to("cuda"), reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=40,
+                                        lanes=1, together=False)
+    finally:
+        model.to("cpu")
+    assert not left
+    first = fresh_run(tmp_path, "cuda", "inductor")
+    assert first["got"] == eager and first["compiled"] >= 4 and first["loaded"] == 0
+    second = fresh_run(tmp_path, "cuda", "inductor")
+    assert second["got"] == eager
+    assert second["compiled"] == 0 and second["graphs"] == 0 and second["loaded"] == first["compiled"]
