@@ -43,7 +43,13 @@ def ahead_of_time(function: Any, backend: str, args: tuple[Any, ...]) -> Any:
     """`function` compiled whole (no graph break) by the backend named `backend` for calls like `function(*args)`
     (the dynamic marks on their tensors kept): one entry, its graph, guards and the backend's code together, called
     like `function`, without checking its guards (`entry_accepts` does that)."""
-    entry = torch.compile(function, backend=backend, fullgraph=True).aot_compile((args, {}))
+    config = torch._dynamo.config
+    # torch 2.11 gives a compiled function its `aot_compile` only while this flag is set; 2.14 always does
+    switch = (config.patch(enable_aot_compile=True) if hasattr(config, "enable_aot_compile")
+              else contextlib.nullcontext())
+    with switch:
+        compiled = torch.compile(function, backend=backend, fullgraph=True)
+    entry = compiled.aot_compile((args, {}))
     entry.disable_guard_check()
     return entry
 

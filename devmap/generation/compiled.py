@@ -140,7 +140,7 @@ def _context(rotary: nn.Module, hidden: torch.Tensor, inputs: Any) -> dict[str, 
     takes is what its compiled code keeps of it (`region_store`)."""
     position_ids = inputs.position_ids()
     return {"attention_mask": inputs.mask(), "position_ids": position_ids,
-            "position_embeddings": type(rotary).forward(rotary, hidden, position_ids)}
+            "position_embeddings": rotary(hidden, position_ids)}
 
 
 def _logits(norm: nn.Module, head: nn.Module, hidden: torch.Tensor, norm_device: torch.device,

@@ -7,7 +7,9 @@ With a store (`keep_regions_in`, which `devmap serve` points inside its compile 
 entry ahead of time instead (one per kind of call: a decode step, a step carrying a pack, a join's prefill; its graph,
 guards and inductor's code together: `compat.ahead_of_time`), saves it, and the next process loads its entries at the
 region's first call and runs the first one whose guards accept the call. Where none does, it compiles a new entry and
-saves that too; a region that cannot be compiled whole (a graph break) compiles through dynamo, as without a store.
+saves that too, once it has read it back (torch 2.11 saves some guards it cannot load: an entry whose guards read a
+function it cannot name). A region that cannot be compiled whole (a graph break), or whose entry does not read back,
+compiles through dynamo from then on, as without a store.
 
 Guards on globals are not kept in an entry: what a region reads of devmap's modules, transformers' or the card is
 fixed in its graph, so entries are filed under the region, a digest of devmap's sources, the torch and transformers
@@ -115,12 +117,20 @@ class _Region:
             return None
         self.entries = (*self.entries, entry)
         _totals.compiled += 1
-        _totals.compile_seconds += time.perf_counter() - started
         try:
-            self._save(entry_bytes(entry))
-        except Exception as exc:  # noqa: BLE001 - it still serves this process
-            log.warning("%s: a compiled entry could not be kept in the store (%s)", self.function.__name__,
-                        _first_line(exc))
+            data = entry_bytes(entry)
+            entry_from_bytes(data, self.function)  # what a later process would read: kept only if it loads
+        except Exception as exc:  # noqa: BLE001 - it still serves this process; later calls go through dynamo
+            self.whole = False
+            log.info("%s: compiled through dynamo from now on, not kept in the store (%s)", self.function.__name__,
+                     _first_line(exc))
+        else:
+            try:
+                self._save(data)
+            except OSError as exc:  # a full or read-only disk: it still serves this process
+                log.warning("%s: a compiled entry could not be kept in the store (%s)", self.function.__name__,
+                            _first_line(exc))
+        _totals.compile_seconds += time.perf_counter() - started
         return entry
 
     def _save(self, data: bytes) -> None:

@@ -140,6 +140,19 @@ def test_a_region_that_cannot_compile_whole_compiles_through_dynamo(model, run_c
     assert not _entries(store) and compiled_on_cpu["stats"]["unique_graphs"] > 0
 
 
+def test_an_entry_that_does_not_read_back_is_not_kept_and_its_region_compiles_through_dynamo(
+        model, run_continuous, store, compiled_on_cpu, monkeypatch):
+    def unreadable(data, function):
+        raise AttributeError("'_Missing' object has no attribute 'forward'")
+
+    monkeypatch.setattr(region_store, "entry_from_bytes", unreadable)
+    reqs = _requests()
+    eager, _, _ = run_continuous(model, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=40, lanes=1)
+    for rows in (4, 6):
+        assert _compiled_run(model, run_continuous, rows) == eager
+    assert not _entries(store)
+
+
 def scaled(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return x * factor + 1
 
