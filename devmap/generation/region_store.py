@@ -13,8 +13,9 @@ compiles through dynamo from then on, as without a store.
 
 Guards on globals are not kept in an entry: what a region reads of devmap's modules, transformers' or the card is
 fixed in its graph, so entries are filed under the region, a digest of devmap's sources, the torch and transformers
-releases and the card. An entry that cannot be read (cut short, or written by another torch) is skipped with one
-warning and removed, and compiled again where a call needs it.
+releases and the card. Guards on torch's global state are kept (grad mode, default dtype, the thread count): a
+process that differs there compiles entries of its own beside the others. An entry that cannot be read (cut short,
+or written by another torch) is skipped with one warning and removed, and compiled again where a call needs it.
 """
 
 from __future__ import annotations

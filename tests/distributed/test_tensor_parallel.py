@@ -42,8 +42,16 @@ def checkpoint(tmp_path_factory, request):
     return path
 
 
-def test_two_processes_give_the_whole_models_outputs(checkpoint, tmp_path):
+@pytest.fixture
+def one_thread():
+    """One thread while the test runs (as each rank's process), the count before it after."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_two_processes_give_the_whole_models_outputs(checkpoint, tmp_path, one_thread):
     whole = devmap.load(checkpoint, "cpu", dtype="float32")
     ids = torch.tensor([[5, 17, 300, 2, 41, 9], [7, 7, 480, 33, 1, 12]])
     mask = torch.ones_like(ids)

@@ -48,9 +48,9 @@ def _compiled_run(model, run_continuous, rows: int = 4):
 
 
 def fresh_run(store: Path, device: str = "cpu", backend: str = "aot_eager") -> dict:
-    """In a fresh process keeping regions in `store`: the tiny model (seed 0) on `device`, compiled with `backend`, run
-    as a continuous batch over `_requests()` (4 rows); its tokens, the store's compiled and loaded entries and
-    dynamo's graphs."""
+    """In a fresh process keeping regions in `store` (with this one's thread count): the tiny model (seed 0) on
+    `device`, compiled with `backend`, run as a continuous batch over `_requests()` (4 rows); its tokens, the store's
+    compiled and loaded entries and dynamo's graphs."""
     code = f"""
 import json, torch
 from torch._dynamo.utils import counters
@@ -62,6 +62,7 @@ if {device!r} == "cpu":
     lanes.graphs_possible = lambda devices: True
 mixed_joins.RIDING_MIN_PARAMETERS = 0
 region_store.keep_regions_in({str(store)!r})
+torch.set_num_threads({torch.get_num_threads()})  # a guard of every entry: torch's global state, threads included
 torch.manual_seed(0)
 torch.backends.cuda.matmul.allow_tf32 = False
 model = AutoModelForCausalLM.from_config(LlamaConfig(**{CONFIG!r})).eval().to({device!r})
