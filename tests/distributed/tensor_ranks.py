@@ -1,10 +1,14 @@
 """What each process of the tensor-parallel tests runs (spawned, so importable by name): its shard of a saved
-checkpoint, then the full model's outputs from the shards working together, saved for the test to compare."""
+checkpoint, then the full model's outputs from the shards working together, saved for the test to compare. Each
+process ends as devmap's own ranks do (`end_launched_rank`): without the interpreter's teardown, where gloo's threads
+abort a process that has finished ("terminate called without an active exception", about one run in fifty)."""
 
 import os
 from pathlib import Path
 
 import torch
+
+from devmap.cli.rank_launch import end_launched_rank
 
 
 def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str, gpus: int = 0) -> None:
@@ -42,6 +46,7 @@ def run_rank(rank: int, size: int, port: int, checkpoint: str, out: str, gpus: i
     torch.save(results, Path(out) / f"rank{rank}.pt")
     devmap.release_graphs(model)  # before the group goes: a captured collective can hang it (pytorch#115388)
     torch.distributed.destroy_process_group()
+    end_launched_rank(0)
 
 
 def run_random_rank(rank: int, size: int, port: int, checkpoint: str, out: str) -> None:
@@ -60,3 +65,4 @@ def run_random_rank(rank: int, size: int, port: int, checkpoint: str, out: str) 
     greedy = devmap.generate(model, ids, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
     torch.save({"whole": whole, "greedy": greedy}, Path(out) / f"random{rank}.pt")
     torch.distributed.destroy_process_group()
+    end_launched_rank(0)
