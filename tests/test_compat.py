@@ -185,6 +185,27 @@ def test_dynamic_dims_marks_as_dynamo_does_and_one_compile_serves_every_size():
     torch._dynamo.reset()
 
 
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_an_entry_compiled_ahead_of_time_saves_with_its_guards_where_this_torch_keeps_the_backend():
+    if not compat.ahead_of_time_possible():
+        pytest.skip(f"torch {torch.__version__} has no aot_compile")
+    if not compat.ahead_of_time_keeps("aot_eager"):  # torch 2.11: inductor's entries only
+        assert torch.__version__ < "2.14"
+        with pytest.raises(Exception, match="OutputCode"):
+            compat.entry_bytes(compat.ahead_of_time(_doubled, "aot_eager", (torch.ones(3),)))
+        return
+    entry = compat.ahead_of_time(_doubled, "aot_eager", (torch.ones(3),))
+    assert entry(torch.ones(3)).tolist() == [2.0] * 3
+    loaded = compat.entry_from_bytes(compat.entry_bytes(entry), _doubled)
+    assert compat.entry_accepts(loaded, (torch.ones(3),))
+    assert not compat.entry_accepts(loaded, (torch.ones(3, dtype=torch.float64),))  # a dtype its guards did not see
+    assert loaded(torch.full((3,), 2.0)).tolist() == [4.0] * 3
+    torch._dynamo.reset()
+
+
 def test_foreach_helpers():
     a, b = [torch.ones(3), torch.ones(2)], [torch.full((3,), 2.0), torch.full((2,), 3.0)]
     compat.foreach_add_(a, b)

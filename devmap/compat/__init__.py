@@ -13,7 +13,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 | `raise_recompile_limit`: `torch._dynamo.config.recompile_limit` | torch | one compiled entry per stage, lane shape and kind | 2.11, 2.14 |
 | `fail_on_recompile`: `torch.compiler.set_stance` | torch | a CUDA-graph capture must never compile | 2.11, 2.14 |
 | `compile_backend`: `torch._dynamo.lookup_backend` | torch | a region's backend is inductor (aot_eager in tests) wrapped to pause CUDA-graph captures while it compiles, so that a compile beside serving lets the serving thread capture while dynamo traces | 2.11, 2.14 |
-| `ahead_of_time`, `entry_bytes`, `entry_from_bytes`, `entry_accepts`: `torch.compile(...).aot_compile`, `AOTCompiledFunction` (`serialize`, `deserialize`, `guard_check`, `disable_guard_check`) | torch | a compiled region saved with its guards and loaded by the next process without dynamo tracing it again (`generation.region_store`; 2.11 needs `config.enable_aot_compile` for it) | 2.11, 2.14 |
+| `ahead_of_time`, `ahead_of_time_keeps`, `entry_bytes`, `entry_from_bytes`, `entry_accepts`: `torch.compile(...).aot_compile`, `AOTCompiledFunction` (`serialize`, `deserialize`, `guard_check`, `disable_guard_check`) | torch | a compiled region saved with its guards and loaded by the next process without dynamo tracing it again (`generation.region_store`; 2.11 needs `config.enable_aot_compile` for it, and saves inductor's entries only) | 2.11, 2.14 |
 | `compile_totals`: `torch._dynamo.utils.compilation_time_metrics`, `counters` | torch | a load's compile phase in seconds, graphs and compile-cache hits (`serving.warm_up`), so that a slow start shows its cause | 2.11, 2.14 |
 | `dynamic_dims`: `torch._dynamo.maybe_mark_dynamic` (its `_dynamo_weak_dynamic_indices` mark) | torch | a continuous batch's decode step compiled once for its rows and cache length only (every size symbolic took minutes to compile) | 2.11, 2.14 |
 | `distinct_sizes`: `torch.fx.experimental._config.use_duck_shape` (set directly) | torch | a dynamic decode step must not tie its rows to an equal-sized dimension of the weights (4 rows per lane, 4 KV heads), which specializes them and recompiles per batch shape | 2.11, 2.14 |
@@ -331,8 +331,9 @@ def pipeline_stage_fixed(stage: Any) -> Any:
 # --- torch.compile: `compiling` ---------------------------------------------------------------------------------
 
 from .compiling import (  # noqa: E402, F401  (re-exported; imported after require_supported)
-    CompileTotals, ahead_of_time, ahead_of_time_possible, compile_backend, compile_totals, distinct_sizes,
-    dynamic_dims, entry_accepts, entry_bytes, entry_from_bytes, fail_on_recompile, raise_recompile_limit)
+    CompileTotals, ahead_of_time, ahead_of_time_keeps, ahead_of_time_possible, compile_backend, compile_totals,
+    distinct_sizes, dynamic_dims, entry_accepts, entry_bytes, entry_from_bytes, fail_on_recompile,
+    raise_recompile_limit)
 
 # --- torchao and bitsandbytes: `quantized_weights` -----------------------------------------------------------
 

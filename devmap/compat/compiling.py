@@ -5,6 +5,7 @@ and entries compiled ahead of time (saved with their guards, loaded without trac
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator, NamedTuple
 
 import torch
@@ -52,6 +53,24 @@ def ahead_of_time(function: Any, backend: str, args: tuple[Any, ...]) -> Any:
     entry = compiled.aot_compile((args, {}))
     entry.disable_guard_check()
     return entry
+
+
+@functools.cache
+def ahead_of_time_keeps(backend: str) -> bool:
+    """Whether an `ahead_of_time` entry of the backend named `backend` can be saved (tried once per process on a
+    one-line function): torch 2.11 saves inductor's code only (a backend whose code is a plain function, aot_eager's,
+    fails its bundled autograd cache: "expected OutputCode"); 2.14 saves aot_eager's too."""
+    if not ahead_of_time_possible():
+        return False
+    try:
+        entry_bytes(ahead_of_time(_plus_one, backend, (torch.zeros(2),)))
+    except Exception:  # noqa: BLE001 - whatever the backend's code fails with, it cannot be kept
+        return False
+    return True
+
+
+def _plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
 
 
 def entry_bytes(entry: Any) -> bytes:
