@@ -133,7 +133,9 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     use_compile_cache(compile_cache)  # before the engine core's process starts: it inherits the environment
     settings = RegistrySettings(model_root, device_map, max_memory, dtype, quantize,
                                 random_weights=load_format.lower() == "dummy", tensor_parallel=tensor_parallel)
-    started = start_core(settings, limits, log_level)
+    paths = [Path(directory).expanduser().resolve() for directory in model_dirs]
+    # the core loads them as soon as its own imports are done, not once this process's are
+    started = start_core(settings, limits, log_level, models=[str(path) for path in paths])
     from devmap.bytecode import bytecode_advice, recompiled_packages
 
     if recompiled := recompiled_packages():  # the engine core and every restart pay for it
@@ -150,8 +152,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     engine = Engine.spawned(settings, limits, log_level=log_level, started=started)
     loading = time.perf_counter()
     try:
-        for directory in model_dirs:
-            path = Path(directory).expanduser().resolve()
+        for path in paths:
             click.echo(f"loading {path.name}", err=True)
             described = engine.load(str(path), under_root=False)
             lanes = f" in {described['lanes']} lanes" if described["lanes"] > 1 else ""

@@ -14,8 +14,9 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..generation.row_types import StepFailed
 from .batch_run import Batches, BatchRunner, ModelBatches, failure_for
@@ -57,6 +58,7 @@ class EngineCore:
         self._worker: threading.Thread | None = None
         self._unwatch_gc: Callable[[], None] = lambda: None  # set while the worker runs
         self._last_done = 0.0  # perf_counter when the last batch ended
+        self._early: dict[Path, Future[dict[str, Any]]] = {}  # `load_early`'s loads the API has not asked for yet
 
     def start(self) -> None:
         if self._worker is None:
@@ -103,6 +105,37 @@ class EngineCore:
         """Load a model (a directory under the model root, or any path with `under_root=False`: the service's own
         command line); its description with its plan and load report."""
         path = self.registry.under_root(name) if under_root else Path(name).expanduser().resolve()
+        plain = not under_root and (model_id, device_map, max_memory, dtype) == (None, None, None, None)
+        early = self._early.pop(path, None) if plain else None
+        if early is not None and not early.cancelled():  # loading since the core started (`load_early`)
+            return early.result()  # its description, or its error
+        return self._load(path, model_id, device_map, max_memory, dtype)
+
+    def load_early(self, paths: Sequence[str | Path]) -> None:
+        """Start loading the service's own models (its command line's directories) now, one after another in a
+        thread of their own, as `load(path, under_root=False)` would: the API's process asks for them once its own
+        imports are done, and its `load` of each then waits for this one instead of starting it. A failed load ends
+        the ones after it (the service stops at the first that fails)."""
+        pending: list[tuple[Path, Future[dict[str, Any]]]] = []
+        for path in dict.fromkeys(Path(path).expanduser().resolve() for path in paths):  # a directory named twice:
+            pending.append((path, self._early.setdefault(path, Future())))  # the API's second load says so
+
+        def run() -> None:
+            failed = False
+            for path, future in pending:
+                if failed or not future.set_running_or_notify_cancel():
+                    future.cancel()
+                    continue
+                try:
+                    future.set_result(self._load(path))
+                except BaseException as exc:  # noqa: BLE001 - the API's load of this path raises it
+                    failed = True
+                    future.set_exception(exc)
+
+        threading.Thread(target=run, name="devmap-early-loads", daemon=True).start()
+
+    def _load(self, path: Path, model_id: str | None = None, device_map: Any = None, max_memory: Any = None,
+              dtype: str | None = None) -> dict[str, Any]:
         resident = self.registry.load(path, model_id, device_map, max_memory, dtype)
         self.metrics.models.set(len(self.registry.all()))
         return {**resident.describe(), "plan": resident.model.devmap_plan.to_dict(), "load_report": resident.report}

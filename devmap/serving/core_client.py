@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .compile_cache import keep_regions
 from .core import CONTROL, EngineCore
@@ -229,11 +229,13 @@ def import_model_stack() -> None:
 
 
 def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level: str, inbox: Connection,
-                     outbox: Connection, spawned_at: float | None = None, shards: StartedShards | None = None) -> None:
+                     outbox: Connection, spawned_at: float | None = None, shards: StartedShards | None = None,
+                     models: Sequence[str] = ()) -> None:
     """The engine core's process: a registry of models, the core's loop in its thread, and this thread reading
     requests until the API asks it to close (or goes away); `shards`: a split's shard processes, started as this
     process started (`core_start`), else started here. `spawned_at` (time.time()): when the API side started
-    it, for the seconds its start took (interpreter, imports: `import_model_stack`) in the log and `/metrics`."""
+    it, for the seconds its start took (interpreter, imports: `import_model_stack`) in the log and `/metrics`.
+    `models`: directories loaded from the start (`EngineCore.load_early`), before the API asks for them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the API side stops us
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")  # uvicorn's look
@@ -273,6 +275,8 @@ def run_core_process(settings: RegistrySettings, limits: EngineLimits, log_level
         core.metrics.startup.labels(phase="core_process").set(started)
         log.info("engine core ready %.1f s after its process was spawned (interpreter and imports)", started)
     core.start()
+    if models:
+        core.load_early(models)
 
     def answer(call_id: int, method: str, args: tuple) -> None:
         try:

@@ -9,33 +9,38 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import Sequence
 
 from .core_parts import RegistrySettings, StartedCore
 from .limits import EngineLimits
 
 
-def start_core(settings: RegistrySettings, limits: EngineLimits, log_level: str = "WARNING") -> StartedCore:
-    """Spawn the engine core's process (it owns the GPUs; this process never touches CUDA)."""
+def start_core(settings: RegistrySettings, limits: EngineLimits, log_level: str = "WARNING",
+               models: Sequence[str] = ()) -> StartedCore:
+    """Spawn the engine core's process (it owns the GPUs; this process never touches CUDA); `models`: directories
+    it starts loading as soon as its imports are done (`EngineCore.load_early`: the service's command line), for this
+    process to `load` once its own imports are."""
     context = multiprocessing.get_context("spawn")
     core_reads, to_core = context.Pipe(duplex=False)
     from_core, core_writes = context.Pipe(duplex=False)
     # not a daemon: the core's compiler starts worker processes of its own
     process = context.Process(target=_run, name="devmap-engine-core",
-                              args=(settings, limits, log_level, core_reads, core_writes, time.time()))
+                              args=(settings, limits, log_level, core_reads, core_writes, time.time(), tuple(models)))
     process.start()
     core_reads.close()
     core_writes.close()
     return StartedCore(process, to_core, from_core)
 
 
-def _run(settings: RegistrySettings, *args: Any) -> None:
+def _run(settings: RegistrySettings, limits: EngineLimits, log_level: str, inbox: Connection, outbox: Connection,
+         spawned_at: float, models: tuple[str, ...]) -> None:
     """The spawned process's entry: a split's shard processes start first, then this process imports its stack."""
     shards = None
     if settings.tensor_parallel > 1:
         from .shard_start import start_shards
 
-        shards = start_shards(settings, args[0], args[1])  # limits, log level
+        shards = start_shards(settings, limits, log_level)
     from .core_client import run_core_process
 
-    run_core_process(settings, *args, shards=shards)
+    run_core_process(settings, limits, log_level, inbox, outbox, spawned_at, shards=shards, models=models)

@@ -478,3 +478,31 @@ def test_a_config_only_directory_is_served_with_random_weights(tmp_path):
     finally:
         engine.close(timeout=30)
     assert answer.completion_tokens >= 1
+
+
+def test_models_loaded_early_are_the_loads_the_api_asks_for_and_a_failed_one_fails_its_ask(model_root, monkeypatch):
+    """`devmap serve`'s core loads its command line's models as its imports end (`load_early`); the API's later
+    `load` of the same directory waits for that load (one load, not two), an early load that failed fails that ask
+    with its own error, and a load with other arguments, or of a directory named again, is a load of its own."""
+    from devmap.serving.core import EngineCore
+
+    registry = ModelRegistry(model_root, "auto", "cpu=2GB")
+    loads = []
+    plain_load = registry.load
+    monkeypatch.setattr(registry, "load", lambda path, *args: loads.append(path) or plain_load(path, *args))
+    core = EngineCore(registry, EngineLimits(), lambda outputs: None)
+    core.start()
+    try:
+        core.load_early([model_root / "tiny", str(model_root / "tiny"), model_root / "missing", model_root / "second"])
+        described = core.load(str(model_root / "tiny"), under_root=False)
+        assert described["id"] == "tiny" and described["plan"] and described["load_report"]
+        with pytest.raises(ServiceError, match="missing"):  # its own error, as a load of it now would say
+            core.load(str(model_root / "missing"), under_root=False)
+        with pytest.raises(ServiceError, match="already loaded"):  # named twice: the second ask is a load of its own
+            core.load(str(model_root / "tiny"), under_root=False)
+        assert loads == [model_root / "tiny", model_root / "missing", model_root / "tiny"]  # "second": not started
+        assert [resident.id for resident in registry.all()] == ["tiny"]
+        second = core.load(str(model_root / "second"), model_id="other", under_root=False)  # after the failure: a
+        assert second["id"] == "other"  # load of its own, asked for with other arguments
+    finally:
+        core.close(timeout=30)
