@@ -152,6 +152,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     engine = Engine.spawned(settings, limits, log_level=log_level, started=started)
     loading = time.perf_counter()
     try:
+        engine.read_tokenizers(paths)  # while the core loads the models
         for path in paths:
             click.echo(f"loading {path.name}", err=True)
             described = engine.load(str(path), under_root=False)

@@ -59,6 +59,7 @@ class EngineCore:
         self._unwatch_gc: Callable[[], None] = lambda: None  # set while the worker runs
         self._last_done = 0.0  # perf_counter when the last batch ended
         self._early: dict[Path, Future[dict[str, Any]]] = {}  # `load_early`'s loads the API has not asked for yet
+        self._early_loads: threading.Thread | None = None
 
     def start(self) -> None:
         if self._worker is None:
@@ -73,6 +74,8 @@ class EngineCore:
             self._worker.join(timeout)
             self._worker = None
             self._unwatch_gc()
+        if self._early_loads is not None:  # the load in flight ends (a process must not end under it), no more start
+            self._early_loads.join(timeout)
         for resident in self.registry.all():  # a compile beside serving ends at its next step
             if resident.compiling is not None:
                 resident.compiling.stop(CLOSE_COMPILE_SECONDS)
@@ -115,7 +118,7 @@ class EngineCore:
         """Start loading the service's own models (its command line's directories) now, one after another in a
         thread of their own, as `load(path, under_root=False)` would: the API's process asks for them once its own
         imports are done, and its `load` of each then waits for this one instead of starting it. A failed load ends
-        the ones after it (the service stops at the first that fails)."""
+        the ones after it (the service stops at the first that fails), and so does `close`."""
         pending: list[tuple[Path, Future[dict[str, Any]]]] = []
         for path in dict.fromkeys(Path(path).expanduser().resolve() for path in paths):  # a directory named twice:
             pending.append((path, self._early.setdefault(path, Future())))  # the API's second load says so
@@ -123,7 +126,7 @@ class EngineCore:
         def run() -> None:
             failed = False
             for path, future in pending:
-                if failed or not future.set_running_or_notify_cancel():
+                if failed or self._closing.is_set() or not future.set_running_or_notify_cancel():
                     future.cancel()
                     continue
                 try:
@@ -132,7 +135,8 @@ class EngineCore:
                     failed = True
                     future.set_exception(exc)
 
-        threading.Thread(target=run, name="devmap-early-loads", daemon=True).start()
+        self._early_loads = threading.Thread(target=run, name="devmap-early-loads", daemon=True)
+        self._early_loads.start()
 
     def _load(self, path: Path, model_id: str | None = None, device_map: Any = None, max_memory: Any = None,
               dtype: str | None = None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from .compile_cache import keep_regions
 from .core import CONTROL, EngineCore
@@ -86,6 +86,9 @@ class ThreadCore:
         resident = self.registry.get(model_id)
         return ModelCard(resident.id, resident.path, resident.context, resident.vocab_size, resident.tokenizer)
 
+    def read_tokenizers(self, paths: Iterable[Path]) -> None:
+        """Nothing to read ahead: a load in this process reads its model's tokenizer itself."""
+
     def forget(self, model_id: str) -> None:
         """The model was unloaded (the registry already says so)."""
 
@@ -101,6 +104,7 @@ class ProcessCore:
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._cards: dict[str, ModelCard] = {}
+        self._read_ahead: dict[Path, Any] = {}  # tokenizers of models not loaded yet (`read_tokenizers`), by path
         self._deliver: Deliver = lambda outputs: None
         self._lost: Lost = lambda error: None
         self.gone: ServiceError | None = None
@@ -152,10 +156,18 @@ class ProcessCore:
         if card is None:
             described = self.call("describe", model_id)
             path = Path(described["path"])
+            tokenizer = self._read_ahead.pop(path, None)
             card = ModelCard(model_id, path, int(described["context_length"]), int(described["vocab_size"]),
-                             load_tokenizer(path))
+                             tokenizer if tokenizer is not None else load_tokenizer(path))
             self._cards[model_id] = card
         return card
+
+    def read_tokenizers(self, paths: Iterable[Path]) -> None:
+        """Read the tokenizers of models the core is loading now (the service's command line): this process's first
+        tokenizer read imports much of transformers, which then runs beside the core's loads, not after them. The
+        card of a model loaded from one of these directories takes its tokenizer from here."""
+        for path in paths:
+            self._read_ahead[Path(path)] = load_tokenizer(Path(path))
 
     def forget(self, model_id: str) -> None:
         self._cards.pop(model_id, None)

@@ -14,7 +14,8 @@ import asyncio
 import itertools
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Protocol
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
 from ..errors import UsageError
 from .core_client import ModelCard, ProcessCore, ThreadCore
@@ -94,6 +95,11 @@ class Engine:
         described = self.core.call("load", name, model_id, device_map, max_memory, dtype, under_root)
         self.card(described["id"])  # its tokenizer ready before its first request
         return described
+
+    def read_tokenizers(self, paths: Iterable[Path]) -> None:
+        """Read the tokenizers of these model directories now, while the core loads their models (`devmap serve`'s
+        command line: `start_core(models=...)`), so that their `load` does not wait for it after the core's."""
+        self.core.read_tokenizers(paths)
 
     def record_startup(self, phase: str, seconds: float) -> None:
         """One phase of the service's start, into the core's `devmap_startup_seconds`."""

@@ -167,3 +167,20 @@ def test_serve_on_an_address_in_use_fails_at_once_in_one_line(tmp_path):
     assert result.returncode == 1, result.stderr
     assert result.stderr.splitlines() == [f"Error: cannot listen on 127.0.0.1:{port} (Address already in use): stop "
                                           "what listens there or pick another --port"], result.stderr
+
+
+def test_serve_of_a_model_without_a_tokenizer_ends_in_one_line_while_its_early_load_runs(tmp_path):
+    """The engine core loads the command line's models from its start (`EngineCore.load_early`) while the API's
+    process reads their tokenizers: a directory without tokenizer files ends the service with one line, exit 1, and
+    the core's process ends after the load in flight, not under it (no teardown errors on the terminal)."""
+    import devmap
+
+    devmap.save("llama-tiny", tmp_path / "tiny")
+    for tokenizer_file in (tmp_path / "tiny").glob("tokenizer*"):
+        tokenizer_file.unlink()
+    result = subprocess.run([sys.executable, "-m", "devmap", "serve", str(tmp_path / "tiny"), "--port", "0",
+                             "--log-level", "warning"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("Error: tiny has no usable tokenizer (") and line.endswith(
+        "a server answers text, so the directory needs tokenizer files (devmap save writes them)"), line
