@@ -502,3 +502,26 @@ def test_gluon_names_build_hoppers_four_bit_kernel_for_sm90(values):
                                 (WgmmaShape(160, 128, 3, 1, 32), 128, False), (WgmmaShape(64, 64, 3, 1), 64, True)):
         kernel = compile_sm90(shape, span, torch.bfloat16, ptx, paired, zero=values == "int4")
         assert "wgmma.mma_async" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"]
+
+
+def test_scipy_and_sklearn_are_hidden_from_transformers_modeling_code_imported_after():
+    """In a fresh process (the engine core's order): hidden before transformers' modeling code is imported, neither
+    scipy.optimize nor sklearn is imported by it, whether or not they are installed; once that code is imported,
+    hiding changes nothing."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from devmap import compat
+assert compat.hide_scipy_and_sklearn()
+import transformers.modeling_utils, transformers.models.llama.modeling_llama
+import transformers.loss.loss_for_object_detection as detection
+import transformers.utils
+assert not transformers.utils.is_scipy_available() and not transformers.utils.is_sklearn_available()
+assert "scipy.optimize" not in sys.modules and "sklearn" not in sys.modules, sorted(sys.modules)
+assert not hasattr(detection, "linear_sum_assignment")
+assert not compat.hide_scipy_and_sklearn()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

@@ -6,6 +6,7 @@ releases (CI runs it at both ends of `devmap.releases.SUPPORTED`).
 |---|---|---|---|
 | `call_decoder_layer`: the cache keyword of a decoder layer (`past_key_values`, renamed `cache`) | transformers | stages run the layers one run at a time with devmap's KV caches | 5.17, 5.24 |
 | `transformers_causal_mask`: `masking_utils.create_causal_mask` | transformers | prompt masks for attention kinds other than sdpa/eager (devmap builds those itself: `devmap.generation.masks`) | 5.17, 5.24 |
+| `hide_scipy_and_sklearn`: `utils.is_scipy_available`, `utils.is_sklearn_available` (replaced in `transformers.utils` and `transformers.utils.import_utils`) | transformers | its modeling code imports scipy (object-detection losses) and scikit-learn (assisted generation) wherever they are installed: ~1.4 s of an engine core's 7.4 s of imports on an H100 machine that has both; the engine core uses neither | 5.17, 5.24 |
 | `weights_left_uninitialized`: `initialization.no_init_weights` | transformers | a model whose tensors devmap reads or initializes is built without the constructors' init (0.3 s of a 1.1B model's 0.4 s build on the meta device) | 5.17, 5.24 |
 | `attention_implementation`: `config._attn_implementation` | transformers | the decode mask's form (booleans for sdpa, floats for eager) | 5.17, 5.24 |
 | `with_decode_attention`, `decode_attention_held`, `pin_decode_attention`, `sdpa_attention`, `attention_function`: `AttentionInterface.register`, `sdpa_attention_forward`, `ALL_ATTENTION_FUNCTIONS`, `config._attn_implementation` set for a step | transformers | decode steps attend over live cache columns only (`kernels.decode_attention`); transformers' sdpa reads every column, and with grouped KV heads and a mask copies the cache to every query head (17% of a 1.1B step) | 5.17, 5.24 |
@@ -73,6 +74,27 @@ def transformers_causal_mask(config: Any, like: torch.Tensor, attention_mask: to
 
 
 _BUILDING = threading.Lock()  # builds without weight init, one at a time (`weights_left_uninitialized`)
+
+
+def hide_scipy_and_sklearn() -> bool:
+    """Tell transformers that scipy and scikit-learn are not installed, in a process that imports its modeling code
+    and uses neither (the engine core): transformers imports `scipy.optimize` for its object-detection losses and
+    `sklearn.metrics` for assisted generation's confidence threshold wherever they are installed, as its modeling
+    code loads. Only before that code is imported (after, it changes nothing and returns False)."""
+    import sys
+
+    if "transformers.modeling_utils" in sys.modules:
+        return False
+    import transformers.utils
+    import transformers.utils.import_utils
+
+    def absent() -> bool:
+        return False
+
+    for name in ("is_scipy_available", "is_sklearn_available"):
+        setattr(transformers.utils, name, absent)
+        setattr(transformers.utils.import_utils, name, absent)
+    return True
 
 
 @contextlib.contextmanager

@@ -234,7 +234,11 @@ def _control(core: EngineCore, method: str, args: tuple) -> Any:
 def import_model_stack() -> None:
     """What every load needs (transformers' modeling code, LLaMA's, accelerate), imported as the core's process
     starts, while the API's process imports its own (`core_start`): a load's plan phase then times planning, not
-    imports."""
+    imports. scipy and scikit-learn, which transformers imports wherever they are installed, are left out: nothing
+    here uses them (`compat.hide_scipy_and_sklearn`)."""
+    from ..compat import hide_scipy_and_sklearn
+
+    hide_scipy_and_sklearn()
     import accelerate  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401  (the family most served; others import at load)
