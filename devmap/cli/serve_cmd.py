@@ -177,8 +177,9 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     if age is not None:
         engine.metrics.ready_seconds.set(age)
         imports = f"its imports {imported:.1f} s beside the engine core's start, " if imported is not None else ""
-        click.echo(f"answering on {address} {age:.1f} s after devmap serve started: {imports}the loads above "
-                   f"{loaded:.1f} s (/metrics: devmap_startup_seconds, devmap_serve_ready_seconds)", err=True)
+        click.echo(f"answering on {address} {age:.1f} s after devmap serve started: {imports}then {loaded:.1f} s "
+                   "reading tokenizers and waiting for the loads above (/metrics: devmap_startup_seconds, "
+                   "devmap_serve_ready_seconds)", err=True)
     else:
         click.echo(f"answering on {address}", err=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
