@@ -119,14 +119,14 @@ class EngineCore:
         thread of their own, as `load(path, under_root=False)` would: the API's process asks for them once its own
         imports are done, and its `load` of each then waits for this one instead of starting it. A failed load ends
         the ones after it (the service stops at the first that fails), and so does `close`."""
-        pending: list[tuple[Path, Future[dict[str, Any]]]] = []
-        for path in dict.fromkeys(Path(path).expanduser().resolve() for path in paths):  # a directory named twice:
-            pending.append((path, self._early.setdefault(path, Future())))  # the API's second load says so
+        # a directory named twice loads once; the API's second load of it says it is loaded already
+        pending: dict[Path, Future[dict[str, Any]]] = {Path(path).expanduser().resolve(): Future() for path in paths}
+        self._early.update(pending)
 
         def run() -> None:
             failed = False
-            for path, future in pending:
-                if failed or self._closing.is_set() or not future.set_running_or_notify_cancel():
+            for path, future in pending.items():
+                if failed or self._closing.is_set():
                     future.cancel()
                     continue
                 try:
