@@ -22,6 +22,7 @@ from ..planning.devices import offloaded, parse_device_key
 from .compiled import Regions
 from .joined_projections import JoinedLayer
 from .lane_cache import LaneCache
+from .rotary import Rotary
 from .masks import prompt_mask
 
 # model types whose base model's forward is LLaMA's glue (embed, one rotary, causal mask, layers, norm): the glue
@@ -88,9 +89,9 @@ class CausalLMStages:
         sdpa = attention_implementation(model.config) == "sdpa"
         self.joined = {id(layer): joined for layer in base.layers
                        if sdpa and (joined := JoinedLayer.of(layer, model_type)) is not None}
-        self._rotary: dict[torch.device, nn.Module] = {}
+        self._rotary: dict[torch.device, Rotary] = {}
         for device in {*self.devices, self.embed_device}:  # copied here, not inside a compiled step
-            self._rotary[device] = module_on(self.base.rotary_emb, device)
+            self._rotary[device] = Rotary(module_on(self.base.rotary_emb, device))
         self._indices = {id(layer): getattr(getattr(layer, "self_attn", None), "layer_idx", None)
                          for layer in base.layers}
         self.regions = Regions()  # eager until `compile_regions`
@@ -185,15 +186,14 @@ class CausalLMStages:
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary cos/sin computed on hidden's device, from a copy of the rotary module's buffers there (no
         cross-device read inside a captured decode step)."""
-        module = self.rotary_on(hidden.device)
-        return type(module).forward(module, hidden, position_ids)
+        return self.rotary_on(hidden.device)(hidden, position_ids)
 
-    def rotary_on(self, device: torch.device) -> nn.Module:
-        """The rotary module's copy on `device` (made at the first use there)."""
-        module = self._rotary.get(device)
-        if module is None:
-            module = self._rotary[device] = module_on(self.base.rotary_emb, device)
-        return module
+    def rotary_on(self, device: torch.device) -> Rotary:
+        """The rotary embedding on `device` (made at the first use there)."""
+        rotary = self._rotary.get(device)
+        if rotary is None:
+            rotary = self._rotary[device] = Rotary(module_on(self.base.rotary_emb, device))
+        return rotary
 
     def float_mask_dtype(self) -> torch.dtype | None:
         """The decode mask's form for this model's attention: booleans for sdpa, additive floats for eager."""

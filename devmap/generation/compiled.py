@@ -43,6 +43,7 @@ from ..compat import (call_decoder_layer, compile_backend, distinct_sizes, dynam
 from .graphed_step import captures_paused, device_work_paused, tracing_lifted
 from .joined_projections import JoinedLayer
 from .region_store import store_folder, stored_call
+from .rotary import Rotary
 
 BACKEND = "inductor"  # tests on CPU swap in "aot_eager": the same tracing and guards, no C++ compiler needed
 RECOMPILE_LIMIT = 64  # a region has an entry per kind of step (decode, prefill, attention implementation, fixed
@@ -133,10 +134,10 @@ def _mixed(joined: JoinedLayer, flat: torch.Tensor, caches: tuple[Any, Any],
     return joined.mixed(flat, contexts[0]["position_ids"].shape[0], caches, contexts)
 
 
-def _context(rotary: nn.Module, hidden: torch.Tensor, inputs: Any) -> dict[str, Any]:
+def _context(rotary: Rotary, hidden: torch.Tensor, inputs: Any) -> dict[str, Any]:
     """A decode step's mask, position ids and rotary cos/sin for its rows (`hidden`: rows × 1 × hidden size), from the
-    lane's `DecodeInputs` on this stage (the mask marks the column the step writes) and the rotary module's copy on
-    the stage's device. Regions take the modules and tensors they read, not the stages holding them: what a region
+    lane's `DecodeInputs` on this stage (the mask marks the column the step writes) and the rotary embedding on the
+    stage's device. Regions take the modules and tensors they read, not the stages holding them: what a region
     takes is what its compiled code keeps of it (`region_store`)."""
     position_ids = inputs.position_ids()
     return {"attention_mask": inputs.mask(), "position_ids": position_ids,
