@@ -211,8 +211,8 @@ def _card_name(index: int) -> str:
 _sources: str | None = None
 
 
-def sources_digest() -> str:
-    """A digest of devmap's sources (read once per process): what compiled entries' code was made from."""
+def _file_key(card: str) -> str:
+    """A digest of what an entry's code was made from besides its guards: devmap's sources, the releases, the card."""
     global _sources
     if _sources is None:
         digest = hashlib.sha256()
@@ -221,18 +221,13 @@ def sources_digest() -> str:
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
         _sources = digest.hexdigest()
-    return _sources
-
-
-def _file_key(card: str) -> str:
-    """A digest of what an entry's code was made from besides its guards: devmap's sources, the releases, the card."""
     releases = []
     for package in ("torch", "triton", "transformers"):
         try:
             releases.append(f"{package}={metadata.version(package)}")
         except metadata.PackageNotFoundError:
             continue
-    key = "\n".join([sources_digest(), *releases, card])
+    key = "\n".join([_sources, *releases, card])
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 

@@ -42,34 +42,23 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
 
     `compile_beside`: steps that compile by default are left to compile while the model serves (`Ready.compile_later`,
     `step_compile`); asked for (`limits.compile`), they compile now, and a compile that fails fails the load."""
+    from ..compat import pin_decode_attention
+    from ..kernels.decode_attention import decode_step_attention
+    from ..generation.joined_projections import join_projections
+
     with phases.timed("prepare"):
-        prepare_weights(model, model_id)
+        joined = join_projections(model)  # the service owns the model and never saves it: see there
+        log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
+        _prepare_product_kernels(model, model_id)
         tokenizer = load_tokenizer(path)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     eos_ids = end_of_sequence_ids(model, tokenizer)
     if compile_beside and limits.compile is None and _compiles(model, limits):
-        pin_attention(model)
+        # one attention choice for every step, prompt and compile of the model, in either thread, while it lives
+        pin_decode_attention(model.config, decode_step_attention)
         return Ready(tokenizer, context, eos_ids, compiled=False, compile_later=True)
     compiled = _compiled(model, limits, model.devmap_plan.quantization, rows, context, phases)
     return Ready(tokenizer, context, eos_ids, compiled)
-
-
-def prepare_weights(model: nn.Module, model_id: str) -> None:
-    """The served model's weights as its steps read them: projections joined, product kernels compiled for them."""
-    from ..generation.joined_projections import join_projections
-
-    joined = join_projections(model)  # the service owns the model and never saves it: see there
-    log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
-    _prepare_product_kernels(model, model_id)
-
-
-def pin_attention(model: nn.Module) -> None:
-    """One attention choice for every step, prompt and compile of a model compiled beside its serving, in either
-    thread (or in a compile worker), while it lives."""
-    from ..compat import pin_decode_attention
-    from ..kernels.decode_attention import decode_step_attention
-
-    pin_decode_attention(model.config, decode_step_attention)
 
 
 def _compiles(model: nn.Module, limits: EngineLimits) -> bool:

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
@@ -130,17 +130,11 @@ class ModelRegistry:
         return resident
 
     def _compile_beside(self, resident: ResidentModel) -> None:
-        """Compile the model's steps while it serves (`step_compile`); its batches move to them once ready. Where
-        the region store has none of them yet, a worker process compiles them first (`compile_worker`), and this
-        process then loads them, tracing nothing."""
+        """Compile the model's steps while it serves (`step_compile`); its batches move to them once ready."""
         from .compile_cache import compiled_anew
-        from .compile_worker import compile_apart, compiled_before, worker_job
         from .warm_up import WarmUpTimes, warm_up
 
         model, rows, context, riding = resident.model, resident.max_rows, resident.context, self.limits.riding
-        job = worker_job(model, self.quantization, rows, context, riding, resident.planned)
-        if job is not None and compiled_before(job):
-            job = None  # its entries are in the store: loading them is the whole compile
 
         def done(times: WarmUpTimes) -> None:
             resident.load_seconds.update(times.phases())
@@ -148,12 +142,8 @@ class ModelRegistry:
             resident.compiled = True
             _freeze_survivors()  # what the compile made and keeps, left out of later collections too
 
-        def work(stop: Callable[[], bool]) -> WarmUpTimes:
-            if job is not None:
-                compile_apart(job, stop)  # where it fails, the warm-up below compiles what is missing
-            return compiled_anew(lambda: warm_up(model, rows, context, riding, beside_serving=True, stop=stop))
-
-        resident.compiling = StepCompile(resident.id, work, done)
+        resident.compiling = StepCompile(resident.id, lambda stop: compiled_anew(lambda: warm_up(
+            model, rows, context, riding, beside_serving=True, stop=stop)), done)
 
     def add(self, resident: ResidentModel) -> None:
         """Make a model resident (one `load` made, or a caller's own) under its id."""
