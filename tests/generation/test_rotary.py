@@ -1,5 +1,6 @@
 """devmap's rotary cos/sin (`generation.rotary.Rotary`) against transformers' rotary module, for the rope types whose
-frequencies are fixed (computed by devmap) and those transformers updates as positions grow (the module's own)."""
+frequencies are fixed (computed by devmap) and those transformers updates as positions grow (the module's own), and
+for every model family devmap generates with."""
 
 import pytest
 import torch
@@ -40,5 +41,21 @@ def test_frequencies_transformers_updates_go_through_its_module():
     rotary = Rotary(module)
     assert rotary.frequencies is None
     hidden, positions = torch.randn(1, 4, 64), torch.arange(300, 304)[None]  # past the original length: updated
+    ours, theirs = rotary(hidden, positions), type(module).forward(module, hidden, positions)
+    assert all(torch.equal(mine, reference) for mine, reference in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_every_family_devmap_generates_with_gets_its_modules_cos_and_sin(family):
+    import importlib
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family, **SHAPE, head_dim=16)
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    module = next(getattr(modeling, name) for name in dir(modeling) if name.endswith("RotaryEmbedding"))(config)
+    rotary = Rotary(module)
+    assert rotary.frequencies is not None
+    hidden, positions = torch.randn(2, 3, 64, dtype=torch.bfloat16), torch.tensor([[0, 1, 2], [40, 41, 200]])
     ours, theirs = rotary(hidden, positions), type(module).forward(module, hidden, positions)
     assert all(torch.equal(mine, reference) for mine, reference in zip(ours, theirs))
