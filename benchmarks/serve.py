@@ -28,7 +28,8 @@ least max(L × W / S + KV / S, W + KV / L) / bandwidth for weights W and the run
 holding requests, as many as the clients up to S unless `--devmap-args` sets `--lanes`), and its arithmetic spreads
 over min(L, S) GPUs.
 Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each devmap server once
-more after its runs, for a restart's time with the compile caches on disk that its first start filled. A devmap server
+more after its runs, for a restart's time with the compile caches on disk that its first start filled, and the first
+window of the first client count once its compiled steps serve (its new batch shape's captures). A devmap server
 that compiles beside its serving (`+beside`: --compile-beside) answers on eager steps while its steps compile: from its
 first answer until its compiled steps serve it gets windows of the first client count (their TTFT and tok/s printed:
 the swap's cost), and the timed rows start after; a restart gets the same windows.
@@ -677,12 +678,18 @@ def main() -> None:
                 port = free_port()
                 command[command.index("--port") + 1] = str(port)
                 with server(command, port, f"{name}-restart", env=env, cwd=tree) as (again_url, again):
-                    windows, waited = while_compiling(again_url, model, counts[0], args.seconds, args.new,
-                                                      [int(w) for w in args.prompt_words.split(",")])
+                    lengths = [int(w) for w in args.prompt_words.split(",")]
+                    windows, waited = while_compiling(again_url, model, counts[0], args.seconds, args.new, lengths)
+                    # the first window on compiled steps: a new batch shape's captures, kernels' first loads
+                    first = load_test(again_url, model, counts[0], args.seconds, args.new, seed=len(windows),
+                                      lengths=lengths)
                     rows[name][0].update(restart_s=again, restart_compiled_s=again + waited,
-                                         restart_while_compiling=windows, restart=start_phases(again_url))
+                                         restart_while_compiling=windows, restart_first_window=first,
+                                         restart=start_phases(again_url))
                     print(f"  {name} restart: {phases_line(rows[name][0]['restart'])}", flush=True)
                     print(f"  {name} restart: {compiling_line(again + waited, windows, counts[0])}", flush=True)
+                    print(f"  {name} restart: the first window of {counts[0]} clients on compiled steps: "
+                          f"{first['tokens_per_s']:,.0f} tok/s, TTFT p99 {first['ttft_p99'] or 0:.2f} s", flush=True)
     report(args.model, rows, counts, args.out, schemes)
 
 

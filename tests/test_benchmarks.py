@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_serving_benchmark_runs_on_the_cpu(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--model", "llama-tiny", "--cpu-check",
                "--clients", "2", "--seconds", "1", "--warmup", "0.5", "--new", "4", "--prompt-words", "4,8",
-               "--systems", "devmap,devmap+tp", "--gpus", "2", "--out", str(tmp_path)]
+               "--systems", "devmap,devmap+tp", "--gpus", "2", "--restart", "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "SERVE_BENCH_LOGS": str(tmp_path),
                                  "DEVMAP_BENCH_TMP": str(tmp_path)})
@@ -27,6 +27,9 @@ def test_the_serving_benchmark_runs_on_the_cpu(tmp_path):
     assert start["startup_s"]["core_process"] > 0 and "command_line_loads" in start["startup_s"]
     assert all({"plan", "weights"} <= set(load["load_seconds"]) for load in start["loads"].values())
     assert "devmap/2gpu start: core_process" in result.stdout
+    again = rows["devmap/2gpu"][0]
+    assert again["restart_s"] > 0 and again["restart_first_window"]["requests"] > 0  # --restart: its first window
+    assert "devmap/2gpu restart: the first window of 2 clients on compiled steps" in result.stdout
 
 
 def test_the_benchmark_of_a_load_beside_serving_runs_on_the_cpu(tmp_path):
