@@ -74,13 +74,12 @@ class JoinApart:
 
     def capture(self) -> None:
         """Capture the prefill of every pack width this batch can meet, before its first step (on GPUs): a width's
-        first use otherwise costs an eager run and a capture in the middle of a burst of requests. Without graphs (a
-        compile beside serving) each width runs once."""
-        uses = 2 if self.batch.run.graphs else 1  # eager, then captured
+        first use otherwise costs an eager run and a capture in the middle of a burst of requests.
+        Each runs `runs_before_serving` times."""
         for width in pack_widths(self.packs.limit):
             if ("join", width) not in self.packs.entries:
                 inputs = self.packs.inputs([[0]], width)
-                for _ in range(uses):
+                for _ in range(self.batch.run.runs_before_serving):
                     self.packs.through_stages(width, *inputs)
 
     def _prefill_pack(self, members: list[tuple[SlotRequest, int, int]],

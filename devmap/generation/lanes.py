@@ -63,6 +63,12 @@ class LaneStreams:
         # per stage stream (by id): its stage's streams on the other devices its work runs on (`on`)
         self._spills: dict[int, list[Any]] = {}
 
+    @property
+    def runs_before_serving(self) -> int:
+        """How often a batch runs each of its step shapes before its first step: eager, then captured (once without
+        graphs: a compile beside serving, whose batch compiles the shapes and loads their kernels)."""
+        return 2 if self.graphs else 1
+
     def capture_stream(self, j: int) -> Any:
         device = self.s.stages[j].device
         return self.streams.get("capture", j, device) if device.type == "cuda" else None

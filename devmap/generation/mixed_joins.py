@@ -173,9 +173,7 @@ class Riding:
         """Capture every lane's steps carrying a pack of each width up to `riding_tokens`, for every row count a step
         computes, before the batch's first step (on GPUs): a shape's first use otherwise costs an eager run and a
         capture in the middle of a burst of requests. The steps run on vacant rows with packs of one token per
-        segment; the batch resets its rows and slots afterwards. Without graphs (a compile beside serving: its batch
-        compiles the shapes and loads their kernels) each shape runs once."""
-        uses = 2 if self.batch.run.graphs else 1  # eager, then captured
+        segment; the batch resets its rows and slots afterwards. Each runs `runs_before_serving` times."""
         for k, lane in enumerate(self.batch.run.lanes):
             lane_rows = lane.ids.shape[0]
             for rows in sorted({computed_rows(highest, lane_rows) for highest in range(-1, lane_rows)}):
@@ -185,7 +183,7 @@ class Riding:
                     if ("mixed", rows, width) in lane.row_steps:
                         continue
                     ids, context, ready = self.packs.inputs([[0]] * width, width)
-                    for _ in range(uses):
+                    for _ in range(self.batch.run.runs_before_serving):
                         self._carrying(k, rows, width, ids, context, ready)
 
     def _carrying(self, k: int, rows: int, width: int, ids: torch.Tensor, context: dict, ready: Any,
