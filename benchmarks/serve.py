@@ -27,9 +27,10 @@ and each lane goes through the stages one after the other, so a round of S stage
 least max(L × W / S + KV / S, W + KV / L) / bandwidth for weights W and the running requests' cache KV (L: the lanes
 holding requests, as many as the clients up to S unless `--devmap-args` sets `--lanes`), and its arithmetic spreads
 over min(L, S) GPUs.
-Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each devmap server once
-more after its runs, for a restart's time with the compile caches on disk that its first start filled, and the first
-window of the first client count once its compiled steps serve (its new batch shape's captures). A devmap server
+Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each server once more
+after its runs, for a restart's time with the compile caches on disk that its first start filled, and the first
+window of the first client count once its compiled steps serve (its new batch shape's captures; transformers serve's
+compile at its first requests). A devmap server
 that compiles beside its serving (`+beside`: --compile-beside) answers on eager steps while its steps compile: from its
 first answer until its compiled steps serve it gets windows of the first client count (their TTFT and tok/s printed:
 the swap's cost), and the timed rows start after; a restart gets the same windows.
@@ -558,8 +559,9 @@ def main() -> None:
                         help="the checkpoint folder: used if it holds one, else written there (default: a temporary "
                              "folder); several runs then share one")
     parser.add_argument("--restart", action="store_true",
-                        help="start each devmap server once more after its runs and report how long it takes to "
-                             "answer with the on-disk caches its first start filled (inductor's, Triton's): a restart")
+                        help="start each server once more after its runs and report how long it takes to answer with "
+                             "the on-disk caches its first start filled (inductor's, Triton's, devmap's regions), and "
+                             "its first window of the first client count: a restart")
     parser.add_argument("--gpus", default=None,
                         help="GPU counts to serve each devmap system on, e.g. 1,2,4 (the first N GPUs of the machine); "
                              "default: every visible GPU, one row per system")
@@ -674,21 +676,25 @@ def main() -> None:
                             httpx.get(url + "/metrics", timeout=10).text)
                     print(f"  {name} {clients} clients: {row['tokens_per_s']:.0f} tok/s, "
                           f"ttft p50 {row['ttft_p50']} p99 {row['ttft_p99']}", flush=True)
-            if args.restart and system.startswith("devmap") and rows.get(name):
+            if args.restart and rows.get(name):
                 port = free_port()
                 command[command.index("--port") + 1] = str(port)
                 with server(command, port, f"{name}-restart", env=env, cwd=tree) as (again_url, again):
                     lengths = [int(w) for w in args.prompt_words.split(",")]
-                    windows, waited = while_compiling(again_url, model, counts[0], args.seconds, args.new, lengths)
-                    # the first window on compiled steps: a new batch shape's captures, kernels' first loads
+                    windows, waited = (while_compiling(again_url, model, counts[0], args.seconds, args.new, lengths)
+                                       if system.startswith("devmap") else ([], 0.0))
+                    # the first window on compiled steps: a new batch shape's captures, kernels' first loads (for
+                    # transformers serve, whose compile runs at its first requests, that compile too)
                     first = load_test(again_url, model, counts[0], args.seconds, args.new, seed=len(windows),
                                       lengths=lengths)
-                    rows[name][0].update(restart_s=again, restart_compiled_s=again + waited,
-                                         restart_while_compiling=windows, restart_first_window=first,
-                                         restart=start_phases(again_url))
-                    print(f"  {name} restart: {phases_line(rows[name][0]['restart'])}", flush=True)
-                    print(f"  {name} restart: {compiling_line(again + waited, windows, counts[0])}", flush=True)
-                    print(f"  {name} restart: the first window of {counts[0]} clients on compiled steps: "
+                    rows[name][0].update(restart_s=again, restart_first_window=first)
+                    if system.startswith("devmap"):
+                        rows[name][0].update(restart_compiled_s=again + waited, restart_while_compiling=windows,
+                                             restart=start_phases(again_url))
+                        print(f"  {name} restart: {phases_line(rows[name][0]['restart'])}", flush=True)
+                        print(f"  {name} restart: {compiling_line(again + waited, windows, counts[0])}", flush=True)
+                    when = "on compiled steps" if system.startswith("devmap") else "after it answered"
+                    print(f"  {name} restart: the first window of {counts[0]} clients {when}: "
                           f"{first['tokens_per_s']:,.0f} tok/s, TTFT p99 {first['ttft_p99'] or 0:.2f} s", flush=True)
     report(args.model, rows, counts, args.out, schemes)
 

@@ -8,10 +8,12 @@ are joined: `devmap.kernels`; a layer left unjoined would run the library's prod
 slower than eager). Other quantized weights (bitsandbytes') stay eager unless `--compile` asks: their compiled speed is
 not measured. docs/serving.md and docs/quantization.md have what compiling gains and what it costs at a start.
 `--no-compile` turns compiling off. The compile runs in a small continuous batch (its decode step, and its joins at
-every pack width), so that no request waits for it: at load, before the model serves, by default; beside its serving
-where asked (`--compile-beside`, `step_compile`: the model answers with eager steps at once, and its batches move to
-compiled steps once they are ready), never for a model split over processes (`--tensor-parallel`: their warm-ups
-meet in collectives, which a second thread's calls would interleave with). Inductor's on-disk cache makes a restart's
+every pack width; once that has run whole with the region store in use, a later start runs the decode step and its
+first join only, which load the stored entries: `warm_marks`), so that no request waits for it: at load, before
+the model serves, by default; beside its serving where asked (`--compile-beside`, `step_compile`: the model answers
+with eager steps at once, and its batches move to compiled steps once they are ready), never for a model split over
+processes (`--tensor-parallel`: their warm-ups meet in collectives, which a second thread's calls would interleave
+with). Inductor's on-disk cache makes a restart's
 compile faster, and the regions a service keeps (`generation.region_store`) spare it dynamo's tracing too.
 """
 
@@ -34,6 +36,7 @@ from ..planning.quantization import Quantization
 from .interpreter_switch import switching_often
 from .load_phases import CompiledGraphs
 from .scheduler import CACHE_BUCKET, MIN_ROWS
+from .warm_marks import mark, warm_key, warmed
 
 WARM_UP_STEPS = 4  # the first decode step compiles, the second captures, the rest replay
 
@@ -84,10 +87,12 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
     prompt = [1] * 4
     rows = min(MIN_ROWS, max_rows)
     paused = captures_paused(but_while_tracing=True) if beside_serving else contextlib.nullcontext()
+    key = warm_key(model, max_rows, context, riding)
+    light = warmed(key)  # its regions are in the store: their entries load, no shape compiles
     started, before, stored = time.perf_counter(), compile_totals(), region_totals()
     with switching_often(), timed_captures() as captures, paused, continuous_batch(
             model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True, riding=riding,
-            graphs=not beside_serving, keep_graphs=not beside_serving, every_shape=True) as batch:
+            graphs=not beside_serving, keep_graphs=not beside_serving, every_shape=not light) as batch:
         # every row held: the batch's own decode step compiles; steps over its first rows reuse that compile
         batch.step([SlotRequest(prompt, WARM_UP_STEPS + 1, object()) for _ in range(rows)])
         for _ in range(WARM_UP_STEPS):
@@ -95,6 +100,10 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
                 break
         batch.collect(everything=True)
     after, elapsed, kept = compile_totals(), time.perf_counter() - started, region_totals()
+    if light and kept.compiled > stored.compiled:
+        mark(key, whole=False)  # the store had lost entries: the next start runs the whole pass again
+    elif not light and not stop():  # not ended early: it ran whole
+        mark(key, whole=True)
     # dynamo counts the store's compiles among its graphs, not among its seconds; entries loaded it never sees
     loaded = kept.loaded - stored.loaded
     compiling = (after.seconds - before.seconds + kept.compile_seconds - stored.compile_seconds

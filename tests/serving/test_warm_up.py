@@ -71,3 +71,47 @@ def test_the_warm_up_compiles_the_step_once(model_root, compiled_on_cpu):
     warm_up(model, max_rows=64, context=int(model.config.max_position_embeddings))
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
     assert step_cache(model, "continuous").shapes == 1  # its steps stay, for a first batch of its shape
+
+
+def test_a_warm_up_that_ran_whole_lets_the_next_start_skip_its_pass_over_every_shape(model_root, compiled_on_cpu,
+                                                                                      tmp_path, monkeypatch):
+    import devmap
+    from devmap.compat import ahead_of_time_keeps
+    from devmap.generation import region_store
+    from devmap.serving import warm_marks
+    from devmap.serving import warm_up as warm_up_module
+
+    if not ahead_of_time_keeps("aot_eager"):
+        pytest.skip(f"torch {torch.__version__} saves inductor's entries only")
+    model = devmap.load(str(model_root / "tiny"), device_map="auto", max_memory="cpu=2GB")
+    assert warm_marks.warm_key(model, 64, 256, None) is None  # no store; and a CPU model never gets a key
+    passes = []
+    batch = warm_up_module.continuous_batch
+
+    def seen(*args, **kwargs):
+        passes.append(kwargs["every_shape"])
+        return batch(*args, **kwargs)
+
+    monkeypatch.setattr(warm_up_module, "continuous_batch", seen)
+    monkeypatch.setattr(warm_up_module, "warm_key", lambda *args: "tiny")
+    context = int(model.config.max_position_embeddings)
+
+    def start() -> region_store.RegionTotals:  # as a fresh process: the store read again, nothing traced yet
+        region_store.keep_regions_in(tmp_path)
+        torch._dynamo.reset()
+        before = region_store.region_totals()
+        warm_up(model, max_rows=64, context=context)
+        after = region_store.region_totals()
+        return region_store.RegionTotals(after.compiled - before.compiled, after.loaded - before.loaded)
+
+    try:
+        first = start()
+        assert passes == [True] and first.compiled > 0 and warm_marks.warmed("tiny")
+        again = start()
+        assert passes[-1] is False and again.compiled == 0 and again.loaded > 0 and warm_marks.warmed("tiny")
+        for entry in tmp_path.rglob(f"*{region_store.SUFFIX}"):
+            entry.unlink()  # the store lost its entries: the light start compiles, and the next one is whole again
+        lost = start()
+        assert passes[-1] is False and lost.compiled > 0 and not warm_marks.warmed("tiny")
+    finally:
+        region_store.keep_regions_in(None)
