@@ -41,9 +41,10 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    from devmap.serving.compile_cache import use_compile_cache
+    from devmap.serving.compile_cache import keep_regions, use_compile_cache
 
     use_compile_cache(args.cache)
+    keep_regions()  # as the engine core does: the regions' store, so that a second run is a restart
     marks = [("interpreter", time.perf_counter() - STARTED)]
     begun = time.perf_counter()
     import torch
