@@ -193,15 +193,14 @@ def _card(args: tuple[Any, ...]) -> str:
     for arg in args:
         if isinstance(arg, torch.Tensor) and arg.is_cuda:
             index = arg.device.index if arg.device.index is not None else torch.cuda.current_device()
-            return card_name(index)
+            return _card_name(index)
     return "cpu"
 
 
 _card_names: dict[int, str] = {}
 
 
-def card_name(index: int) -> str:
-    """How the store names the GPU of `index`: its name, compute capability and SM count."""
+def _card_name(index: int) -> str:
     name = _card_names.get(index)
     if name is None:
         props = torch.cuda.get_device_properties(index)
@@ -212,8 +211,8 @@ def card_name(index: int) -> str:
 _sources: str | None = None
 
 
-def sources_digest() -> str:
-    """A digest of devmap's sources (read once per process): what compiled entries' code was made from."""
+def _file_key(card: str) -> str:
+    """A digest of what an entry's code was made from besides its guards: devmap's sources, the releases, the card."""
     global _sources
     if _sources is None:
         digest = hashlib.sha256()
@@ -222,19 +221,20 @@ def sources_digest() -> str:
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
         _sources = digest.hexdigest()
-    return _sources
-
-
-def _file_key(card: str) -> str:
-    """A digest of what an entry's code was made from besides its guards: devmap's sources, the releases, the card."""
     releases = []
     for package in ("torch", "triton", "transformers"):
         try:
             releases.append(f"{package}={metadata.version(package)}")
         except metadata.PackageNotFoundError:
             continue
-    key = "\n".join([sources_digest(), *releases, card])
+    key = "\n".join([_sources, *releases, card])
     return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def entries_key(index: int) -> str:
+    """What the entries made on the GPU of `index` are filed under besides their region: a digest of devmap's sources,
+    the releases and that card; where it changes, no entry kept before serves."""
+    return _file_key(_card_name(index))
 
 
 def _first_line(exc: BaseException) -> str:

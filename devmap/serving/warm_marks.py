@@ -1,14 +1,14 @@
 """Which models' warm-ups have run whole with the region store in use, so that a later start skips their pass over
 every join shape.
 
-A warm-up (`warm_up.warm_up`) runs a small batch's steps at every pack width and row count before the model serves,
-so that the shapes whose code is compiled anew (a first start) are compiled there rather than in the first requests.
-Once a warm-up has run whole, its model's compiled regions are in the store (`generation.region_store`), and a later
-start of the same model on the same card loads them: its warm-up then needs its decode step and its first join only
-(loading the entries and their kernels), and the serving batch's own pass runs every shape it meets. A marker per
-model (its config, the cards of its map, dtype, quantization, batch, thread count and devmap's sources) is kept in
-the store's `warmed/` folder; a warm-up that finds one runs light, and removes it where it compiled anything all the
-same (the store lost entries), so that the next start runs the whole pass again.
+A warm-up (`warm_up.warm_up`) runs a small batch's steps at every pack width and row count before the model serves, so
+that the shapes whose code is compiled anew (a first start) are compiled there rather than in the first requests. Once
+a warm-up has run whole, its model's compiled regions are in the store (`generation.region_store`), and a later start
+of the same model on the same card loads them: its warm-up then needs its decode step and its first join only (loading
+the entries and their kernels), and the serving batch's own pass runs every shape it meets. A marker per model (its
+config; the store's key for each GPU of its map: devmap's sources, the releases, the card; dtype, quantization, batch
+and thread count) is kept in the store's `warmed/` folder; a warm-up that finds one runs light, and removes it where
+it compiled anything all the same (the store lost entries), so that the next start runs the whole pass again.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..generation.region_store import card_name, sources_digest, store_folder
+from ..generation.region_store import entries_key, store_folder
 from ..planning.devices import is_gpu, parse_device_key
 
 
@@ -35,11 +35,11 @@ def warm_key(model: nn.Module, rows: int, context: int, riding: bool | None) -> 
         key = parse_device_key(device)
         if not is_gpu(key):
             return None
-        cards[name] = card_name(key)
+        cards[name] = entries_key(key)  # devmap's sources, the releases, the card
     quantization = getattr(getattr(plan, "quantization", None), "scheme", None)
     described = {"config": model.config.to_dict(), "cards": cards,
                  "dtype": str(model.get_input_embeddings().weight.dtype), "quantization": quantization, "rows": rows,
-                 "context": context, "riding": riding, "threads": torch.get_num_threads(), "sources": sources_digest()}
+                 "context": context, "riding": riding, "threads": torch.get_num_threads()}
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 

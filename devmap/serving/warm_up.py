@@ -2,19 +2,19 @@
 
 A service compiles a model's decode steps and its joins (`devmap.generation.compiled`, dynamic sizes: one compile for
 every batch shape and pack width): the steps carrying joiners' prompts where they ride
-(`devmap.generation.mixed_joins`), else the joins' prefill. It compiles them where that wins: every block on a GPU, and
-weights that devmap's own products read (floating point, or int8, int4 and fp8 weights in layers whose projections
+(`devmap.generation.mixed_joins`), else the joins' prefill. It compiles them where that wins: every block on a GPU,
+and weights that devmap's own products read (floating point, or int8, int4 and fp8 weights in layers whose projections
 are joined: `devmap.kernels`; a layer left unjoined would run the library's product, which compiles to something
-slower than eager). Other quantized weights (bitsandbytes') stay eager unless `--compile` asks: their compiled speed is
-not measured. docs/serving.md and docs/quantization.md have what compiling gains and what it costs at a start.
+slower than eager). Other quantized weights (bitsandbytes') stay eager unless `--compile` asks: their compiled speed
+is not measured. docs/serving.md and docs/quantization.md have what compiling gains and what it costs at a start.
 `--no-compile` turns compiling off. The compile runs in a small continuous batch (its decode step, and its joins at
 every pack width; once that has run whole with the region store in use, a later start runs the decode step and its
-first join only, which load the stored entries: `warm_marks`), so that no request waits for it: at load, before
-the model serves, by default; beside its serving where asked (`--compile-beside`, `step_compile`: the model answers
-with eager steps at once, and its batches move to compiled steps once they are ready), never for a model split over
+first join only, which load the stored entries: `warm_marks`), so that no request waits for it: at load, before the
+model serves, by default; beside its serving where asked (`--compile-beside`, `step_compile`: the model answers with
+eager steps at once, and its batches move to compiled steps once they are ready), never for a model split over
 processes (`--tensor-parallel`: their warm-ups meet in collectives, which a second thread's calls would interleave
-with). Inductor's on-disk cache makes a restart's
-compile faster, and the regions a service keeps (`generation.region_store`) spare it dynamo's tracing too.
+with). Inductor's on-disk cache makes a restart's compile faster, and the regions a service keeps
+(`generation.region_store`) spare it dynamo's tracing too.
 """
 
 from __future__ import annotations
