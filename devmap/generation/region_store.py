@@ -20,6 +20,7 @@ or written by another torch) is skipped with one warning and removed, and compil
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -197,37 +198,34 @@ def _card(args: tuple[Any, ...]) -> str:
     return "cpu"
 
 
-_card_names: dict[int, str] = {}
-
-
+@functools.cache
 def _card_name(index: int) -> str:
-    name = _card_names.get(index)
-    if name is None:
-        props = torch.cuda.get_device_properties(index)
-        name = _card_names[index] = f"{props.name} sm{props.major}{props.minor} {props.multi_processor_count} SMs"
-    return name
+    """How the store names the GPU of `index`: its name, compute capability and SM count."""
+    props = torch.cuda.get_device_properties(index)
+    return f"{props.name} sm{props.major}{props.minor} {props.multi_processor_count} SMs"
 
 
-_sources: str | None = None
+@functools.cache
+def _sources_digest() -> str:
+    """A digest of devmap's sources, read once per process."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
+@functools.cache
 def _file_key(card: str) -> str:
     """A digest of what an entry's code was made from besides its guards: devmap's sources, the releases, the card."""
-    global _sources
-    if _sources is None:
-        digest = hashlib.sha256()
-        root = Path(__file__).resolve().parents[1]
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-        _sources = digest.hexdigest()
     releases = []
     for package in ("torch", "triton", "transformers"):
         try:
             releases.append(f"{package}={metadata.version(package)}")
         except metadata.PackageNotFoundError:
             continue
-    key = "\n".join([_sources, *releases, card])
+    key = "\n".join([_sources_digest(), *releases, card])
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
