@@ -45,6 +45,7 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
     from ..compat import pin_decode_attention
     from ..kernels.decode_attention import decode_step_attention
     from ..generation.joined_projections import join_projections
+    from .warm_up import eager_first_steps
 
     with phases.timed("prepare"):
         joined = join_projections(model)  # the service owns the model and never saves it: see there
@@ -56,6 +57,8 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
     if compile_beside and limits.compile is None and _compiles(model, limits):
         # one attention choice for every step, prompt and compile of the model, in either thread, while it lives
         pin_decode_attention(model.config, decode_step_attention)
+        with phases.timed("warm_up"):
+            eager_first_steps(model, rows, context, limits.riding)
         return Ready(tokenizer, context, eos_ids, compiled=False, compile_later=True)
     compiled = _compiled(model, limits, model.devmap_plan.quantization, rows, context, phases)
     return Ready(tokenizer, context, eos_ids, compiled)

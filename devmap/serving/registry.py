@@ -137,7 +137,8 @@ class ModelRegistry:
         model, rows, context, riding = resident.model, resident.max_rows, resident.context, self.limits.riding
 
         def done(times: WarmUpTimes) -> None:
-            resident.load_seconds.update(times.phases())
+            for phase, seconds in times.phases().items():  # the eager steps' warm-up before it answered, added
+                resident.load_seconds[phase] = resident.load_seconds.get(phase, 0.0) + seconds
             resident.compiled_graphs = times.graphs
             resident.compiled = True
             _freeze_survivors()  # what the compile made and keeps, left out of later collections too

@@ -39,6 +39,7 @@ from .scheduler import CACHE_BUCKET, MIN_ROWS
 from .warm_marks import mark, warm_key, warmed
 
 WARM_UP_STEPS = 4  # the first decode step compiles, the second captures, the rest replay
+EAGER_PROMPT = 128  # tokens of each prompt of `eager_first_steps`
 
 
 def compiles(model: nn.Module, wanted: bool | None, quantization: Quantization | None) -> bool:
@@ -50,6 +51,20 @@ def compiles(model: nn.Module, wanted: bool | None, quantization: Quantization |
         return False
     devices = set(getattr(model, "hf_device_map", {"": "cpu"}).values())
     return torch.cuda.is_available() and all(is_gpu(parse_device_key(d)) for d in devices)
+
+
+def eager_first_steps(model: nn.Module, max_rows: int, context: int, riding: bool | None = None) -> None:
+    """Run a small eager batch's first steps (a pack of prompts, then a decode step), uncaptured: the eager kernels a
+    model serving before its compiled steps are ready runs (CUDA modules, cuBLAS's choices, devmap's Triton kernels)
+    load here, before it answers, rather than in its first request's step, beside the compile."""
+    cache_len = min(CACHE_BUCKET, context) if context else CACHE_BUCKET
+    prompt = [1] * min(EAGER_PROMPT, cache_len - 1)
+    rows = min(MIN_ROWS, max_rows)
+    with continuous_batch(model, rows=rows, first_slot=len(prompt), cache_len=cache_len, riding=riding,
+                          graphs=False, keep_graphs=False) as batch:
+        batch.step([SlotRequest(prompt, 2, object()) for _ in range(rows)])
+        batch.step([])
+        batch.collect(everything=True)
 
 
 class WarmUpTimes(NamedTuple):

@@ -1,5 +1,6 @@
 """Continuous batching on CPU, two stages: requests that join free rows mid-batch get the tokens of generating alone."""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -178,10 +179,10 @@ def test_a_pack_keeps_each_prompt_to_its_own_tokens():
     assert joins.prompt_columns(torch.tensor([3, 2]), 11, 10).tolist() == [8, 9, 0, 9, 0]
 
 
-def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypatch):
-    """With captured steps (here: the cached-step path on CPU, eager), a batch prepares the prefill of every
-    pack width up front (or, where its steps carry the joiners, every lane's step of each row count and pack width
-    within a step's prompt tokens), and joins still give each request its tokens."""
+def test_every_join_shape_is_prepared_before_the_first_step_where_asked(model, run, monkeypatch):
+    """With captured steps (here: the cached-step path on CPU, eager) and `every_shape` (a service's warm-up), a
+    batch prepares the prefill of every pack width up front (or, where its steps carry the joiners, every lane's step
+    of each row count and pack width within a step's prompt tokens), and joins still give each request its tokens."""
     from devmap.generation import lanes
     from devmap.generation.step_cache import release_graphs, step_cache
 
@@ -189,7 +190,7 @@ def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypa
     release_graphs(model)
     reqs = requests(8, seed=2)
     try:
-        got, left, queue = run(model, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=24)
+        got, left, queue = run(model, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=24, every_shape=True)
         entries = step_cache(model, "continuous").entries
         shapes = {key[1:] for key in entries if isinstance(key, tuple) and key[0] == "join"}
         riding = {(k, key[1:]) for k in range(2) for key in entries[("rows", k)] if key[0] == "mixed"}
@@ -205,10 +206,12 @@ def test_every_join_shape_is_prepared_before_the_first_step(model, run, monkeypa
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
-def test_a_batch_made_while_captures_are_paused_prepares_no_join_shape_up_front(model, run, monkeypatch):
-    """While a compile runs beside serving (captures paused), a new batch does not run its join shapes up front
-    (they would run eagerly, all before its first token; each captures at its second use instead), and its
-    requests still get their tokens."""
+@pytest.mark.parametrize("paused", [False, True])
+def test_a_batch_prepares_only_the_join_shapes_it_meets(model, run, monkeypatch, paused):
+    """By default a batch runs no join shape up front: each runs when a step needs it and captures at its second
+    use, so a first wave of prompts pays for the shapes it meets only; so too while a compile runs beside serving
+    (captures paused: run up front, they would all run eagerly before its first token). Its requests get their
+    tokens."""
     from devmap.generation import lanes
     from devmap.generation.graphed_step import captures_paused
     from devmap.generation.step_cache import release_graphs, step_cache
@@ -217,7 +220,7 @@ def test_a_batch_made_while_captures_are_paused_prepares_no_join_shape_up_front(
     release_graphs(model)
     reqs = requests(4, seed=3)
     try:
-        with captures_paused():
+        with captures_paused() if paused else contextlib.nullcontext():
             got, left, queue = run(model, reqs[:2], reqs[2:], rows=4, first_slot=12, cache_len=24)
         entries = step_cache(model, "continuous").entries
         prepared = [key for key in entries if isinstance(key, tuple) and key[0] == "join"]

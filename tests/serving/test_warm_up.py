@@ -115,3 +115,14 @@ def test_a_warm_up_that_ran_whole_lets_the_next_start_skip_its_pass_over_every_s
         assert passes[-1] is False and lost.compiled > 0 and not warm_marks.warmed("tiny")
     finally:
         region_store.keep_regions_in(None)
+
+
+def test_a_model_that_compiles_beside_its_serving_runs_its_eager_steps_before_it_answers(model_root):
+    import devmap
+    from devmap.serving.warm_up import eager_first_steps
+
+    model = devmap.load(str(model_root / "tiny"), device_map="auto", max_memory="cpu=2GB")
+    context = int(model.config.max_position_embeddings)
+    eager_first_steps(model, max_rows=64, context=context)
+    assert step_cache(model, "continuous").shapes == 0  # nothing kept: its steps run uncaptured, as while it compiles
+    eager_first_steps(model, max_rows=1, context=8)  # a context shorter than its prompt
