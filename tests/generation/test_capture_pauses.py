@@ -98,3 +98,64 @@ def test_while_a_compile_runs_beside_captures_count_as_paused_for_a_new_batchs_s
     lifted.set()
     thread.join(30)
     assert graph_pauses() == 0 and not captures_are_paused()
+
+
+def _graphed_on_cpu(monkeypatch, captured: list):
+    """A step that 'captures' on the CPU (recording the pauses in force when it does) and then 'replays'."""
+
+    class Replayed:
+        def replay(self):
+            pass
+
+    def capture(self):
+        captured.append(graph_pauses())
+        self.graph, self.static_out = Replayed(), self.static_in
+        return True
+
+    monkeypatch.setattr(graphed_step.GraphedStep, "_captured", capture)
+    step = graphed_step.GraphedStep(lambda x: x + 1, torch.zeros(1), graph=True)
+    step.use_graph = True
+    return step
+
+
+def test_a_compile_beside_serving_lets_a_step_due_to_capture_in_between_its_steps(monkeypatch):
+    captured, lifted = [], []
+    step = _graphed_on_cpu(monkeypatch, captured)
+    paused, due = threading.Event(), threading.Event()
+
+    def compiling():
+        with captures_paused(but_while_tracing=True):
+            paused.set()
+            assert due.wait(30)
+            lifted.append(graphed_step.let_captures_in())
+            lifted.append(graph_pauses())
+
+    thread = threading.Thread(target=compiling)
+    thread.start()
+    assert paused.wait(30)
+    step()
+    step()  # due to capture, paused: eager, and it asks to be let in
+    assert captured == [] and step.graph is None
+    due.set()
+    for _ in range(1000):  # the serving thread's next steps, until one captures while the pause is lifted
+        step()
+        if step.graph is not None:
+            break
+        threading.Event().wait(0.002)
+    thread.join(30)
+    assert captured == [0] and lifted == [True, 1]
+    assert graph_pauses() == 0 and not captures_are_paused()
+
+
+def test_letting_captures_in_changes_nothing_where_no_step_waits_or_outside_a_compile_beside(monkeypatch):
+    graphed_step._wanted.clear()
+    assert graphed_step.let_captures_in() is False  # not inside a compile beside serving
+    with captures_paused(but_while_tracing=True):
+        assert graphed_step.let_captures_in() is False  # nothing waited
+        assert graph_pauses() == 1
+    with captures_paused():  # another pause (a compile first) in force: a step due to capture stays eager
+        step = _graphed_on_cpu(monkeypatch, [])
+        step()
+        step()
+        assert step.graph is None
+    graphed_step._wanted.clear()
