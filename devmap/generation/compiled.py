@@ -18,9 +18,7 @@ its on-disk caches (inductor's FX graph and autotuning caches, on by default) ma
 A compile may run beside a serving thread's captures (`devmap serve --compile-beside`): its region calls lift that
 thread's pause of the captures (`graphed_step.tracing_lifted`: guards and dynamo's tracing are host work), and the
 backend's compile and every run of what it compiled pause them again (`graphed_step.device_work_paused`), so the
-serving thread captures while dynamo traces, most of a restart's compile. Before each region call the compile lets
-the serving thread's steps that found captures paused capture first (`graphed_step.let_captures_in`): the serving
-thread then replays its steps for the rest of the compile rather than running them eagerly beside it.
+serving thread captures while dynamo traces, most of a restart's compile.
 
 Where a store is set (`region_store.keep_regions_in`: `devmap serve` sets one in its compile cache), a dynamic region's
 entries are compiled ahead of time and kept there, and a later process loads them without tracing.
@@ -42,7 +40,7 @@ from torch import nn
 
 from ..compat import (call_decoder_layer, compile_backend, distinct_sizes, dynamic_dims, own_forward,
                       raise_recompile_limit)
-from .graphed_step import captures_paused, device_work_paused, let_captures_in, tracing_lifted
+from .graphed_step import captures_paused, device_work_paused, tracing_lifted
 from .joined_projections import JoinedLayer
 from .region_store import store_folder, stored_call
 from .rotary import Rotary
@@ -96,7 +94,6 @@ def compile_region(function: Callable[..., Any], dynamic: bool = False,
     def sized_apart(*args: Any) -> Any:  # only eager calls and captures come here, never replays
         for tensor, dims in sizes(*args) if sizes is not None else ():
             dynamic_dims(tensor, dims)
-        let_captures_in()  # in a compile beside serving: the serving thread's waiting captures first
         with distinct_sizes(), tracing_lifted():
             if store_folder() is None:
                 return compiled(*args)

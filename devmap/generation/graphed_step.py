@@ -29,11 +29,6 @@ log = logging.getLogger("devmap.generation")
 _CAPTURING = threading.RLock()  # held by a capture, and to change `_paused` or `_beside`
 _paused = 0  # pauses in force now, in any thread: `captures_paused` blocks open, less those lifted for tracing
 _beside = 0  # `captures_paused(but_while_tracing=True)` blocks open, in any thread
-_wanted = threading.Event()  # a step due to capture found captures paused (`let_captures_in` lifts them for it)
-_captured_at = 0.0  # when the last capture of any thread ended (perf_counter)
-_captures = 0  # captures made, in any thread
-LET_IN_QUIET = 0.05  # seconds without a capture after which `let_captures_in` pauses them again
-LET_IN_MOST = 0.5  # seconds `let_captures_in` lifts a pause for at most
 
 
 class _ThreadPauses(threading.local):
@@ -101,30 +96,6 @@ def device_work_paused() -> contextlib.AbstractContextManager[None]:
     return captures_paused() if _thread.lifted else _UNCHANGED
 
 
-def let_captures_in() -> bool:
-    """Between two pieces of a compile's device work beside serving (inside `captures_paused(but_while_tracing=
-    True)`, doing no device work now): where a step of another thread was due to capture since the last call and
-    found captures paused, lift this thread's pause until steps have captured and no capture has come for
-    LET_IN_QUIET seconds since (LET_IN_MOST at most), so that the serving thread's steps capture and replay rather
-    than run eagerly for the rest of the compile. Whether it lifted the pause (nothing changes where nothing
-    waited, or where another pause is in force)."""
-    if not _thread.beside or _thread.lifted or not _wanted.is_set():
-        return False
-    _wanted.clear()
-    started, before = time.perf_counter(), _captures
-    with _lifted():
-        while _paused == 0:  # else another pause is in force: captures stay paused anyway
-            time.sleep(LET_IN_QUIET / 2)
-            now = time.perf_counter()
-            with _CAPTURING:  # a capture in flight ends first
-                quiet = _captured_at > started and now - _captured_at >= LET_IN_QUIET
-            if now - started >= LET_IN_MOST or (quiet and not _wanted.is_set()):
-                break
-    log.debug("captures let in beside a compile for %.3f s: %d steps captured", time.perf_counter() - started,
-              _captures - before)
-    return True
-
-
 class CaptureClock:
     """Seconds the steps of one thread spent capturing inside a `timed_captures` block (a load's capture phase)."""
 
@@ -178,10 +149,12 @@ class GraphedStep:
         self.calls += 1
         if self.graph is None and self.use_graph and self.calls > 1:
             with _CAPTURING:
-                if _paused:  # eager now, captured at a later use: sooner where the pause lets captures in
-                    _wanted.set()
-                else:
+                if not _paused:  # else eager now, captured at a later use
+                    started = time.perf_counter()
                     self._capture()
+                    clock = _clock.get()
+                    if clock is not None:
+                        clock.seconds += time.perf_counter() - started
         if self.graph is not None:
             self.graph.replay()
             out = self.static_out
@@ -206,19 +179,7 @@ class GraphedStep:
         return copy
 
     def _capture(self) -> bool:
-        """Capture the step (nothing runs while capturing); False, and eager from now on, where it can't be. Its
-        seconds go to this thread's `timed_captures` clock."""
-        global _captured_at, _captures
-        started = time.perf_counter()
-        try:
-            return self._captured()
-        finally:
-            _captured_at, _captures = time.perf_counter(), _captures + 1
-            clock = _clock.get()
-            if clock is not None:
-                clock.seconds += _captured_at - started
-
-    def _captured(self) -> bool:
+        """Capture the step (nothing runs while capturing); False, and eager from now on, where it can't be."""
         current = torch.cuda.current_stream(self.static_in.device)
         side = self.capture_stream or new_stream(self.static_in.device, "capture")
         side.wait_stream(current)

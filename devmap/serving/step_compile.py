@@ -1,7 +1,6 @@
 """Compiling a resident model's steps while it serves (`devmap serve --compile-beside`): a model answers as soon as its
 weights are on their devices, with eager steps, while a thread of its own compiles its steps (`warm_up`, beside the
-serving thread; no step captures meanwhile, in any thread, but while dynamo traces or where the compile lets a step
-due to capture in between its own device work: `graphed_step.captures_paused`, `let_captures_in`);
+serving thread; no step captures meanwhile, in any thread, but while dynamo traces: `graphed_step.captures_paused`);
 once they are ready the model is marked compiled, and its running batch runs compiled steps from its next step on
 (`batch_run`, `ContinuousBatch.recompile`: the same rows, KV caches and tokens in flight; each step captured at its
 second use), as every later batch does. A compile that fails leaves the model on its eager steps, with a warning.

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..compat import compile_totals
 from ..generation.continuous import SlotRequest, continuous_batch
-from ..generation.graphed_step import captures_paused, let_captures_in, timed_captures
+from ..generation.graphed_step import captures_paused, timed_captures
 from ..generation.joined_projections import every_layer_joined
 from ..generation.region_store import region_totals
 from ..planning.devices import is_gpu, parse_device_key
@@ -111,8 +111,6 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
         # every row held: the batch's own decode step compiles; steps over its first rows reuse that compile
         batch.step([SlotRequest(prompt, WARM_UP_STEPS + 1, object()) for _ in range(rows)])
         for _ in range(WARM_UP_STEPS):
-            if beside_serving:
-                let_captures_in()  # the serving thread's steps due to capture take them now, between two of ours
             if stop() or not batch.step([]):
                 break
         batch.collect(everything=True)
