@@ -124,13 +124,29 @@ def compiling(url: str) -> bool:
 
 
 def while_compiling(url: str, model: str, clients: int, seconds: float, new: int, lengths: list[int],
-                    timeout: float = 900) -> tuple[list[dict[str, Any]], float]:
+                    timeout: float = 900, profile: float = 0.0) -> tuple[list[dict[str, Any]], float]:
     """Timed windows of `clients` clients from the server's first answer until its compiled steps serve (the
-    window in which they take over included), and the seconds until then."""
+    window in which they take over included), and the seconds until then; the first window's start profiled for
+    `profile` seconds where asked (`profiled`)."""
     started, windows = time.monotonic(), []
     while compiling(url) and time.monotonic() - started < timeout:
-        windows.append(load_test(url, model, clients, seconds, new, seed=len(windows), lengths=lengths))
+        with profiled(url, profile if not windows else 0.0) as timed:
+            windows.append(load_test(url, model, clients, seconds, new, seed=len(windows), lengths=lengths,
+                                     timed=timed))
     return windows, time.monotonic() - started + wait_compiled(url, timeout)
+
+
+@contextlib.contextmanager
+def profiled(url: str, seconds: float) -> Iterator[Any]:
+    """A `timed` callback for `load_test` that profiles the engine core for `seconds` from the timed window's start
+    (`profile_later`; None for 0 seconds), waited for on the way out."""
+    if not seconds:
+        yield None
+        return
+    threads: list[threading.Thread] = []
+    yield lambda: threads.append(profile_later(url, seconds))
+    for thread in threads:
+        thread.join()
 
 
 def compiling_line(ready: float, windows: list[dict[str, Any]], clients: int) -> str:
@@ -572,7 +588,8 @@ def main() -> None:
                              "minutes to write; devmap systems only")
     parser.add_argument("--profile-seconds", type=float, default=0.0,
                         help="devmap systems: record the engine core (torch.profiler: host ops, CUDA calls, kernels) "
-                             "for this many seconds at the start of each timed window (POST /start_profile, "
+                             "for this many seconds at the start of each timed window, of the first window while "
+                             "its steps compile beside and of the first window after a restart (POST /start_profile, "
                              "/stop_profile) and print its costliest host ops; the trace and op table go to "
                              "OUT/profiles. The profiled rows carry the profiler's overhead.")
     parser.add_argument("--cpu-check", action="store_true",
@@ -630,7 +647,8 @@ def main() -> None:
                 compiled = {}
                 if system.startswith("devmap"):  # it serves on eager steps until its compiled ones take over
                     windows, waited = while_compiling(url, model, counts[0], args.seconds, args.new,
-                                                      [int(w) for w in args.prompt_words.split(",")])
+                                                      [int(w) for w in args.prompt_words.split(",")],
+                                                      profile=args.profile_seconds)
                     compiled = {"compiled_s": cold + waited, "while_compiling": windows, "start": start_phases(url)}
                     print(f"  {name} start: {phases_line(compiled['start'])}", flush=True)
                     print(f"  {name}: {compiling_line(cold + waited, windows, counts[0])}", flush=True)
@@ -681,12 +699,14 @@ def main() -> None:
                 command[command.index("--port") + 1] = str(port)
                 with server(command, port, f"{name}-restart", env=env, cwd=tree) as (again_url, again):
                     lengths = [int(w) for w in args.prompt_words.split(",")]
-                    windows, waited = (while_compiling(again_url, model, counts[0], args.seconds, args.new, lengths)
-                                       if system.startswith("devmap") else ([], 0.0))
+                    is_devmap = system.startswith("devmap")
+                    windows, waited = (while_compiling(again_url, model, counts[0], args.seconds, args.new, lengths,
+                                                       profile=args.profile_seconds) if is_devmap else ([], 0.0))
                     # the first window on compiled steps: a new batch shape's captures, kernels' first loads (for
                     # transformers serve, whose compile runs at its first requests, that compile too)
-                    first = load_test(again_url, model, counts[0], args.seconds, args.new, seed=len(windows),
-                                      lengths=lengths)
+                    with profiled(again_url, args.profile_seconds if is_devmap else 0.0) as timed:
+                        first = load_test(again_url, model, counts[0], args.seconds, args.new, seed=len(windows),
+                                          lengths=lengths, timed=timed)
                     rows[name][0].update(restart_s=again, restart_first_window=first)
                     if system.startswith("devmap"):
                         rows[name][0].update(restart_compiled_s=again + waited, restart_while_compiling=windows,

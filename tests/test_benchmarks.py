@@ -43,3 +43,18 @@ def test_the_benchmark_of_a_load_beside_serving_runs_on_the_cpu(tmp_path):
     assert row["steady"]["requests"] > 0 and len(row["loads"]) == 2
     assert all(load["loaded_s"] > 0 and {"plan", "weights"} <= set(load["load_seconds"]) for load in row["loads"])
     assert "| during load 2 |" in result.stdout and "load 2: answered" in result.stdout
+
+
+def test_the_serving_benchmark_profiles_the_first_window_after_a_restart(tmp_path):
+    """`--profile-seconds` records the engine core at each timed window's start and at the first window after a
+    restart (the one that meets a new batch shape: where a restart's first tokens go)."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--model", "llama-tiny", "--cpu-check",
+               "--clients", "2", "--seconds", "1", "--warmup", "0.5", "--new", "4", "--prompt-words", "4,8",
+               "--systems", "devmap", "--gpus", "1", "--restart", "--profile-seconds", "0.3", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "SERVE_BENCH_LOGS": str(tmp_path), "DEVMAP_BENCH_TMP": str(tmp_path)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    traces = sorted((tmp_path / "profiles").glob("*.trace.json"))
+    assert len(traces) == 2 and len(list((tmp_path / "profiles").glob("*.ops.txt"))) == 2, traces
+    restart = result.stdout.index("devmap/1gpu-restart answers")
+    assert "profile " in result.stdout[restart:result.stdout.index("the first window of 2 clients on compiled")]
