@@ -654,19 +654,17 @@ def main() -> None:
                     print(f"  {name}: {compiling_line(cold + waited, windows, counts[0])}", flush=True)
                 for clients in counts:
                     before: dict[str, float] = {}
-                    profiling: list[threading.Thread] = []
+                    with profiled(url, args.profile_seconds) as profile_from_here:
 
-                    def timed(url: str = url) -> None:  # the timed window's counters, without its warm-up's
-                        before.update(engine_counters(url))
-                        if args.profile_seconds:
-                            profiling.append(profile_later(url, args.profile_seconds))
+                        def timed(url: str = url, profile: Any = profile_from_here) -> None:
+                            before.update(engine_counters(url))  # the timed window's counters, without its warm-up's
+                            if profile is not None:
+                                profile()
 
-                    row = load_test(url, model, clients, args.seconds, args.new, seed=clients,
-                                    lengths=[int(w) for w in args.prompt_words.split(",")], warmup=args.warmup,
-                                    processes=args.client_processes,
-                                    timed=timed if system.startswith("devmap") else None)
-                    for thread in profiling:
-                        thread.join()
+                        row = load_test(url, model, clients, args.seconds, args.new, seed=clients,
+                                        lengths=[int(w) for w in args.prompt_words.split(",")], warmup=args.warmup,
+                                        processes=args.client_processes,
+                                        timed=timed if system.startswith("devmap") else None)
                     if before:  # where the engine loop's time went in the timed window, per decode step
                         after = engine_counters(url)
                         steps = after.get("steps", 0) - before.get("steps", 0)
@@ -708,7 +706,7 @@ def main() -> None:
                         first = load_test(again_url, model, counts[0], args.seconds, args.new, seed=len(windows),
                                           lengths=lengths, timed=timed)
                     rows[name][0].update(restart_s=again, restart_first_window=first)
-                    if system.startswith("devmap"):
+                    if is_devmap:
                         rows[name][0].update(restart_compiled_s=again + waited, restart_while_compiling=windows,
                                              restart=start_phases(again_url))
                         print(f"  {name} restart: {phases_line(rows[name][0]['restart'])}", flush=True)

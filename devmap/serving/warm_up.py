@@ -53,13 +53,18 @@ def compiles(model: nn.Module, wanted: bool | None, quantization: Quantization |
     return torch.cuda.is_available() and all(is_gpu(parse_device_key(d)) for d in devices)
 
 
+def small_batch(max_rows: int, context: int) -> tuple[int, int]:
+    """The rows and cache length of a warm-up's batch: the smallest batch a service starts (MIN_ROWS rows of
+    CACHE_BUCKET tokens), within the model's rows and context (0: unbounded)."""
+    return min(MIN_ROWS, max_rows), min(CACHE_BUCKET, context) if context else CACHE_BUCKET
+
+
 def eager_first_steps(model: nn.Module, max_rows: int, context: int, riding: bool | None = None) -> None:
     """Run a small eager batch's first steps (a pack of prompts, then a decode step), uncaptured: the eager kernels a
     model serving before its compiled steps are ready runs (CUDA modules, cuBLAS's choices, devmap's Triton kernels)
     load here, before it answers, rather than in its first request's step, beside the compile."""
-    cache_len = min(CACHE_BUCKET, context) if context else CACHE_BUCKET
+    rows, cache_len = small_batch(max_rows, context)
     prompt = [1] * min(EAGER_PROMPT, cache_len - 1)
-    rows = min(MIN_ROWS, max_rows)
     with continuous_batch(model, rows=rows, first_slot=len(prompt), cache_len=cache_len, riding=riding,
                           graphs=False, keep_graphs=False) as batch:
         batch.step([SlotRequest(prompt, 2, object()) for _ in range(rows)])
@@ -98,9 +103,8 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
 
     Its compile seconds and graphs are the process's (dynamo counts them for every thread alike): a load compiles
     one model at a time, and a compile beside serving is the only compile while it runs."""
-    cache_len = min(CACHE_BUCKET, context) if context else CACHE_BUCKET
+    rows, cache_len = small_batch(max_rows, context)
     prompt = [1] * 4
-    rows = min(MIN_ROWS, max_rows)
     paused = captures_paused(but_while_tracing=True) if beside_serving else contextlib.nullcontext()
     key = warm_key(model, max_rows, context, riding)
     light = warmed(key)  # its regions are in the store: their entries load, no shape compiles
