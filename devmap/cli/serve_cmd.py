@@ -64,9 +64,7 @@ from .options import load_options
 @click.option("--compile-beside", is_flag=True, default=False,
               help="Serve each model as soon as its weights are placed, on eager steps, and compile its steps while "
                    "it serves (not with --compile, --no-compile or --tensor-parallel). Answers sooner; serves slower "
-                   "until the switch to compiled steps, as fast after it. A model whose compiled steps an earlier "
-                   "start stored (--compile-cache) loads them before it answers instead: about as soon, with no "
-                   "switch (docs/serving.md).")
+                   "until the switch to compiled steps, as fast after it (docs/serving.md).")
 @click.option("--compile-cache", default=None, envvar="DEVMAP_COMPILE_CACHE", type=click.Path(file_okay=False),
               help="Where compiled steps are kept for the next start (inductor's and Triton's on-disk caches, keyed "
                    "by their graphs, the card and the releases, in a sub-folder per torch, Triton and transformers "
