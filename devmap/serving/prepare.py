@@ -41,8 +41,7 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
     and its compile's timed in `phases`. The caller frees the model if this raises.
 
     `compile_beside`: steps that compile by default are left to compile while the model serves (`Ready.compile_later`,
-    `step_compile`), unless an earlier start stored them (`warm_up.stored`: they load now, about as fast as the eager
-    steps' own warm-up); asked for (`limits.compile`), they compile now, and a compile that fails fails the load."""
+    `step_compile`); asked for (`limits.compile`), they compile now, and a compile that fails fails the load."""
     from ..compat import pin_decode_attention
     from ..kernels.decode_attention import decode_step_attention
     from ..generation.joined_projections import join_projections
@@ -55,8 +54,7 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
         tokenizer = load_tokenizer(path)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     eos_ids = end_of_sequence_ids(model, tokenizer)
-    beside = compile_beside and limits.compile is None and _compiles(model, limits)
-    if beside and not _stored(model, model_id, limits, rows, context):
+    if compile_beside and limits.compile is None and _compiles(model, limits):
         # one attention choice for every step, prompt and compile of the model, in either thread, while it lives
         pin_decode_attention(model.config, decode_step_attention)
         with phases.timed("warm_up"):
@@ -64,19 +62,6 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
         return Ready(tokenizer, context, eos_ids, compiled=False, compile_later=True)
     compiled = _compiled(model, limits, model.devmap_plan.quantization, rows, context, phases)
     return Ready(tokenizer, context, eos_ids, compiled)
-
-
-def _stored(model: nn.Module, model_id: str, limits: EngineLimits, rows: int, context: int) -> bool:
-    """Whether the model's compiled steps are in the region store already (`warm_up.stored`): loading them before it
-    answers takes about as long as the eager steps' warm-up, and its batches start on compiled steps, with no switch
-    while they serve."""
-    from .warm_up import stored
-
-    if not stored(model, rows, context, limits.riding):
-        return False
-    log.info("%s: its compiled steps are stored (an earlier start's): loading them before it serves, not beside",
-             model_id)
-    return True
 
 
 def _compiles(model: nn.Module, limits: EngineLimits) -> bool:

@@ -59,13 +59,6 @@ def small_batch(max_rows: int, context: int) -> tuple[int, int]:
     return min(MIN_ROWS, max_rows), min(CACHE_BUCKET, context) if context else CACHE_BUCKET
 
 
-def stored(model: nn.Module, max_rows: int, context: int, riding: bool | None = None) -> bool:
-    """Whether an earlier start's warm-up of this model and batch ran whole with the region store in use
-    (`warm_marks`): its compiled steps then load from the store, and its warm-up is light (its decode step and first
-    join), about as long as `eager_first_steps` before a compile beside serving."""
-    return warmed(warm_key(model, max_rows, context, riding))
-
-
 def eager_first_steps(model: nn.Module, max_rows: int, context: int, riding: bool | None = None) -> None:
     """Run a small eager batch's first steps (a pack of prompts, then a decode step), uncaptured: the eager kernels a
     model serving before its compiled steps are ready runs (CUDA modules, cuBLAS's choices, devmap's Triton kernels)

@@ -3,7 +3,6 @@ compile ends, its running batch moves to compiled steps at a step boundary and i
 have had alone, and an unload stops the compile."""
 
 import asyncio
-import logging
 import threading
 import time
 
@@ -122,29 +121,3 @@ def test_a_compile_happens_before_the_model_serves_unless_beside_was_asked_for(m
     assert resident.compiled and resident.compiling is None
     assert list(resident.load_seconds) == ["plan", "weights", "prepare", "compile", "capture", "warm_up"]
     assert resident.load_seconds["compile"] > 0 and resident.compiled_graphs.total > 0
-
-
-def test_a_model_whose_steps_an_earlier_start_stored_loads_them_before_it_serves_even_beside(
-        model_root, compile_beside, monkeypatch, tmp_path, caplog):
-    from devmap.compat import ahead_of_time_keeps
-    from devmap.generation import region_store
-
-    if not ahead_of_time_keeps("aot_eager"):
-        pytest.skip(f"torch {torch.__version__} saves inductor's entries only")
-    gate, _ = compile_beside
-    gate.set()
-    caplog.set_level(logging.INFO, logger="devmap.serving")
-    monkeypatch.setattr(warm_up, "warm_key", lambda *args: "tiny")  # a CPU model gets none: as on GPUs
-    region_store.keep_regions_in(tmp_path)
-    try:
-        registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=EngineLimits(compile_beside=True))
-        first = registry.load(model_root / "tiny", model_id="first")
-        assert not first.compiled and first.compiling is not None  # nothing stored yet: it compiles beside
-        assert first.compiling.wait(300) and first.compiled
-        registry.unload("first")
-        torch._dynamo.reset()  # as a fresh process: nothing traced
-        again = registry.load(model_root / "tiny", model_id="again")
-        assert again.compiled and again.compiling is None  # its stored steps loaded before it answered
-        assert again.compiled_graphs.total > 0 and "loading them before it serves" in caplog.text
-    finally:
-        region_store.keep_regions_in(None)
