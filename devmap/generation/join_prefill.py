@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .joins import on_device, pack_width, pack_widths, packs, prompt_columns, to_device
+from .joins import on_device, pack_widths, packs, prompt_columns, reused_width, to_device
 from .lane_cache import LaneCache
 from .packs import Packs
 from .row_types import SlotRequest
@@ -109,7 +109,7 @@ class JoinApart:
                                                 to_device(columns, device))
                 lanes[k].inputs[j].join(to_device(rows, device), to_device(lengths, device), slot)
 
-        width = pack_width(begin, self.packs.limit)
+        width = reused_width(begin, self.packs.limit, lambda w: ("join", w) in self.packs.entries)
         out = self.packs.through_stages(width, *self.packs.inputs(prompts, width), into_rows)
         with self.batch.run.on(len(self.batch.s.stages) - 1):
             last = out[0].index_select(0, on_device(ends, out.device))[:, None, :]  # each prompt's last token

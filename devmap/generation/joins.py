@@ -10,6 +10,8 @@ replayed from its second use on (an eager prefill of a LLaMA stage is a few hund
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -38,6 +40,17 @@ def pack_widths(limit: int) -> list[int]:
 def pack_width(tokens: int, limit: int) -> int:
     """The width of a pack of `tokens` prompt tokens: the smallest of `pack_widths(limit)` that holds them."""
     return next(width for width in pack_widths(limit) if width >= tokens)
+
+
+def reused_width(tokens: int, limit: int, made: Callable[[int], bool]) -> int:
+    """The width of a pack of `tokens` prompt tokens where a batch already made steps for some widths (`made`): the
+    smallest made width from the pack's own (`pack_width`) up to twice it, else its own. A width's first use runs
+    uncaptured (its second captures it), so a wave of prompts whose packs' sizes vary from step to step would run
+    most of its steps uncaptured; reusing a made width a little wider captures it at once and replays it for the rest
+    of the wave, at the cost of a few padding tokens (a few hundred prompt tokens beside a decode step's rows cost
+    little against the host time of an uncaptured step, ~100 ms for a 13B model's compiled step)."""
+    own = pack_width(tokens, limit)
+    return next((width for width in pack_widths(limit) if own <= width <= 2 * own and made(width)), own)
 
 
 def packs(lengths: list[int], limit: int) -> list[list[int]]:

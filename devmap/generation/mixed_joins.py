@@ -27,7 +27,7 @@ from ..pipelining.streams import scatter_later, to_host
 from ..kernels.four_bit_linear import FourBitLinear
 from .graphed_step import captures_are_paused
 from .packs import Packs, onto
-from .joins import on_device, pack_width, pack_widths, prompt_columns, to_device
+from .joins import on_device, pack_widths, prompt_columns, reused_width, to_device
 from .lane_decode import computed_rows
 from .row_types import SlotRequest
 
@@ -138,7 +138,7 @@ class Riding:
         run, lane, last = self.batch.run, self.batch.run.lanes[k], len(self.batch.s.stages) - 1
         lengths = torch.tensor([len(request.prompt) for request, _ in riders])
         total = int(lengths.sum())
-        width = pack_width(total, self.packs.limit)
+        width = reused_width(total, self.packs.limit, lambda w: ("mixed", rows, w) in lane.row_steps)
         joined = torch.tensor([row for _, row in riders])
         token_rows, columns = joined.repeat_interleave(lengths), prompt_columns(lengths, slot + 1, self.batch.cache_len)
         ids, context, ready = self.packs.inputs([request.prompt for request, _ in riders], width)

@@ -260,6 +260,20 @@ def test_packs_hold_every_joiner_once_within_their_limit_in_few_widths():
     check()
 
 
+def test_a_pack_reuses_a_made_width_up_to_twice_its_own_so_a_wave_of_joiners_settles_on_one_shape():
+    made: set[int] = set()
+    limit = 2048
+    widths = []
+    for tokens in (490, 380, 300, 450, 120, 40, 700):  # a wave's packs, then its tail, then a longer one
+        width = joins.reused_width(tokens, limit, made.__contains__)
+        assert tokens <= width <= 2 * joins.pack_width(tokens, limit) and width in joins.pack_widths(limit)
+        made.add(width)
+        widths.append(width)
+    assert widths == [512, 512, 512, 512, 128, 128, 768]  # 120 → 128: 512 is more than twice its own width
+    assert joins.reused_width(300, limit, lambda width: width in (320, 512)) == 320  # its own width, where made
+    assert joins.reused_width(2000, limit, lambda width: True) == limit
+
+
 def test_a_batch_runs_past_its_cache_length_reusing_columns(model, run):
     """Fourteen requests through two rows of a 20-column cache: the slot wraps around several times, prompts are
     copied in across the cache's end, and every request still gets the tokens of generating alone."""
