@@ -47,8 +47,8 @@ def reused_width(tokens: int, limit: int, made: Callable[[int], bool]) -> int:
     smallest made width from the pack's own (`pack_width`) up to twice it, else its own. A width's first use runs
     uncaptured (its second captures it), so a wave of prompts whose packs' sizes vary from step to step would run
     most of its steps uncaptured; reusing a made width a little wider captures it at once and replays it for the rest
-    of the wave, at the cost of a few padding tokens (a few hundred prompt tokens beside a decode step's rows cost
-    little against the host time of an uncaptured step, ~100 ms for a 13B model's compiled step)."""
+    of the wave, at the cost of some padding tokens (which cost little beside a decode step's rows, against the host
+    time of an uncaptured step: docs/serving.md, the first window after a restart)."""
     own = pack_width(tokens, limit)
     return next((width for width in pack_widths(limit) if own <= width <= 2 * own and made(width)), own)
 
