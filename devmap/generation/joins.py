@@ -4,8 +4,9 @@ count from each prompt's start. Nothing is padded but a pack's tail.
 
 Left-padding joiners to a shared width, as a batched prefill does, costs what the padding costs: with prompts of
 mixed lengths, sub-groups of power-of-two widths and rows computed about 1.5 times their tokens. A pack computes
-its prompts' tokens and the few padding tokens up to its width's bucket. Each bucket's prefill is a captured graph,
-replayed from its second use on (an eager prefill of a LLaMA stage is a few hundred small kernels of host time).
+its prompts' tokens and the padding up to its width: its bucket's, or a wider one the batch already made, up to
+twice its own (`reused_width`), so that a wave of prompts settles on one width. Each bucket's prefill is a captured
+graph, replayed from its second use on (an eager prefill of a LLaMA stage is a few hundred small kernels of host time).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ def pack_limit(cache_len: int, rows: int) -> int:
 
 def pack_widths(limit: int) -> list[int]:
     """Every width a pack of at most `limit` tokens can take: multiples of 64 up to 256, then four widths per
-    doubling (320, 384, 448, 512, 640, ...), and `limit` itself: less than a quarter of a pack is padding, and a batch
-    captures sixteen widths up to 2048 tokens."""
+    doubling (320, 384, 448, 512, 640, ...), and `limit` itself: less than a quarter of a pack's own width is
+    padding, and a batch captures sixteen widths up to 2048 tokens at most."""
     widths, width = [], 64
     while width < limit:
         widths.append(width)
