@@ -8,11 +8,12 @@ runs g - 1.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 import torch
 
-from .joins import on_device, pack_widths, packs, prompt_columns, reused_width, to_device
+from .joins import on_device, pack_widths, packs, prompt_columns, repeated, reused_width, to_device
 from .lane_cache import LaneCache
 from .packs import Packs
 from .row_types import SlotRequest
@@ -96,12 +97,12 @@ class JoinApart:
         # (host tensors, computed once for every stage)
         spans, begin = {}, 0
         for k, items in per_lane.items():
-            rows, lengths = torch.tensor([row for row, _ in items]), torch.tensor([n for _, n in items])
-            end = begin + int(lengths.sum())
-            spans[k] = (begin, end, rows, lengths, rows.repeat_interleave(lengths),
-                        prompt_columns(lengths, slot, self.batch.cache_len))
+            row_list, counts = [row for row, _ in items], [n for _, n in items]
+            end = begin + sum(counts)
+            spans[k] = (begin, end, torch.tensor(row_list), torch.tensor(counts), repeated(row_list, counts),
+                        prompt_columns(counts, slot, self.batch.cache_len))
             begin = end
-        ends = (torch.tensor([len(p) for p in prompts]).cumsum(0) - 1).tolist()  # each prompt's last token
+        ends = [end - 1 for end in accumulate(len(p) for p in prompts)]  # each prompt's last token
 
         def into_rows(j: int, device: torch.device, scratch: LaneCache) -> None:
             for k, (first, end, rows, lengths, token_rows, columns) in spans.items():

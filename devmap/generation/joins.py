@@ -11,8 +11,9 @@ graph, replayed from its second use on (an eager prefill of a LLaMA stage is a f
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 
@@ -84,11 +85,19 @@ def packed_prompts(prompts: list[list[int]], width: int) -> tuple[torch.Tensor, 
     return ids, segments, positions
 
 
-def prompt_columns(lengths: torch.Tensor, slot: int, cache_len: int) -> torch.Tensor:
+def repeated(values: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+    """`values[i]` `counts[i]` times, end to end, as a host tensor of int64 (each packed token's row, say). Host index
+    math of a joining step runs in numpy: torch's CPU `repeat_interleave` runs a parallel loop whose threads wait for
+    cores for milliseconds on a busy host (the engine core's trace: ~10 ms a call beside serving's other processes)."""
+    return torch.from_numpy(np.repeat(np.asarray(values, dtype=np.int64), np.asarray(counts, dtype=np.int64)))
+
+
+def prompt_columns(lengths: Sequence[int], slot: int, cache_len: int) -> torch.Tensor:
     """The cache column of every token of prompts of `lengths` tokens (end to end) that end right before `slot`
-    (counted without wrapping), in a cache of `cache_len` columns reused around its end."""
-    within = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
-    return (slot - lengths.repeat_interleave(lengths) + within) % cache_len
+    (counted without wrapping), in a cache of `cache_len` columns reused around its end (numpy: see `repeated`)."""
+    counts = np.asarray(lengths, dtype=np.int64)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return torch.from_numpy((np.repeat(slot - counts, counts) + within) % cache_len)
 
 
 def packed_context(segments: torch.Tensor, positions: torch.Tensor,

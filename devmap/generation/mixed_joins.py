@@ -18,6 +18,7 @@ own (`join_prefill`).
 from __future__ import annotations
 
 from functools import partial
+from itertools import accumulate
 from typing import Any, Callable
 
 import torch
@@ -27,7 +28,7 @@ from ..pipelining.streams import scatter_later, to_host
 from ..kernels.four_bit_linear import FourBitLinear
 from .graphed_step import captures_are_paused
 from .packs import Packs, onto
-from .joins import on_device, pack_widths, prompt_columns, reused_width, to_device
+from .joins import on_device, pack_widths, prompt_columns, repeated, reused_width, to_device
 from .lane_decode import computed_rows
 from .row_types import SlotRequest
 
@@ -136,11 +137,10 @@ class Riding:
         Returns the rows' float logits, the riders' first tokens and what goes to the host for them (`pick`), on the
         last stage's stream."""
         run, lane, last = self.batch.run, self.batch.run.lanes[k], len(self.batch.s.stages) - 1
-        lengths = torch.tensor([len(request.prompt) for request, _ in riders])
-        total = int(lengths.sum())
+        counts, joined_rows = [len(request.prompt) for request, _ in riders], [row for _, row in riders]
+        lengths, joined, total = torch.tensor(counts), torch.tensor(joined_rows), sum(counts)
         width = reused_width(total, self.packs.limit, lambda w: ("mixed", rows, w) in lane.row_steps)
-        joined = torch.tensor([row for _, row in riders])
-        token_rows, columns = joined.repeat_interleave(lengths), prompt_columns(lengths, slot + 1, self.batch.cache_len)
+        token_rows, columns = repeated(joined_rows, counts), prompt_columns(counts, slot + 1, self.batch.cache_len)
         ids, context, ready = self.packs.inputs([request.prompt for request, _ in riders], width)
 
         def into_rows(j: int, device: torch.device) -> None:
@@ -150,7 +150,7 @@ class Riding:
 
         logits, packed = self._carrying(k, rows, width, ids, context, ready, into_rows)
         with run.on(last):
-            ends = on_device((lengths.cumsum(0) - 1).tolist(), packed.device)  # each prompt's last token
+            ends = on_device([end - 1 for end in accumulate(counts)], packed.device)  # each prompt's last token
             first, payload = self.batch.pick(self.batch.s.head(packed.index_select(0, ends)[:, None])[:, -1].float())
         return logits, first, payload
 

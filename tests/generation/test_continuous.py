@@ -176,7 +176,8 @@ def test_a_pack_keeps_each_prompt_to_its_own_tokens():
     additive = joins.packed_context(segments, positions, torch.float32)["attention_mask"][0, 0]
     assert torch.equal(additive == 0, torch.tensor(keep, dtype=torch.bool))
     # their keys go right before slot 11 of a 10-column cache (slot 1 once wrapped): the first prompt's around the end
-    assert joins.prompt_columns(torch.tensor([3, 2]), 11, 10).tolist() == [8, 9, 0, 9, 0]
+    assert joins.prompt_columns([3, 2], 11, 10).tolist() == [8, 9, 0, 9, 0]
+    assert joins.repeated([4, 7], [3, 2]).tolist() == [4, 4, 4, 7, 7] and joins.repeated([], []).dtype == torch.long
 
 
 def test_every_join_shape_is_prepared_before_the_first_step_where_asked(model, run, monkeypatch):
