@@ -12,17 +12,25 @@ adds its own cost to each kernel record, so the idle times are upper bounds; the
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
+
+
+def events(trace: Path) -> list[dict[str, Any]]:
+    """The complete ("X") events of a Chrome trace, gzipped (`.gz`) or not."""
+    with gzip.open(trace, "rt") if trace.suffix == ".gz" else trace.open() as f:
+        loaded = json.load(f)
+    found = loaded.get("traceEvents", loaded) if isinstance(loaded, dict) else loaded
+    return [e for e in found if e.get("ph") == "X" and "ts" in e]
 
 
 def kernels(trace: Path) -> list[tuple[float, float, str]]:
     """(start µs, duration µs, name) of every GPU kernel in a Chrome trace, by start."""
-    events = json.loads(trace.read_text())
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
     found = [(float(e["ts"]), float(e.get("dur", 0.0)), str(e.get("name", "?")))
-             for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+             for e in events(trace) if e.get("cat") == "kernel"]
     return sorted(found)
 
 

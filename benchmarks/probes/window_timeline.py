@@ -15,12 +15,11 @@ speed. docs/serving.md has what it showed for a restart's first window.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from step_timeline import events  # this folder's: run as a script, like it
 
 HOST_CATEGORIES = ("cpu_op", "python_function", "user_annotation")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -36,15 +35,6 @@ class Bucket:
     launches: int = 0  # single kernel launches (uncaptured work)
     captures: int = 0  # graph capture begins
     host: Counter = field(default_factory=Counter)  # host op name: µs (inclusive: nested ops count in each)
-
-
-def events(trace: Path) -> list[dict[str, Any]]:
-    """The complete ("X") events of a Chrome trace, gzipped or not."""
-    opened = gzip.open(trace, "rt") if trace.suffix == ".gz" else trace.open()
-    with opened as f:
-        loaded = json.load(f)
-    found = loaded.get("traceEvents", loaded) if isinstance(loaded, dict) else loaded
-    return [e for e in found if e.get("ph") == "X" and "ts" in e]
 
 
 def buckets(trace: Path, width_ms: float) -> list[Bucket]:

@@ -51,8 +51,9 @@ def reused_width(tokens: int, limit: int, made: Callable[[int], bool]) -> int:
     most of its steps uncaptured; reusing a made width a little wider captures it at once and replays it for the rest
     of the wave, at the cost of some padding tokens (which cost little beside a decode step's rows, against the host
     time of an uncaptured step: docs/serving.md, the first window after a restart)."""
-    own = pack_width(tokens, limit)
-    return next((width for width in pack_widths(limit) if own <= width <= 2 * own and made(width)), own)
+    widths = pack_widths(limit)
+    own = next(width for width in widths if width >= tokens)
+    return next((width for width in widths if own <= width <= 2 * own and made(width)), own)
 
 
 def packs(lengths: list[int], limit: int) -> list[list[int]]:
