@@ -10,7 +10,7 @@ graphs (one capture per rows × cache length) and the host never waits for a GPU
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from .causal_lm import CausalLMStages
 from ..errors import UsageError
 from ..planning.runtime_memory import layer_kv_bytes
 from .continuous_rows import ContinuousBatch
+from .joins import JoinShape
 from .row_types import Row, SlotRequest, StepFailed
 from .lane_runner import LaneRunner, place_lanes, split_lanes
 from .mixed_joins import rides_by_default
@@ -44,7 +45,7 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
                      sampling: Sampling | None = None, split_layers: list[int] | None = None, graphs: bool = True,
                      compile: bool = False, keep_graphs: bool = True, kv_room: int | None = None,
                      riding: bool | None = None, scores: int | None = None,
-                     every_shape: bool = False) -> Iterator["ContinuousBatch"]:
+                     every_shape: bool = False, join_shapes: Sequence[JoinShape] = ()) -> Iterator["ContinuousBatch"]:
     """A continuous batch of `rows` rows on `model`, driven step by step by its caller:
     `batch.step(joining)` starts requests in free rows and issues one decode step, `batch.collect()` hands back
     the tokens that have come back since (a couple of steps behind the GPUs), `batch.release(owner)` frees the
@@ -71,7 +72,9 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
     a service's warm-up does for the batch it keeps; without: compiling them). By default each shape runs when a
     step first needs it and captures at its second use: a batch's first wave of prompts then pays for the shapes it
     meets, not for every row count and pack width (13B, one H100, 32 clients: TTFT p99 of the first window after a
-    restart, docs/serving.md)."""
+    restart, docs/serving.md). `join_shapes`: run those join shapes' steps before the first step instead (captured
+    there on GPUs): the ones an earlier batch of this shape met (`ContinuousBatch.join_shapes`), which a service
+    remembers from one start to the next."""
     sampling = sampling or Sampling()
     sampling.check()
     if rows < 1 or not 0 < first_slot <= cache_len:
@@ -108,10 +111,10 @@ def continuous_batch(model: nn.Module, *, rows: int, first_slot: int, cache_len:
         for k, lane in enumerate(lane_list):
             run.decode.prepare_decode(k, lane, cache_len, entries, cache)
         vacant()
-        if every_shape:
-            # every join shape captured (or compiled) up front (steps carrying packs run on the vacant rows: so again)
+        if every_shape or join_shapes:
+            # join shapes captured (or compiled) up front (steps carrying packs run on the vacant rows: so again)
             run.start()
-            batch.joins.capture()
+            batch.joins.capture(None if every_shape else join_shapes)
             run.streams.join([])
             vacant()
         run.start()
@@ -125,19 +128,21 @@ def generate_continuous(model: nn.Module, first: list[SlotRequest], admit: Admit
                         first_slot: int, cache_len: int, lanes: int | None = None, sampling: Sampling | None = None,
                         split_layers: list[int] | None = None, graphs: bool = True, compile: bool = False,
                         keep_graphs: bool = True, stats: dict[str, float] | None = None,
-                        riding: bool | None = None, every_shape: bool = False) -> list[Any]:
+                        riding: bool | None = None, every_shape: bool = False,
+                        join_shapes: Sequence[JoinShape] = ()) -> list[Any]:
     """`continuous_batch` run by two callbacks: generate for `first`, and for every request `admit` hands in while
     the batch runs (before each step); every token goes to `emit` in order.
 
     Ends when every row is free and `admit` brings none, or when `admit` returns None; returns the owners that had
     not finished then (to continue elsewhere, from their prompt plus the tokens they got). `stats`, when given,
-    gets the run's steps, joined requests and the host seconds spent issuing them; `riding` and `every_shape` as
-    `continuous_batch`'s."""
+    gets the run's steps, joined requests and the host seconds spent issuing them; `riding`, `every_shape` and
+    `join_shapes` as `continuous_batch`'s."""
     if not first or len(first) > rows:
         raise UsageError(f"a continuous batch starts with 1 to rows={rows} requests, got {len(first)}")
     with continuous_batch(model, rows=rows, first_slot=first_slot, cache_len=cache_len, lanes=lanes,
                           sampling=sampling, split_layers=split_layers, graphs=graphs, compile=compile,
-                          keep_graphs=keep_graphs, riding=riding, every_shape=every_shape) as batch:
+                          keep_graphs=keep_graphs, riding=riding, every_shape=every_shape,
+                          join_shapes=join_shapes) as batch:
         for request in first:
             batch.check(request)
         # owners that said they need no more tokens, by id(); kept alive here, so that no later owner can take the

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import UsageError
 from .join_prefill import JoinApart
+from .joins import JoinShape
 from .mixed_joins import Riding
 from .packs import Packs
 from .lane_decode import computed_rows
@@ -143,6 +144,11 @@ class ContinuousBatch:
         for lane in self.run.lanes:
             self.run.decode.remake_steps(lane, self.cache)
         self.packs.forget_steps()
+
+    def join_shapes(self) -> list[JoinShape]:
+        """The join shapes (`joins.JoinShape`) this batch's steps met so far, with those kept for its shape from earlier
+        batches: what a batch of its shape makes up front where `continuous_batch(join_shapes=...)` gets them."""
+        return self.joins.shapes()
 
     def collect(self, everything: bool = False, scored: bool = False) -> list[tuple]:
         """(owner, token) of every token back from the steps up to the lag (`everything`: all issued steps, waiting

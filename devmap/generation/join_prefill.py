@@ -9,11 +9,11 @@ runs g - 1.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from .joins import on_device, pack_widths, packs, prompt_columns, repeated, reused_width, to_device
+from .joins import JoinShape, on_device, pack_width, pack_widths, packs, prompt_columns, repeated, to_device
 from .lane_cache import LaneCache
 from .packs import Packs
 from .row_types import SlotRequest
@@ -73,12 +73,19 @@ class JoinApart:
             batch.rows[k][row].issued_to, batch.rows[k][row].to_issue = request.owner, request.max_new_tokens
             batch.count_issued(k, [row])  # the first token
 
-    def capture(self) -> None:
+    def shapes(self) -> list[JoinShape]:
+        """The join shapes this batch made prefills for so far: (0, pack width) each (a prefill apart computes no
+        rows; prefills kept for the batch's shape count too)."""
+        return sorted((0, key[1]) for key in self.packs.entries if isinstance(key, tuple) and key[0] == "join")
+
+    def capture(self, shapes: Sequence[JoinShape] | None = None) -> None:
         """Capture the prefill of every pack width this batch can meet, before its first step (on GPUs): a width's
-        first use otherwise costs an eager run and a capture in the middle of a burst of requests.
-        Each runs `runs_before_serving` times."""
+        first use otherwise costs an eager run and a capture in the middle of a burst of requests. `shapes`: only
+        those widths among them (the shapes an earlier batch met, `shapes()`). Each runs `runs_before_serving`
+        times."""
+        wanted = None if shapes is None else {width for _, width in shapes}
         for width in pack_widths(self.packs.limit):
-            if ("join", width) not in self.packs.entries:
+            if ("join", width) not in self.packs.entries and (wanted is None or width in wanted):
                 inputs = self.packs.inputs([[0]], width)
                 for _ in range(self.batch.run.runs_before_serving):
                     self.packs.through_stages(width, *inputs)
@@ -110,7 +117,8 @@ class JoinApart:
                                                 to_device(columns, device))
                 lanes[k].inputs[j].join(to_device(rows, device), to_device(lengths, device), slot)
 
-        width = reused_width(begin, self.packs.limit, lambda w: ("join", w) in self.packs.entries)
+        # its own width: a prefill's time follows its tokens, padding included (`joins.reused_width` is for riding)
+        width = pack_width(begin, self.packs.limit)
         out = self.packs.through_stages(width, *self.packs.inputs(prompts, width), into_rows)
         with self.batch.run.on(len(self.batch.s.stages) - 1):
             last = out[0].index_select(0, on_device(ends, out.device))[:, None, :]  # each prompt's last token

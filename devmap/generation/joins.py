@@ -4,9 +4,10 @@ count from each prompt's start. Nothing is padded but a pack's tail.
 
 Left-padding joiners to a shared width, as a batched prefill does, costs what the padding costs: with prompts of
 mixed lengths, sub-groups of power-of-two widths and rows computed about 1.5 times their tokens. A pack computes
-its prompts' tokens and the padding up to its width: its bucket's, or a wider one the batch already made, up to
-twice its own (`reused_width`), so that a wave of prompts settles on one width. Each bucket's prefill is a captured
-graph, replayed from its second use on (an eager prefill of a LLaMA stage is a few hundred small kernels of host time).
+its prompts' tokens and the padding up to its width: its bucket's, or, where the pack rides a decode step, a wider one
+the batch already made, up to twice its own (`reused_width`), so that a wave of prompts settles on one width. Each
+bucket's prefill is a captured graph, replayed from its second use on (an eager prefill of a LLaMA stage is a few
+hundred small kernels of host time).
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+
+JoinShape = tuple[int, int]
+"""The shape of a step that takes joiners in: the rows it computes beside the pack (0 for a prefill of its own) and the
+pack's width. A batch makes a step per shape at its first use and captures it at its second
+(`ContinuousBatch.join_shapes`); a service remembers the ones it met and makes them before its next start serves."""
 
 PACK_TOKENS = 2048  # tokens of a pack at most (or the batch's cache length, if longer: any prompt fits one pack):
 # several packs in a step keep the stages busy at once (pack g on stage 1 while g+1 runs on stage 0), while each
@@ -49,8 +55,9 @@ def reused_width(tokens: int, limit: int, made: Callable[[int], bool]) -> int:
     smallest made width from the pack's own (`pack_width`) up to twice it, else its own. A width's first use runs
     uncaptured (its second captures it), so a wave of prompts whose packs' sizes vary from step to step would run
     most of its steps uncaptured; reusing a made width a little wider captures it at once and replays it for the rest
-    of the wave, at the cost of some padding tokens (which cost little beside a decode step's rows, against the host
-    time of an uncaptured step: docs/serving.md, the first window after a restart)."""
+    of the wave, at the cost of some padding tokens, which cost little beside a decode step's rows (against the host
+    time of an uncaptured step: docs/serving.md, the first window after a restart). For a pack riding a decode step
+    only: a prefill of its own takes time in proportion to its tokens, padding included, and keeps its own width."""
     widths = pack_widths(limit)
     own = next(width for width in widths if width >= tokens)
     return next((width for width in widths if own <= width <= 2 * own and made(width)), own)

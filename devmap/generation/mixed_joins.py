@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from functools import partial
 from itertools import accumulate
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from ..pipelining.streams import scatter_later, to_host
 from ..kernels.four_bit_linear import FourBitLinear
 from .graphed_step import captures_are_paused
 from .packs import Packs, onto
-from .joins import on_device, pack_widths, prompt_columns, repeated, reused_width, to_device
+from .joins import JoinShape, on_device, pack_widths, prompt_columns, repeated, reused_width, to_device
 from .lane_decode import computed_rows
 from .row_types import SlotRequest
 
@@ -169,18 +169,26 @@ class Riding:
                                          0, run.streams, after=lane.token_ready)
         self.batch.count_issued(k, [row for _, row in riders])  # the first token
 
-    def capture(self) -> None:
+    def shapes(self) -> list[JoinShape]:
+        """The join shapes this batch's lanes made steps for so far: (rows computed, pack width) of each step carrying
+        a pack (steps kept for the batch's shape count too)."""
+        return sorted({(key[1], key[2]) for lane in self.batch.run.lanes for key in lane.row_steps
+                       if isinstance(key, tuple) and key[0] == "mixed"})
+
+    def capture(self, shapes: Sequence[JoinShape] | None = None) -> None:
         """Capture every lane's steps carrying a pack of each width up to `riding_tokens`, for every row count a step
         computes, before the batch's first step (on GPUs): a shape's first use otherwise costs an eager run and a
-        capture in the middle of a burst of requests. The steps run on vacant rows with packs of one token per
-        segment; the batch resets its rows and slots afterwards. Each runs `runs_before_serving` times."""
+        capture in the middle of a burst of requests. `shapes`: only those (rows, width) among them (the shapes an
+        earlier batch met, `shapes()`). The steps run on vacant rows with packs of one token per segment; the batch
+        resets its rows and slots afterwards. Each runs `runs_before_serving` times."""
+        wanted = None if shapes is None else {tuple(shape) for shape in shapes}
         for k, lane in enumerate(self.batch.run.lanes):
             lane_rows = lane.ids.shape[0]
             for rows in sorted({computed_rows(highest, lane_rows) for highest in range(-1, lane_rows)}):
                 for width in pack_widths(self.packs.limit):
                     if width > max(self.riding_tokens, 64):
                         break
-                    if ("mixed", rows, width) in lane.row_steps:
+                    if ("mixed", rows, width) in lane.row_steps or (wanted is not None and (rows, width) not in wanted):
                         continue
                     ids, context, ready = self.packs.inputs([[0]] * width, width)
                     for _ in range(self.batch.run.runs_before_serving):

@@ -36,6 +36,7 @@ from .metrics import EngineMetrics
 from .outputs import StepOutputs
 from .resident import ResidentModel
 from .scheduler import Admission, BatchShape, RunningBatch, Scheduler, grown, key_of
+from .warm_marks import ServedShapes, remember
 
 log = logging.getLogger("devmap.serving")
 
@@ -112,6 +113,7 @@ class BatchRunner:
         stopped = False
         self._score_prompts(resident, jobs)
         compiled = resident.compiled  # a model compiling beside its serving: its batch moves to compiled steps
+        served = None  # the shapes this batch served at, where its steps ran compiled throughout
         with self.batches.open(resident, shape, sampling, params.logprobs) as batch:  # a start that fails raises
             running.riding = batch.mixing
             joining = [job for job in jobs if not job.finished]
@@ -163,6 +165,11 @@ class BatchRunner:
                 with contextlib.suppress(Exception):  # what the steps before the failed one made, where it can
                     self._hand_back(batch, batch.collect(everything=True, scored=True), eos, trace)
             unfinished = {id(owner) for owner in batch.unfinished()}
+            if joiners and compiled and outcome.failure is None and resident.warm_key is not None:
+                served = ServedShapes(shape, tuple(batch.join_shapes()))
+        if served is not None and served != resident.kept_shapes:  # for the model's next start (`warm_marks`)
+            remember(resident.warm_key, served)
+            resident.kept_shapes = served
         if log.isEnabledFor(logging.DEBUG):
             log.debug("continuous batch (rows %d, first slot %d, cache %d): %d requests, %d joined (issued in %.0f "
                       "ms), slowest first token %.0f ms, %s after %d steps, %.0f ms", shape.rows, shape.first_slot,

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -20,31 +20,40 @@ from .errors import ServiceError
 from .limits import EngineLimits
 from .load_phases import LoadPhases
 
+if TYPE_CHECKING:
+    from .warm_marks import ServedShapes
+    from .warm_up import WarmUpTimes
+
 log = logging.getLogger("devmap.serving")
 
 
 @dataclass(frozen=True)
 class Ready:
     """What serving a prepared model needs beside it: its tokenizer, context (0: unbounded), end-of-sequence ids,
-    whether its decode steps run compiled, and whether they are to be compiled while it serves (`compile_later`)."""
+    whether its decode steps run compiled, and whether they are to be compiled while it serves (`compile_later`);
+    the key its served shapes are kept under (`warm_marks`; None: none kept), and the shapes it served at when it
+    last ran, whose steps its warm-up made (None: none): its batches start at that shape."""
 
     tokenizer: Any
     context: int
     eos_ids: tuple[int, ...]
     compiled: bool
     compile_later: bool = False
+    warm_key: str | None = None
+    served: ServedShapes | None = None
 
 
 def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: EngineLimits, rows: int,
-                        phases: LoadPhases, compile_beside: bool = False) -> Ready:
-    """Prepare the loaded `model` (from `path`) for batches of up to `rows` rows under `limits`; the "prepare" phase
-    and its compile's timed in `phases`. The caller frees the model if this raises.
+                        phases: LoadPhases, compile_beside: bool = False, lanes: int | None = None) -> Ready:
+    """Prepare the loaded `model` (from `path`) for batches of up to `rows` rows in `lanes` lanes under `limits`; the
+    "prepare" phase and its compile's timed in `phases`. The caller frees the model if this raises.
 
     `compile_beside`: steps that compile by default are left to compile while the model serves (`Ready.compile_later`,
     `step_compile`); asked for (`limits.compile`), they compile now, and a compile that fails fails the load."""
     from ..compat import pin_decode_attention
     from ..kernels.decode_attention import decode_step_attention
     from ..generation.joined_projections import join_projections
+    from .warm_marks import warm_key
     from .warm_up import eager_first_steps
 
     with phases.timed("prepare"):
@@ -59,9 +68,13 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
         pin_decode_attention(model.config, decode_step_attention)
         with phases.timed("warm_up"):
             eager_first_steps(model, rows, context, limits.riding)
-        return Ready(tokenizer, context, eos_ids, compiled=False, compile_later=True)
-    compiled = _compiled(model, limits, model.devmap_plan.quantization, rows, context, phases)
-    return Ready(tokenizer, context, eos_ids, compiled)
+        return Ready(tokenizer, context, eos_ids, compiled=False, compile_later=True,
+                     warm_key=warm_key(model, rows, context, limits.riding))
+    times = _compiled(model, limits, model.devmap_plan.quantization, rows, context, lanes, phases)
+    if times is None:
+        return Ready(tokenizer, context, eos_ids, compiled=False)
+    return Ready(tokenizer, context, eos_ids, compiled=True, warm_key=warm_key(model, rows, context, limits.riding),
+                 served=times.served)
 
 
 def _compiles(model: nn.Module, limits: EngineLimits) -> bool:
@@ -84,20 +97,20 @@ def _prepare_product_kernels(model: nn.Module, model_id: str) -> None:
 
 
 def _compiled(model: nn.Module, limits: EngineLimits, quantization: Quantization | None, rows: int,
-              context: int, phases: LoadPhases) -> bool:
-    """Whether the model's decode steps run compiled (`warm_up.compiles`), compiled now if so (its compile, capture
-    and warm-up phases timed in `phases`). A compile that fails (no C compiler for inductor, an operator it cannot
-    trace) leaves the model on captured eager steps, with a warning in the log, unless it was asked for
-    (`limits.compile`): then the load fails with the reason."""
+              context: int, lanes: int | None, phases: LoadPhases) -> WarmUpTimes | None:
+    """The model's decode steps compiled now where they run compiled (`warm_up.compiles`): what its warm-up did (its
+    compile, capture and warm-up phases timed in `phases` too), or None where they stay eager. A compile that fails
+    (no C compiler for inductor, an operator it cannot trace) leaves the model on captured eager steps, with a warning
+    in the log, unless it was asked for (`limits.compile`): then the load fails with the reason."""
     from ..generation.step_cache import release_graphs
     from .compile_cache import compiled_anew
     from .warm_up import compiles, warm_up
 
     wanted = limits.compile
     if not compiles(model, wanted, quantization):
-        return False
+        return None
     started = time.perf_counter()
-    compile = lambda: warm_up(model, rows, context, limits.riding)  # noqa: E731
+    compile = lambda: warm_up(model, rows, context, limits.riding, lanes=lanes)  # noqa: E731
     try:
         # a split's processes warm up in step (their collectives pair up in order): one of them alone must not start
         # its warm-up again, so only a whole model's compile is made anew past an unreadable cache entry
@@ -110,11 +123,11 @@ def _compiled(model: nn.Module, limits: EngineLimits, quantization: Quantization
         if wanted:
             raise ServiceError(f"cannot compile the model's decode steps: {reason}; serve it without --compile")
         log.warning("decode steps stay eager (captured): compiling them failed: %s", reason)
-        return False
+        return None
     for phase, seconds in times.phases().items():
         phases.add(phase, seconds)
     phases.graphs = times.graphs
-    return True
+    return times
 
 
 def end_of_sequence_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:

@@ -107,7 +107,8 @@ class ModelRegistry:
             # a whole model compiles while it serves where asked (--compile-beside); a split's processes
             # compile in step before serving (the warm-up's collectives)
             ready = prepare_for_serving(model, path, model_id, self.limits, serving.rows, phases,
-                                        compile_beside=self.limits.compile_beside and self.tensor_parallel == 1)
+                                        compile_beside=self.limits.compile_beside and self.tensor_parallel == 1,
+                                        lanes=serving.lanes)
         except BaseException:
             _free(model)
             raise
@@ -121,8 +122,10 @@ class ModelRegistry:
             planned=_planned(model.devmap_plan),
             report=report, max_rows=serving.rows, cache_len=serving.cache_len, lanes=serving.lanes,
             compiled=ready.compiled, eos_ids=ready.eos_ids, load_seconds=phases.seconds,
-            compiled_graphs=phases.graphs,
+            compiled_graphs=phases.graphs, warm_key=ready.warm_key, kept_shapes=ready.served,
         )
+        if ready.served is not None:  # its warm-up made the steps of the batch it served at when it last ran
+            resident.batch_shape = ready.served.batch
         self.add(resident)
         _freeze_survivors()
         if ready.compile_later:

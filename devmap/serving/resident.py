@@ -1,5 +1,5 @@
 """A resident model: one model on its devices with its tokenizer, what its serving plan made room for (rows and
-cache tokens), the shape its batches settled on, and whether it is being unloaded."""
+cache tokens), the shape its batches settled on (kept for its next start), and whether it is being unloaded."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .kv_budget import KVBudget
 from .load_phases import CompiledGraphs
 from .scheduler import BatchShape
 from .step_compile import StepCompile
+from .warm_marks import ServedShapes
 
 
 @dataclass
@@ -42,6 +43,8 @@ class ResidentModel:
     busy: threading.Lock = field(default_factory=threading.Lock)
     batch_shape: BatchShape = field(default_factory=BatchShape)  # the largest continuous batch so far: later
     # ones reuse its shape (and its captured steps)
+    warm_key: str | None = None  # where the shapes it serves at are kept for its next start (`warm_marks`)
+    kept_shapes: ServedShapes | None = None  # the shapes last kept there
     load_seconds: dict[str, float] = field(default_factory=dict)  # per phase of its load (`load_phases`)
     compiled_graphs: CompiledGraphs | None = None  # what its compile made, and how much of it the compile cache held
     unload_at: float | None = None  # being unloaded: its running requests are ended at this time.monotonic()

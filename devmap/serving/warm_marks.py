@@ -9,19 +9,41 @@ the entries and their kernels), and the serving batch's own pass runs every shap
 config; the store's key for each GPU of its map: devmap's sources, the releases, the card; dtype, quantization, batch
 and thread count) is kept in the store's `warmed/` folder; a warm-up that finds one runs light, and removes it where
 it compiled anything all the same (the store lost entries), so that the next start runs the whole pass again.
+
+The marker also holds the shapes the model served at (`ServedShapes`: the batch shape its batches settled on and the
+join shapes its steps met there), written as a batch of a new shape or with new join shapes ends: a light warm-up
+runs its batch at that shape and makes those steps, so that the first batch after a restart replays steps captured
+before it answered instead of capturing its own in the middle of its first requests (docs/serving.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..generation.region_store import entries_key, store_folder
+from ..generation.joins import JoinShape
 from ..planning.devices import is_gpu, parse_device_key
+from .scheduler import BatchShape
+
+log = logging.getLogger("devmap.serving")
+
+
+@dataclass(frozen=True)
+class ServedShapes:
+    """The batch shape a model's batches settled on (`ResidentModel.batch_shape`) and the join shapes its steps met at
+    that shape (`ContinuousBatch.join_shapes`)."""
+
+    batch: BatchShape
+    joins: tuple[JoinShape, ...] = ()
 
 
 def warm_key(model: nn.Module, rows: int, context: int, riding: bool | None) -> str | None:
@@ -68,3 +90,48 @@ def mark(key: str | None, whole: bool) -> None:
             marker.unlink(missing_ok=True)
     except OSError:
         pass
+
+
+def served_shapes(key: str | None, context: int) -> ServedShapes | None:
+    """The shapes a model of `key` (of `context` tokens, 0: unbounded) served at when it last ran, or None (none
+    recorded yet; an unreadable or impossible record is ignored with a warning: the warm-up then runs its small
+    batch)."""
+    marker = _marker(key) if key else None
+    try:
+        text = marker.read_text() if marker is not None and marker.exists() else ""
+    except OSError:
+        return None
+    if not text.strip():
+        return None
+    try:
+        record = json.loads(text)
+        batch = BatchShape(*(int(record["batch"][name]) for name in ("rows", "first_slot", "cache_len")))
+        joins = tuple(sorted((int(rows), int(width)) for rows, width in record["joins"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring the served shapes kept in %s (%s: %s); the warm-up runs a small batch", marker,
+                    type(exc).__name__, exc)
+        return None
+    possible = (batch.rows >= 1 and 0 < batch.first_slot <= batch.cache_len
+                and (not context or batch.cache_len <= context)
+                and all(rows >= 0 and width >= 1 for rows, width in joins))
+    if not possible:
+        log.warning("ignoring the served shapes kept in %s (%s): not a batch of this model", marker, record)
+        return None
+    return ServedShapes(batch, joins)
+
+
+def remember(key: str | None, shapes: ServedShapes) -> None:
+    """Keep the shapes a model of `key` serves at in its marker, where a warm-up ran whole (a marker exists): replaced
+    whole (a crash leaves the old record or the new one). A disk that refuses leaves things as they were."""
+    marker = _marker(key) if key else None
+    if marker is None or not marker.exists():
+        return
+    record = {"batch": {"rows": shapes.batch.rows, "first_slot": shapes.batch.first_slot,
+                        "cache_len": shapes.batch.cache_len}, "joins": [list(shape) for shape in shapes.joins]}
+    partial = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    try:
+        partial.write_text(json.dumps(record))
+        os.replace(partial, marker)
+    except OSError:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)

@@ -35,10 +35,11 @@ from ..planning.devices import is_gpu, parse_device_key
 from ..planning.quantization import Quantization
 from .interpreter_switch import switching_often
 from .load_phases import CompiledGraphs
-from .scheduler import CACHE_BUCKET, MIN_ROWS
-from .warm_marks import mark, warm_key, warmed
+from .scheduler import CACHE_BUCKET, MIN_ROWS, BatchShape
+from .warm_marks import ServedShapes, mark, served_shapes, warm_key, warmed
 
 WARM_UP_STEPS = 4  # the first decode step compiles, the second captures, the rest replay
+WARM_UP_PROMPT = 4  # tokens of each prompt of `warm_up`
 EAGER_PROMPT = 128  # tokens of each prompt of `eager_first_steps`
 
 
@@ -75,45 +76,69 @@ def eager_first_steps(model: nn.Module, max_rows: int, context: int, riding: boo
 class WarmUpTimes(NamedTuple):
     """Where a warm-up's seconds went: torch.compile (tracing, then inductor or its on-disk cache), capturing the steps
     as CUDA graphs, and the rest of running its steps; the graphs it compiled and how many came from the compile
-    cache (all of them at a restart whose cache holds the model's steps)."""
+    cache (all of them at a restart whose cache holds the model's steps); `served`: the shapes the model served at
+    when it last ran, whose steps it made and kept for the first batch (None: it ran its small batch)."""
 
     compile: float
     capture: float
     warm_up: float
     graphs: CompiledGraphs
+    served: ServedShapes | None = None
 
     def phases(self) -> dict[str, float]:
         """The load phases they are (`load_phases.PHASES`)."""
         return {"compile": self.compile, "capture": self.capture, "warm_up": self.warm_up}
 
 
+def served_batch(model: nn.Module, max_rows: int, context: int, riding: bool | None,
+                 lanes: int | None) -> tuple[str | None, bool, ServedShapes | None]:
+    """Where a warm-up stands: the model's marker key (`warm_marks`), whether a warm-up ran whole before (its regions
+    are in the store: a light warm-up), and the shapes it served at when it last ran (None: none recorded, or a model
+    in lanes other than the service's batches': its batch would not be the served one)."""
+    key = warm_key(model, max_rows, context, riding)
+    light = warmed(key)
+    served = served_shapes(key, context) if light and lanes is not None else None
+    if served is not None and (served.batch.first_slot < WARM_UP_PROMPT
+                               or served.batch.cache_len - served.batch.first_slot < WARM_UP_STEPS):
+        served = None  # no room for the warm-up's requests: its small batch runs instead
+    return key, light, served
+
+
 def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None = None, beside_serving: bool = False,
-            stop: Callable[[], bool] = lambda: False) -> WarmUpTimes:
+            stop: Callable[[], bool] = lambda: False, lanes: int | None = None) -> WarmUpTimes:
     """Run a small continuous batch with compiled steps (compiling its decode step, and the steps carrying joiners'
     prompts or their joins' prefill, as `riding` chooses, at every pack width).
 
     Before the model serves: on GPUs its steps are captured too (a capture that would compile fails the warm-up) and
     kept on the model, so that a first batch of the warm-up's shape (a few short requests: MIN_ROWS rows of
     CACHE_BUCKET tokens) replays them instead of capturing them in the engine's loop, where the streams of every model
-    the service holds would wait for those captures. `beside_serving`: while the model serves in another thread, its
-    steps run uncaptured in a batch of its own, leaving the model's kept steps alone; no step of any thread captures
-    meanwhile but while dynamo traces (`captures_paused(but_while_tracing=True)`: the serving thread's steps due to
-    capture run eagerly until a trace lets them capture); `stop()` True ends it between two steps. Throughout, the
-    interpreter passes between threads often (`interpreter_switch`), so batches serving beside it keep their pace.
+    the service holds would wait for those captures. Where a whole warm-up ran before and `lanes` says how the
+    service's batches run, the batch is the one the model served at when it last ran, with the join shapes it met
+    there (`warm_marks.ServedShapes`, returned as `WarmUpTimes.served`): a restarted service starts its batches at
+    that shape, and its first one replays its decode step and its joins from its first step.
+
+    `beside_serving`: while the model serves in another thread, its steps run uncaptured in a batch of its own, leaving
+    the model's kept steps alone; no step of any thread captures meanwhile but while dynamo traces
+    (`captures_paused(but_while_tracing=True)`: the serving thread's steps due to capture run eagerly until a trace
+    lets them capture); `stop()` True ends it between two steps. Throughout, the interpreter passes between threads
+    often (`interpreter_switch`), so batches serving beside it keep their pace.
 
     Its compile seconds and graphs are the process's (dynamo counts them for every thread alike): a load compiles
     one model at a time, and a compile beside serving is the only compile while it runs."""
-    rows, cache_len = small_batch(max_rows, context)
-    prompt = [1] * 4
+    prompt = [1] * WARM_UP_PROMPT
     paused = captures_paused(but_while_tracing=True) if beside_serving else contextlib.nullcontext()
-    key = warm_key(model, max_rows, context, riding)
-    light = warmed(key)  # its regions are in the store: their entries load, no shape compiles
+    # light: a whole warm-up ran before, its regions are in the store: their entries load, no shape compiles
+    key, light, served = served_batch(model, max_rows, context, riding, None if beside_serving else lanes)
+    rows, cache_len = small_batch(max_rows, context)
+    shape = BatchShape(rows, len(prompt), cache_len) if served is None else served.batch
     started, before, stored = time.perf_counter(), compile_totals(), region_totals()
     with switching_often(), timed_captures() as captures, paused, continuous_batch(
-            model, rows=rows, first_slot=len(prompt), cache_len=cache_len, compile=True, riding=riding,
-            graphs=not beside_serving, keep_graphs=not beside_serving, every_shape=not light) as batch:
+            model, rows=shape.rows, first_slot=shape.first_slot, cache_len=shape.cache_len,
+            lanes=None if served is None else lanes, compile=True, riding=riding, graphs=not beside_serving,
+            keep_graphs=not beside_serving, every_shape=not light,
+            join_shapes=() if served is None else served.joins) as batch:
         # every row held: the batch's own decode step compiles; steps over its first rows reuse that compile
-        batch.step([SlotRequest(prompt, WARM_UP_STEPS + 1, object()) for _ in range(rows)])
+        batch.step([SlotRequest(prompt, WARM_UP_STEPS + 1, object()) for _ in range(shape.rows)])
         for _ in range(WARM_UP_STEPS):
             if stop() or not batch.step([]):
                 break
@@ -129,4 +154,4 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
                  + kept.load_seconds - stored.load_seconds)
     return WarmUpTimes(compiling, captures.seconds, max(0.0, elapsed - compiling - captures.seconds),
                        CompiledGraphs(after.graphs - before.graphs + loaded,
-                                      after.from_cache - before.from_cache + loaded))
+                                      after.from_cache - before.from_cache + loaded), served)

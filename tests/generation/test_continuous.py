@@ -235,6 +235,43 @@ def test_a_batch_prepares_only_the_join_shapes_it_meets(model, run, monkeypatch,
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
 
 
+def test_a_batch_makes_the_join_shapes_an_earlier_batch_met_before_its_first_step_where_asked(model, run,
+                                                                                               monkeypatch):
+    """A batch lists the join shapes its steps met (kept ones too: a later batch of its shape on the same model lists
+    them at once); a batch given them (`join_shapes`: a restarted service's warm-up) makes those steps before its
+    first one, and only those, and its requests get their tokens."""
+    from devmap.generation import lanes
+    from devmap.generation.step_cache import release_graphs, step_cache
+
+    monkeypatch.setattr(lanes, "graphs_possible", lambda devices: True)
+    release_graphs(model)
+    reqs = requests(6, seed=4)
+    shape = dict(rows=4, first_slot=12, cache_len=24, lanes=2, split_layers=[2])
+
+    def made() -> set:
+        entries = step_cache(model, "continuous").entries
+        widths = {(0, key[1]) for key in entries if isinstance(key, tuple) and key[0] == "join"}
+        return widths | {key[1:] for k in range(2) for key in entries.get(("rows", k), {}) if key[0] == "mixed"}
+
+    try:
+        run(model, reqs[:2], reqs[2:], **{k: v for k, v in shape.items() if k != "split_layers"})
+        met = made()
+        with continuous_batch(model, **shape) as batch:
+            listed = batch.join_shapes()
+        release_graphs(model)
+        assert met and set(listed) == met and listed == sorted(listed)
+        assert all((rows > 0) == every_layer_joined(model) for rows, _ in listed)
+        with continuous_batch(model, **shape, join_shapes=listed[:1]):
+            assert made() == {listed[0]}  # made before any step: only the shape asked for
+        release_graphs(model)
+        got, left, queue = run(model, reqs[:3], reqs[3:], rows=4, first_slot=12, cache_len=24, join_shapes=listed)
+    finally:
+        release_graphs(model)
+    assert not left and not queue
+    for r in reqs:
+        assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens), r.owner
+
+
 def test_packs_hold_every_joiner_once_within_their_limit_in_few_widths():
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies

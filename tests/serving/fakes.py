@@ -98,6 +98,10 @@ class FakeBatch:
     def unfinished(self) -> list[Any]:
         return [row["owner"] for row in self.held if row is not None]
 
+    def join_shapes(self) -> list[tuple[int, int]]:
+        """One pack width met, joining apart (a stand-in for the steps a batch made)."""
+        return [(0, 64)]
+
     def busy(self) -> list[tuple]:
         """One stage on one device, busy half of each step's time (a stand-in for the sampled GPU windows)."""
         return [(0, "cuda:0", 0.5, 1.0)] if self.stats["steps"] % 4 == 0 else []

@@ -139,7 +139,7 @@ def test_a_load_compiles_anew_past_a_cut_entry_unless_its_processes_warm_up_in_s
     monkeypatch.setattr(step_cache, "release_graphs", lambda model: None)
     model = types.SimpleNamespace(devmap_plan=types.SimpleNamespace(tensor_parallel=object() if split else None))
     phases = LoadPhases()
-    compiled = prepare._compiled(model, EngineLimits(), None, rows=8, context=256, phases=phases)
+    compiled = prepare._compiled(model, EngineLimits(), None, rows=8, context=256, lanes=1, phases=phases)
     if split:  # eager steps, with the reason, as any failed compile; the entry left for the next start's compile
         assert not compiled and calls == [True] and entry.exists()
     else:

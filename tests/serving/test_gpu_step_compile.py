@@ -173,3 +173,35 @@ def test_a_first_batch_of_the_warm_ups_shape_replays_its_steps_and_answers_as_al
     for served, alone in served_and_alone(registry, limits, "tiny", 2):
         assert served == alone
     assert kept < captures[0], (kept, captures[0])
+
+
+def test_a_model_loaded_again_warms_up_at_the_shapes_it_served_at_and_answers_as_alone(model_root, tmp_path):
+    """Once a model served (its warm-up whole, its region store set), the shapes its batches served at are kept; a
+    later load of it warms up at that batch shape with those join shapes made and captured before it answers, starts
+    its batches at that shape, and its requests get the greedy tokens of generating alone."""
+    from devmap.generation import region_store
+    from devmap.generation.step_cache import step_cache
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    limits = EngineLimits(max_batch=4)
+    region_store.keep_regions_in(tmp_path)
+    try:
+        registry = ModelRegistry(model_root, "balanced", {0: "8GiB"}, limits=limits)
+        first = registry.load(model_root / "tiny")
+        assert first.compiled and first.warm_key is not None and first.kept_shapes is None
+        for served, alone in served_and_alone(registry, limits, "tiny", 4):
+            assert served == alone
+        kept = first.kept_shapes
+        assert kept is not None and kept.joins and kept.batch == first.batch_shape
+        registry.unload("tiny")
+        torch._dynamo.reset()  # as a fresh process: the store's entries load
+        again = registry.load(model_root / "tiny")
+        assert again.batch_shape == kept.batch and again.kept_shapes == kept
+        entries = step_cache(again.model, "continuous").entries
+        made = {(0, key[1]) for key in entries if isinstance(key, tuple) and key[0] == "join"}
+        made |= {key[1:] for key in entries.get(("rows", 0), {}) if isinstance(key, tuple) and key[0] == "mixed"}
+        assert set(kept.joins) <= made
+        for served, alone in served_and_alone(registry, limits, "tiny", 4):
+            assert served == alone
+    finally:
+        region_store.keep_regions_in(None)

@@ -1,6 +1,7 @@
 """Which models a service compiles, and the compile at load (aot_eager on CPU: inductor's tracing and guards)."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -114,6 +115,112 @@ def test_a_warm_up_that_ran_whole_lets_the_next_start_skip_its_pass_over_every_s
         lost = start()
         assert passes[-1] is False and lost.compiled > 0 and not warm_marks.warmed("tiny")
     finally:
+        region_store.keep_regions_in(None)
+
+
+def test_served_shapes_are_kept_beside_a_whole_warm_ups_marker_and_read_back_only_where_possible(tmp_path, caplog):
+    from devmap.generation import region_store
+    from devmap.serving.scheduler import BatchShape
+    from devmap.serving.warm_marks import ServedShapes, mark, remember, served_shapes, warmed
+
+    shapes = ServedShapes(BatchShape(32, 448, 512), ((32, 448), (32, 512)))
+    region_store.keep_regions_in(tmp_path)
+    try:
+        remember("m", shapes)
+        assert not warmed("m") and served_shapes("m", 4096) is None  # no whole warm-up yet: nothing kept
+        mark("m", whole=True)
+        assert served_shapes("m", 4096) is None  # a whole warm-up, nothing served yet
+        remember("m", shapes)
+        mark("m", whole=True)  # a later whole warm-up keeps what was served
+        assert warmed("m") and served_shapes("m", 4096) == shapes and served_shapes("m", 0) == shapes
+        assert served_shapes("m", 256) is None  # a cache longer than the model's context: not this model's batch
+        marker = next((tmp_path / "warmed").glob("m.*"))
+        marker.write_text('{"batch": {"rows": 32}}')
+        with caplog.at_level("WARNING", logger="devmap.serving"):
+            assert served_shapes("m", 4096) is None and warmed("m")  # unreadable: ignored, the marker stays
+        assert "ignoring the served shapes" in caplog.text
+        mark("m", whole=False)  # the store lost entries: the marker and what it kept go
+        assert not warmed("m") and served_shapes("m", 4096) is None
+        assert not list((tmp_path / "warmed").glob("*.tmp"))
+    finally:
+        region_store.keep_regions_in(None)
+    assert served_shapes("m", 4096) is None and served_shapes(None, 4096) is None  # no store
+
+
+def test_a_light_warm_up_runs_its_batch_at_the_shapes_the_model_served_at(model_root, compiled_on_cpu, tmp_path,
+                                                                           monkeypatch):
+    """Once a whole warm-up ran and the model served, a restart's warm-up runs the batch it served at and makes the
+    join shapes it met there (captured on GPUs, kept for its first batch); without the service's lanes, or with a
+    record the model cannot have made, it runs its small batch."""
+    import devmap
+    from devmap.compat import ahead_of_time_keeps
+    from devmap.generation import region_store
+    from devmap.serving import warm_up as warm_up_module
+    from devmap.serving.scheduler import BatchShape
+    from devmap.serving.warm_marks import ServedShapes, remember
+
+    if not ahead_of_time_keeps("aot_eager"):
+        pytest.skip(f"torch {torch.__version__} saves inductor's entries only")
+    model = devmap.load(str(model_root / "tiny"), device_map="auto", max_memory="cpu=2GB")
+    context = int(model.config.max_position_embeddings)
+    opened = []
+    batch = warm_up_module.continuous_batch
+
+    def seen(*args, **kwargs):
+        opened.append(kwargs)
+        return batch(*args, **kwargs)
+
+    monkeypatch.setattr(warm_up_module, "continuous_batch", seen)
+    monkeypatch.setattr(warm_up_module, "warm_key", lambda *args: "tiny")
+    served = ServedShapes(BatchShape(16, 64, 256), ((0, 64), (0, 128)))
+    region_store.keep_regions_in(tmp_path)
+    try:
+        first = warm_up(model, max_rows=64, context=context, lanes=1)
+        remember("tiny", served)
+        assert first.served is None and opened[-1]["rows"] == 8 and opened[-1]["every_shape"]
+        again = warm_up(model, max_rows=64, context=context, lanes=1)
+        assert again.served == served and not opened[-1]["every_shape"]
+        assert (opened[-1]["rows"], opened[-1]["first_slot"], opened[-1]["cache_len"]) == (16, 64, 256)
+        assert opened[-1]["join_shapes"] == served.joins and opened[-1]["lanes"] == 1
+        assert warm_up(model, max_rows=64, context=context).served is None  # lanes unknown: its small batch
+        assert opened[-1]["rows"] == 8 and not opened[-1]["join_shapes"]
+        remember("tiny", ServedShapes(BatchShape(16, 254, 256)))  # no room for the warm-up's tokens
+        assert warm_up(model, max_rows=64, context=context, lanes=1).served is None
+    finally:
+        region_store.keep_regions_in(None)
+
+
+def test_a_service_keeps_the_shapes_its_compiled_batches_served_at_for_its_next_start(tmp_path):
+    from devmap.generation import region_store
+    from devmap.serving.core import EngineCore
+    from devmap.serving.jobs import GenerationParams, Job
+    from devmap.serving.scheduler import BatchShape
+    from devmap.serving.warm_marks import ServedShapes, mark, served_shapes
+
+    from .fakes import Collected, FakeBatches, alone, fake_resident
+
+    region_store.keep_regions_in(tmp_path)
+    registry = ModelRegistry()
+    resident = fake_resident()
+    resident.compiled, resident.warm_key = True, "m-key"
+    registry.add(resident)
+    batches, collected = FakeBatches(), Collected()
+    core = EngineCore(registry, EngineLimits(), collected, batches=batches)
+    core.start()
+    try:
+        mark("m-key", whole=True)
+        jobs = [Job(n, "m", [5, 6, 7], GenerationParams(max_new_tokens=8)) for n in range(3)]
+        for job in jobs:
+            core.add(job)
+        assert collected.wait([job.id for job in jobs], 30)
+        assert all(collected.tokens[job.id] == alone([5, 6, 7], 8) for job in jobs)
+        kept = ServedShapes(BatchShape(*batches.shapes[-1]), ((0, 64),))
+        deadline = time.monotonic() + 30  # written as the batch ends, after its requests got their last tokens
+        while served_shapes("m-key", 256) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert served_shapes("m-key", 256) == kept and resident.kept_shapes == kept
+    finally:
+        core.close(30)
         region_store.keep_regions_in(None)
 
 
