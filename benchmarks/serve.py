@@ -16,10 +16,10 @@ transformers. The floor is the larger of two: a decode step of that load reading
 requests' KV cache once at the HBM bandwidth measured on this GPU in the same run ("reads"), and its arithmetic at
 the bf16 rate measured the same way: every running request's token and the prompt tokens each round takes in beside
 them (the load's prompt tokens per output token), 2 operations per parameter ("FLOPs").
-`--systems devmap+int8` (+int4, +nf4, +fp8; +compile, +no-compile, +beside; +ride, +no-ride) serves devmap with those
-flags, its floor reading the quantized weights; `devmap+tp` serves each `--gpus` row with `--tensor-parallel` over its
-GPUs (instead of `--devmap-args`' --device-map and --lanes), its floor each GPU reading 1/N of the weights and KV cache;
-`devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline in the same run).
+`--systems devmap+int8` (+int4, +nf4, +fp8; +compile, +no-compile, +beside, +first; +ride, +no-ride) serves devmap with
+those flags, its floor reading the quantized weights; `devmap+tp` serves each `--gpus` row with `--tensor-parallel`
+over its GPUs (instead of `--devmap-args`' --device-map and --lanes), its floor each GPU reading 1/N of the weights and
+KV cache; `devmap@DIR` serves devmap's sources in DIR (an earlier release, as a baseline in the same run).
 `--gpus 1,2,4` serves each devmap system on the machine's first 1, 2 and 4 GPUs in turn (CUDA_VISIBLE_DEVICES, the
 same checkpoint), rows named `SYSTEM/NgpuS`, each with its ratio to the same system on one GPU at the same client count;
 such a row's floor knows the pipeline: per round every stage reads its weights once per lane and its lanes' KV cache,
@@ -30,8 +30,9 @@ over min(L, S) GPUs.
 Each server's cold start (a fresh process until it answers) is printed; `--restart` starts each server once more
 after its runs, for a restart's time with the compile caches on disk that its first start filled, and the first
 window of the first client count once its compiled steps serve (its new batch shape's captures; transformers serve's
-compile at its first requests). A devmap server
-that compiles beside its serving (`+beside`: --compile-beside) answers on eager steps while its steps compile: from its
+compile at its first requests). A devmap server that compiles beside its serving (`+beside`: --compile-beside; by
+default where nothing of the model is stored, `+first`: --compile-first never) answers on eager steps while its steps
+compile: from its
 first answer until its compiled steps serve it gets windows of the first client count (their TTFT and tok/s printed:
 the swap's cost), and the timed rows start after; a restart gets the same windows.
 transformers serve runs with its best flags (`--continuous-batching --compile --device cuda:0`); flags its release does
@@ -442,7 +443,8 @@ def decoder_parameters_of(path: Path) -> int:
 
 def devmap_variant(system: str) -> tuple[list[str], str | None]:
     """`devmap+int8+compile@DIR` → (the extra flags of devmap serve, the --quantize scheme or None): `+int8`,
-    `+int4`, `+nf4`, `+fp8` serve quantized, `+compile` / `+no-compile` set compiling (`+beside`: while serving),
+    `+int4`, `+nf4`, `+fp8` serve quantized, `+compile` / `+no-compile` set compiling (`+beside` / `+first`: while
+    serving / before, at every start),
     `+ride` / `+no-ride` whether joiners ride the decode steps; `+tp` (tensor parallelism over the row's GPUs) is
     added per row (`split_flags`)."""
     flags, scheme = [], None
@@ -451,11 +453,11 @@ def devmap_variant(system: str) -> tuple[list[str], str | None]:
             flags, scheme = [*flags, "--quantize", part], part
         elif part in ("compile", "no-compile", "ride", "no-ride"):
             flags.append(f"--{part}")
-        elif part == "beside":
-            flags.append("--compile-beside")
+        elif part in ("beside", "first"):
+            flags.append(f"--compile-{part}")
         elif part != "tp":
             raise SystemExit(f"unknown variant +{part} in {system!r}: use +int8, +int4, +nf4, +fp8, +compile, "
-                             "+no-compile, +beside, +ride, +no-ride or +tp")
+                             "+no-compile, +beside, +first, +ride, +no-ride or +tp")
     return flags, scheme
 
 
@@ -563,7 +565,7 @@ def main() -> None:
     parser.add_argument("--systems", default="devmap,transformers",
                         help="devmap, transformers, or devmap@DIR: devmap's sources in DIR (another release of it, "
                              "as a baseline in the same run); devmap+int8 (+int4, +nf4, +fp8): served with --quantize, "
-                             "its floor reading the quantized weights; +compile / +no-compile / +beside; "
+                             "its floor reading the quantized weights; +compile / +no-compile / +beside / +first; "
                              "+ride / +no-ride; "
                              "transformers+int8 (+int4, +nf4, +fp8): a pre-quantized copy of the checkpoint")
     parser.add_argument("--prompt-words", default="16,64,128,256", help="prompt lengths drawn from, in words")

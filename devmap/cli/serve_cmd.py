@@ -61,10 +61,13 @@ from .options import load_options
                    "weights are floating point, int8, int4 or nf4 (LLaMA layers read by devmap's kernels); a compile "
                    "that fails leaves captured eager steps, with a warning. --compile: other quantized models' steps "
                    "too, and a compile that fails fails the load.")
-@click.option("--compile-beside", is_flag=True, default=False,
-              help="Serve each model as soon as its weights are placed, on eager steps, and compile its steps while "
-                   "it serves (not with --compile, --no-compile or --tensor-parallel). Answers sooner; serves slower "
-                   "until the switch to compiled steps, as fast after it (docs/serving.md).")
+@click.option("--compile-beside/--compile-first", "compile_beside", default=None,
+              help="--compile-beside: serve each model as soon as its weights are placed, on eager steps, and compile "
+                   "its steps while it serves (not with --compile, --no-compile or --tensor-parallel): answers "
+                   "sooner, serves slower until the switch to compiled steps, as fast after it. --compile-first: "
+                   "compile before the model serves. Default: beside where the model's steps were never compiled "
+                   "in --compile-cache (its first start), first where they were (a restart loads them in seconds "
+                   "and replays captured steps from its first request; docs/serving.md).")
 @click.option("--compile-cache", default=None, envvar="DEVMAP_COMPILE_CACHE", type=click.Path(file_okay=False),
               help="Where compiled steps are kept for the next start (inductor's and Triton's on-disk caches, keyed "
                    "by their graphs, the card and the releases, in a sub-folder per torch, Triton and transformers "
@@ -89,7 +92,7 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
           model_root: str | None, host: str, port: int, api_key: str | None, max_batch: int,
           join_tokens: int, riding: bool | None, max_queue: int,
           max_prompt_tokens: int, max_tokens: int, request_timeout: float, idle_timeout: float | None,
-          unload_drain: float, lanes: int | None, compile_steps: bool | None, compile_beside: bool,
+          unload_drain: float, lanes: int | None, compile_steps: bool | None, compile_beside: bool | None,
           compile_cache: str | None, load_format: str,
           profile_dir: str | None, tensor_parallel: int, log_level: str) -> None:
     """Serve models on their devices over an OpenAI-compatible HTTP API.

@@ -26,7 +26,8 @@ class EngineLimits:
     unload_drain: float = 30.0  # an unloaded model's running requests may finish within this long (seconds)
     lanes: int | None = None
     compile: bool | None = None  # compiled decode steps: None where they win (devmap.serving.warm_up), or on/off
-    compile_beside: bool = False  # compile while the model already serves (devmap.serving.step_compile), not before
+    compile_beside: bool | None = False  # compile while the model already serves (devmap.serving.step_compile), not
+    # before; None: where its steps would compile anew (its first start on this compile cache: compiles_beside)
     riding: bool | None = None  # joiners ride the decode steps: None where it pays (mixed_joins.rides_by_default)
     graph_shapes: int = 8  # batch shapes whose captured steps stay on a model (devmap's keep_shapes)
     batch_wait: float = 0.005

@@ -44,12 +44,13 @@ class Ready:
 
 
 def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: EngineLimits, rows: int,
-                        phases: LoadPhases, compile_beside: bool = False, lanes: int | None = None) -> Ready:
+                        phases: LoadPhases, compile_beside: bool | None = False, lanes: int | None = None) -> Ready:
     """Prepare the loaded `model` (from `path`) for batches of up to `rows` rows in `lanes` lanes under `limits`; the
     "prepare" phase and its compile's timed in `phases`. The caller frees the model if this raises.
 
     `compile_beside`: steps that compile by default are left to compile while the model serves (`Ready.compile_later`,
-    `step_compile`); asked for (`limits.compile`), they compile now, and a compile that fails fails the load."""
+    `step_compile`; None: where they would compile anew, `compiles_beside`); asked for (`limits.compile`), they compile
+    now, and a compile that fails fails the load."""
     from ..compat import pin_decode_attention
     from ..kernels.decode_attention import decode_step_attention
     from ..generation.joined_projections import join_projections
@@ -63,7 +64,7 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
         tokenizer = load_tokenizer(path)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     eos_ids = end_of_sequence_ids(model, tokenizer)
-    if compile_beside and limits.compile is None and _compiles(model, limits):
+    if compiles_beside(model, limits, compile_beside, rows, context):
         # one attention choice for every step, prompt and compile of the model, in either thread, while it lives
         pin_decode_attention(model.config, decode_step_attention)
         with phases.timed("warm_up"):
@@ -75,6 +76,19 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
         return Ready(tokenizer, context, eos_ids, compiled=False)
     return Ready(tokenizer, context, eos_ids, compiled=True, warm_key=warm_key(model, rows, context, limits.riding),
                  served=times.served)
+
+
+def compiles_beside(model: nn.Module, limits: EngineLimits, wanted: bool | None, rows: int, context: int) -> bool:
+    """Whether the model's steps compile while it serves: steps that compile by default (`limits.compile` None) where
+    `wanted` says so, or, with `wanted` None, where they would compile anew: no warm-up of the model ran whole with
+    this compile cache (`warm_marks`). A first start then answers as soon as the weights are placed, on eager steps,
+    instead of after a compile of tens of seconds; a later start loads its stored steps in a few seconds before it
+    answers, and its first requests replay captured steps (docs/serving.md)."""
+    from .warm_marks import warm_key, warmed
+
+    if wanted is False or limits.compile is not None or not _compiles(model, limits):
+        return False
+    return wanted or not warmed(warm_key(model, rows, context, limits.riding))
 
 
 def _compiles(model: nn.Module, limits: EngineLimits) -> bool:

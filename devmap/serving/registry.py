@@ -104,10 +104,11 @@ class ModelRegistry:
             raise ServiceError(f"cannot load {model_id}: {exc}") from None
         try:
             self._weights_loaded(model_id)
-            # a whole model compiles while it serves where asked (--compile-beside); a split's processes
-            # compile in step before serving (the warm-up's collectives)
+            # a whole model may compile while it serves (--compile-beside, or its first start: compiles_beside); a
+            # split's processes compile in step before serving (the warm-up's collectives)
             ready = prepare_for_serving(model, path, model_id, self.limits, serving.rows, phases,
-                                        compile_beside=self.limits.compile_beside and self.tensor_parallel == 1,
+                                        compile_beside=self.limits.compile_beside if self.tensor_parallel == 1
+                                        else False,
                                         lanes=serving.lanes)
         except BaseException:
             _free(model)

@@ -10,8 +10,9 @@ is not measured. docs/serving.md and docs/quantization.md have what compiling ga
 `--no-compile` turns compiling off. The compile runs in a small continuous batch (its decode step, and its joins at
 every pack width; once that has run whole with the region store in use, a later start runs the decode step and its
 first join only, which load the stored entries: `warm_marks`), so that no request waits for it: at load, before the
-model serves, by default; beside its serving where asked (`--compile-beside`, `step_compile`: the model answers with
-eager steps at once, and its batches move to compiled steps once they are ready), never for a model split over
+model serves, or beside its serving (`step_compile`: the model answers with eager steps at once, and its batches move
+to compiled steps once they are ready) where asked or where nothing of it is stored yet (`prepare.compiles_beside`),
+never for a model split over
 processes (`--tensor-parallel`: their warm-ups meet in collectives, which a second thread's calls would interleave
 with). Inductor's on-disk cache makes a restart's compile faster, and the regions a service keeps
 (`generation.region_store`) spare it dynamo's tracing too.

@@ -224,6 +224,29 @@ def test_a_service_keeps_the_shapes_its_compiled_batches_served_at_for_its_next_
         region_store.keep_regions_in(None)
 
 
+def test_a_model_compiles_beside_its_serving_on_its_first_start_and_before_it_serves_on_later_ones(tmp_path,
+                                                                                                    monkeypatch):
+    from devmap.generation import region_store
+    from devmap.serving import prepare, warm_marks
+
+    monkeypatch.setattr(prepare, "_compiles", lambda model, limits: True)
+    monkeypatch.setattr(warm_marks, "warm_key", lambda *args: "m")
+    model, auto = object(), EngineLimits(compile_beside=None)
+    region_store.keep_regions_in(tmp_path)
+    try:
+        assert prepare.compiles_beside(model, auto, None, 8, 256)  # nothing of it stored: it answers at once
+        warm_marks.mark("m", whole=True)  # a warm-up of it ran whole with this cache
+        assert not prepare.compiles_beside(model, auto, None, 8, 256)  # a restart loads its steps first
+        assert prepare.compiles_beside(model, auto, True, 8, 256)  # --compile-beside: at every start
+        assert not prepare.compiles_beside(model, auto, False, 8, 256)  # --compile-first
+        warm_marks.mark("m", whole=False)
+        assert not prepare.compiles_beside(model, EngineLimits(compile=True), None, 8, 256)  # --compile: first
+        monkeypatch.setattr(prepare, "_compiles", lambda model, limits: False)
+        assert not prepare.compiles_beside(model, auto, True, 8, 256)  # steps that do not compile
+    finally:
+        region_store.keep_regions_in(None)
+
+
 def test_a_model_that_compiles_beside_its_serving_runs_its_eager_steps_before_it_answers(model_root):
     import devmap
     from devmap.serving.warm_up import eager_first_steps
