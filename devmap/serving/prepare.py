@@ -64,31 +64,30 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
         tokenizer = load_tokenizer(path)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     eos_ids = end_of_sequence_ids(model, tokenizer)
-    if compiles_beside(model, limits, compile_beside, rows, context):
+    key = warm_key(model, rows, context, limits.riding)
+    if compiles_beside(model, limits, compile_beside, key):
         # one attention choice for every step, prompt and compile of the model, in either thread, while it lives
         pin_decode_attention(model.config, decode_step_attention)
         with phases.timed("warm_up"):
             eager_first_steps(model, rows, context, limits.riding)
-        return Ready(tokenizer, context, eos_ids, compiled=False, compile_later=True,
-                     warm_key=warm_key(model, rows, context, limits.riding))
+        return Ready(tokenizer, context, eos_ids, compiled=False, compile_later=True, warm_key=key)
     times = _compiled(model, limits, model.devmap_plan.quantization, rows, context, lanes, phases)
     if times is None:
         return Ready(tokenizer, context, eos_ids, compiled=False)
-    return Ready(tokenizer, context, eos_ids, compiled=True, warm_key=warm_key(model, rows, context, limits.riding),
-                 served=times.served)
+    return Ready(tokenizer, context, eos_ids, compiled=True, warm_key=key, served=times.served)
 
 
-def compiles_beside(model: nn.Module, limits: EngineLimits, wanted: bool | None, rows: int, context: int) -> bool:
+def compiles_beside(model: nn.Module, limits: EngineLimits, wanted: bool | None, key: str | None) -> bool:
     """Whether the model's steps compile while it serves: steps that compile by default (`limits.compile` None) where
-    `wanted` says so, or, with `wanted` None, where they would compile anew: no warm-up of the model ran whole with
-    this compile cache (`warm_marks`). A first start then answers as soon as the weights are placed, on eager steps,
-    instead of after a compile of tens of seconds; a later start loads its stored steps in a few seconds before it
-    answers, and its first requests replay captured steps (docs/serving.md)."""
-    from .warm_marks import warm_key, warmed
+    `wanted` says so, or, with `wanted` None, where they would compile anew: no warm-up of the model (its marker
+    `key`) ran whole with this compile cache (`warm_marks`). A first start then answers as soon as the weights are
+    placed, on eager steps, instead of after a compile of tens of seconds; a later start loads its stored steps in a
+    few seconds before it answers, and its first requests replay captured steps (docs/serving.md)."""
+    from .warm_marks import warmed
 
     if wanted is False or limits.compile is not None or not _compiles(model, limits):
         return False
-    return wanted or not warmed(warm_key(model, rows, context, limits.riding))
+    return wanted or not warmed(key)
 
 
 def _compiles(model: nn.Module, limits: EngineLimits) -> bool:

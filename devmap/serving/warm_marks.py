@@ -98,8 +98,8 @@ def served_shapes(key: str | None, context: int) -> ServedShapes | None:
     batch)."""
     marker = _marker(key) if key else None
     try:
-        text = marker.read_text() if marker is not None and marker.exists() else ""
-    except OSError:
+        text = marker.read_text() if marker is not None else ""
+    except OSError:  # no marker (no whole warm-up), or a disk that refuses
         return None
     if not text.strip():
         return None

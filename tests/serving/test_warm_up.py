@@ -230,19 +230,18 @@ def test_a_model_compiles_beside_its_serving_on_its_first_start_and_before_it_se
     from devmap.serving import prepare, warm_marks
 
     monkeypatch.setattr(prepare, "_compiles", lambda model, limits: True)
-    monkeypatch.setattr(warm_marks, "warm_key", lambda *args: "m")
     model, auto = object(), EngineLimits(compile_beside=None)
     region_store.keep_regions_in(tmp_path)
     try:
-        assert prepare.compiles_beside(model, auto, None, 8, 256)  # nothing of it stored: it answers at once
+        assert prepare.compiles_beside(model, auto, None, "m")  # nothing of it stored: it answers at once
         warm_marks.mark("m", whole=True)  # a warm-up of it ran whole with this cache
-        assert not prepare.compiles_beside(model, auto, None, 8, 256)  # a restart loads its steps first
-        assert prepare.compiles_beside(model, auto, True, 8, 256)  # --compile-beside: at every start
-        assert not prepare.compiles_beside(model, auto, False, 8, 256)  # --compile-first
+        assert not prepare.compiles_beside(model, auto, None, "m")  # a restart loads its steps first
+        assert prepare.compiles_beside(model, auto, True, "m")  # --compile-beside: at every start
+        assert not prepare.compiles_beside(model, auto, False, "m")  # --compile-first
         warm_marks.mark("m", whole=False)
-        assert not prepare.compiles_beside(model, EngineLimits(compile=True), None, 8, 256)  # --compile: first
+        assert not prepare.compiles_beside(model, EngineLimits(compile=True), None, "m")  # --compile: first
         monkeypatch.setattr(prepare, "_compiles", lambda model, limits: False)
-        assert not prepare.compiles_beside(model, auto, True, 8, 256)  # steps that do not compile
+        assert not prepare.compiles_beside(model, auto, True, "m")  # steps that do not compile
     finally:
         region_store.keep_regions_in(None)
 
