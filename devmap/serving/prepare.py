@@ -51,8 +51,6 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
     `compile_beside`: steps that compile by default are left to compile while the model serves (`Ready.compile_later`,
     `step_compile`; None: where they would compile anew, `compiles_beside`); asked for (`limits.compile`), they compile
     now, and a compile that fails fails the load."""
-    from ..compat import pin_decode_attention
-    from ..kernels.decode_attention import decode_step_attention
     from ..generation.joined_projections import join_projections
     from .warm_marks import warm_key
     from .warm_up import eager_first_steps
@@ -60,14 +58,15 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
     with phases.timed("prepare"):
         joined = join_projections(model)  # the service owns the model and never saves it: see there
         log.debug("%s: %d projection groups joined for decode steps", model_id, joined)
-        _prepare_product_kernels(model, model_id)
+        runs = prepare_product_kernels(model)
+        if runs:
+            log.debug("%s: product kernels prepared for %d shapes", model_id, runs)
         tokenizer = load_tokenizer(path)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     eos_ids = end_of_sequence_ids(model, tokenizer)
     key = warm_key(model, rows, context, limits.riding)
     if compiles_beside(model, limits, compile_beside, key):
-        # one attention choice for every step, prompt and compile of the model, in either thread, while it lives
-        pin_decode_attention(model.config, decode_step_attention)
+        pin_attention(model)
         with phases.timed("warm_up"):
             eager_first_steps(model, rows, context, limits.riding)
         return Ready(tokenizer, context, eos_ids, compiled=False, compile_later=True, warm_key=key)
@@ -96,17 +95,23 @@ def _compiles(model: nn.Module, limits: EngineLimits) -> bool:
     return compiles(model, limits.compile, model.devmap_plan.quantization)
 
 
-def _prepare_product_kernels(model: nn.Module, model_id: str) -> None:
+def prepare_product_kernels(model: nn.Module) -> int:
     """Compile the variants of the product kernels for the model's joined quantized weights (int8, 4-bit, fp8) now,
-    at load, rather than in its first requests (nothing to do without such weights or off GPUs)."""
+    at load, rather than in its first requests; how many (none without such weights or off GPUs)."""
     from ..kernels.quantized_products import prepare_kernels
     from ..generation.joined_projections import joined_products
 
-    started = time.monotonic()
     products, dtype = joined_products(model), model.get_input_embeddings().weight.dtype
-    runs = prepare_kernels([p.quantized for p in products if p.quantized is not None], dtype)
-    if runs:
-        log.debug("%s: product kernels prepared for %d shapes in %.1f s", model_id, runs, time.monotonic() - started)
+    return prepare_kernels([p.quantized for p in products if p.quantized is not None], dtype)
+
+
+def pin_attention(model: nn.Module) -> None:
+    """One attention choice for every step, prompt and compile of `model`, in whichever thread, while it lives (its
+    steps compile beside its serving)."""
+    from ..compat import pin_decode_attention
+    from ..kernels.decode_attention import decode_step_attention
+
+    pin_decode_attention(model.config, decode_step_attention)
 
 
 def _compiled(model: nn.Module, limits: EngineLimits, quantization: Quantization | None, rows: int,

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -134,11 +134,19 @@ class ModelRegistry:
         return resident
 
     def _compile_beside(self, resident: ResidentModel) -> None:
-        """Compile the model's steps while it serves (`step_compile`); its batches move to them once ready."""
+        """Compile the model's steps while it serves (`step_compile`): in a process of its own where it can
+        (`compile_process`), then loaded here by a light warm-up; its batches move to them once ready."""
         from .compile_cache import compiled_anew
+        from .compile_process import compile_elsewhere, job_for
         from .warm_up import WarmUpTimes, warm_up
 
         model, rows, context, riding = resident.model, resident.max_rows, resident.context, self.limits.riding
+        job = job_for(model, resident.path, rows, context, riding, resident.warm_key)
+
+        def compile(stop: Callable[[], bool]) -> WarmUpTimes:
+            if job is not None:
+                compile_elsewhere(job, stop)  # where it fails, the warm-up here compiles what it did not keep
+            return compiled_anew(lambda: warm_up(model, rows, context, riding, beside_serving=True, stop=stop))
 
         def done(times: WarmUpTimes) -> None:
             for phase, seconds in times.phases().items():  # the eager steps' warm-up before it answered, added
@@ -147,8 +155,7 @@ class ModelRegistry:
             resident.compiled = True
             _freeze_survivors()  # what the compile made and keeps, left out of later collections too
 
-        resident.compiling = StepCompile(resident.id, lambda stop: compiled_anew(lambda: warm_up(
-            model, rows, context, riding, beside_serving=True, stop=stop)), done)
+        resident.compiling = StepCompile(resident.id, compile, done)
 
     def add(self, resident: ResidentModel) -> None:
         """Make a model resident (one `load` made, or a caller's own) under its id."""

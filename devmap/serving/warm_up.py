@@ -92,11 +92,11 @@ class WarmUpTimes(NamedTuple):
 
 
 def served_batch(model: nn.Module, max_rows: int, context: int, riding: bool | None,
-                 lanes: int | None) -> tuple[str | None, bool, ServedShapes | None]:
-    """Where a warm-up stands: the model's marker key (`warm_marks`), whether a warm-up ran whole before (its regions
-    are in the store: a light warm-up), and the shapes it served at when it last ran (None: none recorded, or a model
-    in lanes other than the service's batches': its batch would not be the served one)."""
-    key = warm_key(model, max_rows, context, riding)
+                 lanes: int | None, key: str | None = None) -> tuple[str | None, bool, ServedShapes | None]:
+    """Where a warm-up stands: the model's marker key (`warm_marks`; `key` where given), whether a warm-up ran whole
+    before (its regions are in the store: a light warm-up), and the shapes it served at when it last ran (None: none
+    recorded, or a model in lanes other than the service's batches': its batch would not be the served one)."""
+    key = key or warm_key(model, max_rows, context, riding)
     light = warmed(key)
     served = served_shapes(key, context) if light and lanes is not None else None
     if served is not None and (served.batch.first_slot < WARM_UP_PROMPT
@@ -106,7 +106,7 @@ def served_batch(model: nn.Module, max_rows: int, context: int, riding: bool | N
 
 
 def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None = None, beside_serving: bool = False,
-            stop: Callable[[], bool] = lambda: False, lanes: int | None = None) -> WarmUpTimes:
+            stop: Callable[[], bool] = lambda: False, lanes: int | None = None, key: str | None = None) -> WarmUpTimes:
     """Run a small continuous batch with compiled steps (compiling its decode step, and the steps carrying joiners'
     prompts or their joins' prefill, as `riding` chooses, at every pack width).
 
@@ -125,11 +125,14 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
     often (`interpreter_switch`), so batches serving beside it keep their pace.
 
     Its compile seconds and graphs are the process's (dynamo counts them for every thread alike): a load compiles
-    one model at a time, and a compile beside serving is the only compile while it runs."""
+    one model at a time, and a compile beside serving is the only compile while it runs.
+
+    `key`: the marker key the warm-up stands for (default: the model's own): a model cut down to a layer per device,
+    compiling in a process of its own for the one that serves (`compile_process`), marks the served model's."""
     prompt = [1] * WARM_UP_PROMPT
     paused = captures_paused(but_while_tracing=True) if beside_serving else contextlib.nullcontext()
     # light: a whole warm-up ran before, its regions are in the store: their entries load, no shape compiles
-    key, light, served = served_batch(model, max_rows, context, riding, None if beside_serving else lanes)
+    key, light, served = served_batch(model, max_rows, context, riding, None if beside_serving else lanes, key)
     rows, cache_len = small_batch(max_rows, context)
     shape = BatchShape(rows, len(prompt), cache_len) if served is None else served.batch
     started, before, stored = time.perf_counter(), compile_totals(), region_totals()

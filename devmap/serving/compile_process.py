@@ -1,0 +1,254 @@
+"""Compiling a served model's steps in a process of its own (`devmap serve`'s compile beside serving).
+
+A compile in the serving process shares its interpreter with the serving thread: dynamo's tracing and inductor's
+lowering hold it for tens of seconds, the serving thread's steps wait for it between their calls into torch, and its
+captures pause while the compile's runs use the card. Its eager steps then take many times their pace, and its
+requests' time to first token with them (docs/serving.md). Here the compile runs in another process instead: it
+builds the same model cut down to one decoder layer per device its layers use (the same config, dtype, quantization,
+attention and map otherwise, random weights: a compile needs shapes, not values), compiles and warms up its steps at
+every shape, and keeps each compiled region in the region store the service uses (`generation.region_store`; a layer's
+entry serves every layer of the model: they run one compiled code), then marks the model's warm-up as run whole
+(`warm_marks`). The serving process meanwhile replays its captured eager steps; it then loads the stored entries in
+a light warm-up, as a restart does, and its batches move to them.
+
+The process runs at a lower CPU priority, within a share of each GPU's free memory (`ROOM`; where less is free the
+compile stays in the serving process), ends when the serving process does, and is stopped with the model's unload.
+A failure (its last line is logged) leaves the compile to the serving process, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger("devmap.serving")
+
+ROOM = 3 << 30  # bytes the compile's process may use on a GPU beside its weights (its CUDA context excepted)
+KEEP = 2 << 30  # bytes of a GPU's free memory left to the serving process beside them
+NICE = 10  # the compile's process (and its compile workers) yields the CPU to the serving process
+_LAYER = re.compile(r"^(?P<stack>.*\blayers)\.(?P<index>\d+)$")
+_IN_LAYER = re.compile(r"^.*\blayers\.\d+\.")
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """What the compile's process builds and compiles: the model's config cut to `layers` decoder layers (every list
+    of one value per layer cut alike), the map of that model, its dtype and quantization (`Quantization.to_dict`),
+    the warm-up's batch (rows, context, riding), the interpreter's thread count (compiled regions guard on it), the
+    marker key of the served model its warm-up stands for, and the most memory it may use on each GPU."""
+
+    config: dict[str, Any]
+    device_map: dict[str, str]
+    dtype: str
+    quantization: dict[str, Any] | None
+    rows: int
+    context: int
+    riding: bool | None
+    threads: int
+    key: str
+    memory: dict[str, int]
+
+
+def cut_down(config: dict[str, Any], device_map: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]] | None:
+    """`config` and `device_map` cut to one decoder layer per run of layers on one device (in the layers' order; a
+    whole model on one device keeps one), renumbered from 0; None where the map places no layers by name."""
+    layers = int(config.get("num_hidden_layers") or 0)
+    if not layers:
+        return None
+    if set(device_map) == {""}:
+        kept = [0]
+        cut = dict(device_map)
+    else:
+        runs: list[tuple[int, str]] = []  # (first layer, device) of each run
+        cut, stack = {}, None
+        for name, device in device_map.items():
+            match = _LAYER.match(name)
+            if match is None:
+                cut[name] = device
+                continue
+            stack = match["stack"]
+            runs.append((int(match["index"]), device))
+        if stack is None:
+            return None
+        runs.sort()
+        kept = [index for n, (index, device) in enumerate(runs) if n == 0 or runs[n - 1][1] != device]
+        devices = dict(runs)
+        for new, index in enumerate(kept):
+            cut[f"{stack}.{new}"] = devices[index]
+    small = dict(config)
+    small["num_hidden_layers"] = len(kept)
+    for name, value in config.items():  # per-layer settings (layer_types, ...) keep the layers kept
+        if isinstance(value, list) and len(value) == layers and name != "num_hidden_layers":
+            small[name] = [value[index] for index in kept]
+    return small, cut
+
+
+def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | None,
+            key: str | None) -> CompileJob | None:
+    """The job that compiles the steps of `model` (loaded from `source`, its marker `key`) for batches of `rows` rows
+    in a process of its own, or None where that cannot stand for compiling them here: no region store (`key` None:
+    the entries would not reach this process), no config.json at `source`, a quantization other than devmap's
+    schemes, a map that names no layers, or too little free memory on a GPU (`room`)."""
+    import torch
+
+    from ..planning.memory import dtype_name
+    from ..planning.quantization import Quantization
+
+    plan, config_file = model.devmap_plan, source / "config.json"
+    quantization = plan.quantization
+    if key is None or not config_file.is_file() or (quantization is not None
+                                                    and not isinstance(quantization, Quantization)):
+        return None
+    cut = cut_down(json.loads(config_file.read_text()), {name: str(device) for name, device in
+                                                         model.hf_device_map.items()})
+    memory = room(model, cut[1]) if cut is not None else None
+    if cut is None or memory is None:
+        return None
+    return CompileJob(config=cut[0], device_map=cut[1], dtype=dtype_name(plan.dtype),
+                      quantization=quantization.to_dict() if quantization is not None else None, rows=rows,
+                      context=context, riding=riding, threads=torch.get_num_threads(), key=key, memory=memory)
+
+
+def room(model: Any, device_map: dict[str, str]) -> dict[str, int] | None:
+    """The memory the compile's process may use on each GPU of `device_map` (the cut-down map of `model`): the largest
+    layer of `model` there for each layer kept, what is not a layer, and ROOM for the rest; None where a GPU has less
+    free than that and KEEP."""
+    import torch
+
+    from ..planning.devices import is_gpu, parse_device_key
+
+    layers: dict[int, int] = {}  # the largest layer's bytes on each GPU
+    held: dict[int, int] = {}  # bytes of what is not a layer on each GPU
+    for module_name, module in model.named_modules():
+        match = _LAYER.match(module_name)
+        if match is None and _IN_LAYER.match(module_name):
+            continue  # counted with its layer
+        tensors = [*module.parameters(recurse=match is not None), *module.buffers(recurse=match is not None)]
+        for tensor in tensors:
+            if not tensor.is_cuda:
+                continue
+            index = tensor.device.index
+            if match is not None:
+                layers[index] = max(layers.get(index, 0), sum(t.nbytes for t in tensors if t.is_cuda))
+                break
+            held[index] = held.get(index, 0) + tensor.nbytes
+    kept: dict[int, int] = {}
+    for name, device in device_map.items():
+        index = parse_device_key(device)
+        if not is_gpu(index):
+            return None
+        kept[index] = kept.get(index, 0) + (1 if _LAYER.match(name) or name == "" else 0)
+    memory = {}
+    for index, count in kept.items():
+        needed = ROOM + held.get(index, 0) + count * layers.get(index, 0)
+        free, _ = torch.cuda.mem_get_info(index)
+        if free - KEEP < needed:
+            return None
+        memory[str(index)] = int(needed)
+    return memory
+
+
+def compile_elsewhere(job: CompileJob, stop: Callable[[], bool], poll: float = 0.2) -> bool:
+    """Run `job` in a process of its own; True once it ran whole, False where it failed (logged with its last line)
+    or `stop()` turned True (it is ended)."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="devmap-compile-") as folder:
+        Path(folder, "config.json").write_text(json.dumps(job.config))
+        Path(folder, "job.json").write_text(json.dumps(asdict(job)))
+        errors = Path(folder, "errors.txt")
+        package_root = str(Path(__file__).resolve().parents[2])
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        with errors.open("w") as written:
+            process = subprocess.Popen([sys.executable, "-m", __name__, folder, str(os.getpid())],
+                                       stdin=subprocess.DEVNULL, stdout=written, stderr=subprocess.STDOUT,
+                                       env=environment, preexec_fn=_lower_priority if os.name == "posix" else None)
+            while process.poll() is None:
+                if stop():
+                    _end(process)
+                    return False
+                time.sleep(poll)
+        if process.returncode != 0:
+            lines = [line for line in errors.read_text(errors="replace").splitlines() if line.strip()]
+            log.warning("compiling the steps in a process of their own failed (%s); they compile in the serving "
+                        "process", lines[-1].strip() if lines else f"exit status {process.returncode}")
+            return False
+    log.info("steps compiled in a process of their own in %.1f s", time.perf_counter() - started)
+    return True
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError):
+        os.nice(NICE)
+
+
+def _end(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _watch(parent: int) -> None:
+    """End this process once `parent` (the serving process) has ended."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def run(folder: Path) -> None:
+    """The compile's process: the job in `folder`, its cut-down model compiled and warmed up at every shape."""
+    import torch
+
+    from ..generation.joined_projections import join_projections
+    from ..loading.loader import load
+    from ..planning.quantization import Quantization
+    from .compile_cache import keep_regions
+    from .prepare import pin_attention, prepare_product_kernels
+    from .warm_up import warm_up
+
+    job = CompileJob(**json.loads((folder / "job.json").read_text()))
+    torch.set_num_threads(job.threads)
+    for device, limit in job.memory.items():
+        index = int(device)
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
+    keep_regions()
+    quantization = Quantization(**{**job.quantization, "skip_modules": tuple(job.quantization["skip_modules"])}) \
+        if job.quantization else None
+    model = load(str(folder), device_map=job.device_map, dtype=job.dtype, quantization=quantization,
+                 random_weights=True)
+    join_projections(model)
+    prepare_product_kernels(model)
+    pin_attention(model)
+    warm_up(model, job.rows, job.context, job.riding, key=job.key)
+
+
+def main(argv: list[str]) -> int:
+    folder, parent = Path(argv[0]), int(argv[1])
+    threading.Thread(target=_watch, args=(parent,), name="devmap-compile-watch", daemon=True).start()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        run(folder)
+    except Exception as exc:  # noqa: BLE001 - its reason, the last line, is the serving process's warning
+        text = str(exc).strip()
+        log.error("%s: %s", type(exc).__name__, text.splitlines()[0] if text else "")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,95 @@
+"""Compiling a served model's steps in a process of its own: the cut-down model, its entries serving the whole one,
+and the process's failures and ends (aot_eager on CPU for the compile itself)."""
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+
+from devmap.serving import compile_process
+from devmap.serving.compile_process import CompileJob, compile_elsewhere, cut_down
+
+
+def test_the_cut_down_model_keeps_a_layer_per_run_of_layers_on_a_device():
+    config = {"num_hidden_layers": 4, "hidden_size": 8, "layer_types": ["a", "b", "c", "d"]}
+    device_map = {"model.embed_tokens": "0", "model.layers.0": "0", "model.layers.1": "0", "model.layers.2": "1",
+                  "model.layers.3": "1", "model.norm": "1", "lm_head": "1"}
+    small, cut = cut_down(config, device_map)
+    assert small == {"num_hidden_layers": 2, "hidden_size": 8, "layer_types": ["a", "c"]}
+    assert cut == {"model.embed_tokens": "0", "model.layers.0": "0", "model.layers.1": "1", "model.norm": "1",
+                   "lm_head": "1"}
+    assert config["num_hidden_layers"] == 4  # the served model's config is left as it is
+    assert cut_down(config, {"": "0"}) == ({**small, "num_hidden_layers": 1, "layer_types": ["a"]}, {"": "0"})
+    assert cut_down(config, {"model.embed_tokens": "0", "lm_head": "0"}) is None  # no layer named
+    assert cut_down({"hidden_size": 8}, {"": "0"}) is None
+
+
+def test_entries_compiled_on_the_cut_down_model_serve_the_whole_one(model_root, compiled_on_cpu, tmp_path,
+                                                                    monkeypatch):
+    """The compile's process (run here: its function) compiles every shape of a one-layer model into the store and
+    marks the served model's key; the served model's light warm-up then loads those entries and compiles nothing."""
+    import devmap
+    from devmap.compat import ahead_of_time_keeps
+    from devmap.generation import region_store
+    from devmap.generation.joined_projections import join_projections
+    from devmap.serving import warm_marks
+    from devmap.serving.prepare import pin_attention
+    from devmap.serving.compile_cache import REGIONS
+    from devmap.serving.warm_up import warm_up
+
+    if not ahead_of_time_keeps("aot_eager"):
+        pytest.skip(f"torch {torch.__version__} saves inductor's entries only")
+    model = devmap.load(str(model_root / "tiny"), device_map="auto", max_memory="cpu=2GB")
+    join_projections(model)  # as the service prepares a model that compiles beside its serving
+    pin_attention(model)
+    context = int(model.config.max_position_embeddings)
+    config = json.loads((model_root / "tiny" / "config.json").read_text())
+    small, cut = cut_down(config, {name: str(device) for name, device in model.hf_device_map.items()})
+    job = CompileJob(config=small, device_map=cut, dtype="float32", quantization=None, rows=64, context=context,
+                     riding=None, threads=torch.get_num_threads(), key="served", memory={})
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(job.config))
+    (folder / "job.json").write_text(json.dumps(job.__dict__))
+    monkeypatch.setenv(REGIONS, str(tmp_path / "store"))
+    try:
+        compile_process.run(folder)
+        assert warm_marks.warmed("served") and region_store.region_totals().compiled > 0
+        torch._dynamo.reset()  # as the serving process: nothing traced, the store read again
+        region_store.keep_regions_in(tmp_path / "store")
+        before = region_store.region_totals()
+        warm_up(model, max_rows=64, context=context, key="served")
+        after = region_store.region_totals()
+        assert after.compiled == before.compiled and after.loaded > before.loaded
+    finally:
+        region_store.keep_regions_in(None)
+
+
+def _job(**changes) -> CompileJob:
+    fields = dict(config={}, device_map={"": "cpu"}, dtype="float32", quantization=None,
+                  rows=8, context=64, riding=None, threads=1, key="k", memory={})
+    return CompileJob(**{**fields, **changes})
+
+
+def test_a_compile_process_that_fails_is_logged_with_its_reason_and_leaves_the_compile_here(caplog):
+    with caplog.at_level(logging.WARNING, logger="devmap.serving"):
+        assert not compile_elsewhere(_job(), lambda: False, poll=0.05)
+    assert "compiling the steps in a process of their own failed" in caplog.text
+    assert "config.json" in caplog.text  # its last line: why the cut-down model did not load
+
+
+def test_a_compile_process_ends_when_its_model_is_unloaded(monkeypatch, caplog):
+    started = []
+    popen = compile_process.subprocess.Popen
+
+    def recorded(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(compile_process.subprocess, "Popen", recorded)
+    with caplog.at_level(logging.WARNING, logger="devmap.serving"):
+        assert not compile_elsewhere(_job(), lambda: True, poll=0.05)
+    assert started[0].returncode is not None and started[0].returncode != 0  # ended, not left running
+    assert "failed" not in caplog.text  # an unload is not a failure
