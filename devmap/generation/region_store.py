@@ -132,7 +132,10 @@ class _Region:
             except OSError as exc:  # a full or read-only disk: it still serves this process
                 log.warning("%s: a compiled entry could not be kept in the store (%s)", self.function.__name__,
                             _first_line(exc))
-        _totals.compile_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        _totals.compile_seconds += seconds
+        log.info("%s: a compiled entry made for sizes %s in %.1f s (%d kept for it)", self.function.__name__,
+                 _sizes(args), seconds, len(self.entries))
         return entry
 
     def _save(self, data: bytes) -> None:
@@ -233,6 +236,11 @@ def entries_key(index: int) -> str:
     """What the entries made on the GPU of `index` are filed under besides their region: a digest of devmap's sources,
     the releases and that card; where it changes, no entry kept before serves."""
     return _file_key(_card_name(index))
+
+
+def _sizes(args: tuple[Any, ...]) -> list[tuple[int, ...]]:
+    """The sizes of the tensors among `args` (what a log line says of a call)."""
+    return [tuple(arg.shape) for arg in args if isinstance(arg, torch.Tensor)]
 
 
 def _first_line(exc: BaseException) -> str:

@@ -234,7 +234,9 @@ def run(folder: Path) -> None:
     join_projections(model)
     prepare_product_kernels(model)
     pin_attention(model)
-    warm_up(model, job.rows, job.context, job.riding, key=job.key)
+    # as beside serving (captures paused, joins packed as while they are): the entries a warm-up beside serving
+    # makes, which the serving process's light warm-up and its batches then find
+    warm_up(model, job.rows, job.context, job.riding, beside_serving=True, key=job.key)
 
 
 def main(argv: list[str]) -> int:

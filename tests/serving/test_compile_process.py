@@ -3,7 +3,6 @@ and the process's failures and ends (aot_eager on CPU for the compile itself).""
 
 import json
 import logging
-import time
 
 import pytest
 import torch
@@ -60,7 +59,7 @@ def test_entries_compiled_on_the_cut_down_model_serve_the_whole_one(model_root, 
         torch._dynamo.reset()  # as the serving process: nothing traced, the store read again
         region_store.keep_regions_in(tmp_path / "store")
         before = region_store.region_totals()
-        warm_up(model, max_rows=64, context=context, key="served")
+        warm_up(model, max_rows=64, context=context, beside_serving=True, key="served")
         after = region_store.region_totals()
         assert after.compiled == before.compiled and after.loaded > before.loaded
     finally:
