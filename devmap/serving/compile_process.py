@@ -43,10 +43,11 @@ _IN_LAYER = re.compile(r"^.*\blayers\.\d+\.")
 
 @dataclass(frozen=True)
 class CompileJob:
-    """What the compile's process builds and compiles: the model's config cut to `layers` decoder layers (every list
-    of one value per layer cut alike), the map of that model, its dtype and quantization (`Quantization.to_dict`),
-    the warm-up's batch (rows, context, riding), the interpreter's thread count (compiled regions guard on it), the
-    marker key of the served model its warm-up stands for, and the most memory it may use on each GPU."""
+    """What the compile's process builds and compiles: the model's config cut to its layers kept (every list of one
+    value per layer cut alike), the map of that model, its dtype and quantization (`Quantization.to_dict`), the
+    warm-up's batch (rows, context, whether joiners ride: the served model's choice), the interpreter's thread count
+    (compiled regions guard on it), the marker key of the served model its warm-up stands for, and the most memory it
+    may use on each GPU."""
 
     config: dict[str, Any]
     device_map: dict[str, str]
@@ -102,6 +103,7 @@ def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | No
     schemes, a map that names no layers, or too little free memory on a GPU (`room`)."""
     import torch
 
+    from ..generation.mixed_joins import rides_by_default
     from ..planning.memory import dtype_name
     from ..planning.quantization import Quantization
 
@@ -115,9 +117,11 @@ def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | No
     memory = room(model, cut[1]) if cut is not None else None
     if cut is None or memory is None:
         return None
+    # whether joiners ride follows the model's size where nobody says: the cut-down model's would not be the model's
+    rides = rides_by_default(model) if riding is None else riding
     return CompileJob(config=cut[0], device_map=cut[1], dtype=dtype_name(plan.dtype),
                       quantization=quantization.to_dict() if quantization is not None else None, rows=rows,
-                      context=context, riding=riding, threads=torch.get_num_threads(), key=key, memory=memory)
+                      context=context, riding=rides, threads=torch.get_num_threads(), key=key, memory=memory)
 
 
 def room(model: Any, device_map: dict[str, str]) -> dict[str, int] | None:

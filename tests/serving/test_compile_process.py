@@ -92,3 +92,20 @@ def test_a_compile_process_ends_when_its_model_is_unloaded(monkeypatch, caplog):
         assert not compile_elsewhere(_job(), lambda: True, poll=0.05)
     assert started[0].returncode is not None and started[0].returncode != 0  # ended, not left running
     assert "failed" not in caplog.text  # an unload is not a failure
+
+
+def test_the_job_carries_the_served_models_choices_not_the_cut_down_ones(model_root, monkeypatch):
+    """Whether joiners ride follows a model's size where nobody says: the job names the served model's choice, which
+    the one-layer model would not make; no region store (no key) or no room on a GPU: no job."""
+    import devmap
+    from devmap.generation import mixed_joins
+    from devmap.serving.compile_process import job_for
+
+    model = devmap.load(str(model_root / "tiny"), device_map="auto", max_memory="cpu=2GB")
+    assert job_for(model, model_root / "tiny", 8, 256, None, "k") is None  # a CPU map: no GPU memory to compile on
+    monkeypatch.setattr(compile_process, "room", lambda model, device_map: {"0": 1 << 30})
+    monkeypatch.setattr(mixed_joins, "rides_by_default", lambda model: model.config.num_hidden_layers > 1)
+    job = job_for(model, model_root / "tiny", 8, 256, None, "k")
+    assert job.riding is True and job.config["num_hidden_layers"] == 1 and job.key == "k"
+    assert job_for(model, model_root / "tiny", 8, 256, False, "k").riding is False
+    assert job_for(model, model_root / "tiny", 8, 256, None, None) is None  # no store: the entries would not come back
