@@ -163,9 +163,9 @@ def room(model: Any, device_map: dict[str, str]) -> dict[str, int] | None:
     return memory
 
 
-def compile_elsewhere(job: CompileJob, stop: Callable[[], bool], poll: float = 0.2) -> bool:
-    """Run `job` in a process of its own; True once it ran whole, False where it failed (logged with its last line)
-    or `stop()` turned True (it is ended)."""
+def compile_elsewhere(job: CompileJob, stop: Callable[[], bool], poll: float = 0.2) -> float | None:
+    """Run `job` in a process of its own: the seconds it took once it ran whole, None where it failed (logged with its
+    last line) or `stop()` turned True (it is ended)."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="devmap-compile-") as folder:
         Path(folder, "config.json").write_text(json.dumps(job.config))
@@ -181,15 +181,16 @@ def compile_elsewhere(job: CompileJob, stop: Callable[[], bool], poll: float = 0
             while process.poll() is None:
                 if stop():
                     _end(process)
-                    return False
+                    return None
                 time.sleep(poll)
         if process.returncode != 0:
             lines = [line for line in errors.read_text(errors="replace").splitlines() if line.strip()]
             log.warning("compiling the steps in a process of their own failed (%s); they compile in the serving "
                         "process", lines[-1].strip() if lines else f"exit status {process.returncode}")
-            return False
-    log.info("steps compiled in a process of their own in %.1f s", time.perf_counter() - started)
-    return True
+            return None
+    seconds = time.perf_counter() - started
+    log.info("steps compiled in a process of their own in %.1f s", seconds)
+    return seconds
 
 
 def _lower_priority() -> None:

@@ -144,9 +144,10 @@ class ModelRegistry:
         job = job_for(model, resident.path, rows, context, riding, resident.warm_key)
 
         def compile(stop: Callable[[], bool]) -> WarmUpTimes:
-            if job is not None:
-                compile_elsewhere(job, stop)  # where it fails, the warm-up here compiles what it did not keep
-            return compiled_anew(lambda: warm_up(model, rows, context, riding, beside_serving=True, stop=stop))
+            # where the compile's process fails, the warm-up here compiles what it did not keep
+            elsewhere = (compile_elsewhere(job, stop) if job is not None else None) or 0.0
+            times = compiled_anew(lambda: warm_up(model, rows, context, riding, beside_serving=True, stop=stop))
+            return times._replace(compile=times.compile + elsewhere)  # its compile phase: there, then loaded here
 
         def done(times: WarmUpTimes) -> None:
             for phase, seconds in times.phases().items():  # the eager steps' warm-up before it answered, added

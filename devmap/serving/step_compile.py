@@ -1,9 +1,11 @@
 """Compiling a resident model's steps while it serves (`devmap serve --compile-beside`): a model answers as soon as its
-weights are on their devices, with eager steps, while a thread of its own compiles its steps (`warm_up`, beside the
-serving thread; no step captures meanwhile, in any thread, but while dynamo traces: `graphed_step.captures_paused`);
-once they are ready the model is marked compiled, and its running batch runs compiled steps from its next step on
-(`batch_run`, `ContinuousBatch.recompile`: the same rows, KV caches and tokens in flight; each step captured at its
-second use), as every later batch does. A compile that fails leaves the model on its eager steps, with a warning.
+weights are on their devices, with eager steps, while a thread of its own has its steps compiled: in a process of
+their own where it can (`compile_process`), then loaded by a light warm-up, else in this process (`warm_up`, beside
+the serving thread; no step captures meanwhile, in any thread, but while dynamo traces:
+`graphed_step.captures_paused`). Once they are ready the model is marked compiled, and its running batch runs
+compiled steps from its next step on (`batch_run`, `ContinuousBatch.recompile`: the same rows, KV caches and tokens in
+flight; each step captured at its second use), as every later batch does. A compile that fails leaves the model on
+its eager steps, with a warning.
 """
 
 from __future__ import annotations

@@ -62,8 +62,22 @@ def test_entries_compiled_on_the_cut_down_model_serve_the_whole_one(model_root, 
         warm_up(model, max_rows=64, context=context, beside_serving=True, key="served")
         after = region_store.region_totals()
         assert after.compiled == before.compiled and after.loaded > before.loaded
+        compiled, eager = (tokens(model, compile=True), tokens(model, compile=False))
+        assert compiled == eager and region_store.region_totals().compiled == before.compiled  # run by those entries
     finally:
         region_store.keep_regions_in(None)
+
+
+def tokens(model, compile: bool) -> list[tuple[object, int]]:
+    """Greedy tokens of a continuous batch on `model` whose prompts join as it runs (its steps compiled or eager)."""
+    from devmap.generation.continuous import SlotRequest, generate_continuous
+
+    waiting = [SlotRequest([3, 9, 4, 7, 1], 6, "b"), SlotRequest(list(range(5, 17)), 5, "c")]
+    got: list[tuple[object, int]] = []
+    generate_continuous(model, [SlotRequest([5, 8, 2], 8, "a")], lambda *a: [waiting.pop()] if waiting else [],
+                        lambda owner, token: got.append((owner, token)) or False, rows=4, first_slot=16,
+                        cache_len=32, compile=compile)
+    return got
 
 
 def _job(**changes) -> CompileJob:
@@ -74,7 +88,7 @@ def _job(**changes) -> CompileJob:
 
 def test_a_compile_process_that_fails_is_logged_with_its_reason_and_leaves_the_compile_here(caplog):
     with caplog.at_level(logging.WARNING, logger="devmap.serving"):
-        assert not compile_elsewhere(_job(), lambda: False, poll=0.05)
+        assert compile_elsewhere(_job(), lambda: False, poll=0.05) is None
     assert "compiling the steps in a process of their own failed" in caplog.text
     assert "config.json" in caplog.text  # its last line: why the cut-down model did not load
 
@@ -89,7 +103,7 @@ def test_a_compile_process_ends_when_its_model_is_unloaded(monkeypatch, caplog):
 
     monkeypatch.setattr(compile_process.subprocess, "Popen", recorded)
     with caplog.at_level(logging.WARNING, logger="devmap.serving"):
-        assert not compile_elsewhere(_job(), lambda: True, poll=0.05)
+        assert compile_elsewhere(_job(), lambda: True, poll=0.05) is None
     assert started[0].returncode is not None and started[0].returncode != 0  # ended, not left running
     assert "failed" not in caplog.text  # an unload is not a failure
 
