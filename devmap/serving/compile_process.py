@@ -95,12 +95,13 @@ def cut_down(config: dict[str, Any], device_map: dict[str, str]) -> tuple[dict[s
     return small, cut
 
 
-def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | None,
-            key: str | None) -> CompileJob | None:
+def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | None, key: str | None,
+            kv_room: int) -> CompileJob | None:
     """The job that compiles the steps of `model` (loaded from `source`, its marker `key`) for batches of `rows` rows
     in a process of its own, or None where that cannot stand for compiling them here: no region store (`key` None:
     the entries would not reach this process), no config.json at `source`, a quantization other than devmap's
-    schemes, a map that names no layers, or too little free memory on a GPU (`room`)."""
+    schemes, a map that names no layers, or too little free memory on a GPU beside the KV caches the model's plan
+    made room for (`kv_room` bytes over all its layers: its batches allocate them as they open) (`room`)."""
     import torch
 
     from ..generation.mixed_joins import rides_by_default
@@ -114,7 +115,7 @@ def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | No
         return None
     cut = cut_down(json.loads(config_file.read_text()), {name: str(device) for name, device in
                                                          model.hf_device_map.items()})
-    memory = room(model, cut[1]) if cut is not None else None
+    memory = room(model, cut[1], kv_room) if cut is not None else None
     if cut is None or memory is None:
         return None
     # whether joiners ride follows the model's size where nobody says: the cut-down model's would not be the model's
@@ -124,15 +125,16 @@ def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | No
                       context=context, riding=rides, threads=torch.get_num_threads(), key=key, memory=memory)
 
 
-def room(model: Any, device_map: dict[str, str]) -> dict[str, int] | None:
+def room(model: Any, device_map: dict[str, str], kv_room: int) -> dict[str, int] | None:
     """The memory the compile's process may use on each GPU of `device_map` (the cut-down map of `model`): the largest
     layer of `model` there for each layer kept, what is not a layer, and ROOM for the rest; None where a GPU has less
-    free than that and KEEP."""
+    free than that, KEEP, and its layers' share of the model's `kv_room`."""
     import torch
 
     from ..planning.devices import is_gpu, parse_device_key
 
     layers: dict[int, int] = {}  # the largest layer's bytes on each GPU
+    depth: dict[int, int] = {}  # the layers on each GPU
     held: dict[int, int] = {}  # bytes of what is not a layer on each GPU
     for module_name, module in model.named_modules():
         match = _LAYER.match(module_name)
@@ -145,8 +147,10 @@ def room(model: Any, device_map: dict[str, str]) -> dict[str, int] | None:
             index = tensor.device.index
             if match is not None:
                 layers[index] = max(layers.get(index, 0), sum(t.nbytes for t in tensors if t.is_cuda))
+                depth[index] = depth.get(index, 0) + 1
                 break
             held[index] = held.get(index, 0) + tensor.nbytes
+    every = sum(depth.values()) or 1
     kept: dict[int, int] = {}
     for name, device in device_map.items():
         index = parse_device_key(device)
@@ -157,7 +161,7 @@ def room(model: Any, device_map: dict[str, str]) -> dict[str, int] | None:
     for index, count in kept.items():
         needed = ROOM + held.get(index, 0) + count * layers.get(index, 0)
         free, _ = torch.cuda.mem_get_info(index)
-        if free - KEEP < needed:
+        if free - KEEP - kv_room * depth.get(index, 0) // every < needed:
             return None
         memory[str(index)] = int(needed)
     return memory

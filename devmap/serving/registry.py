@@ -141,7 +141,7 @@ class ModelRegistry:
         from .warm_up import WarmUpTimes, warm_up
 
         model, rows, context, riding = resident.model, resident.max_rows, resident.context, self.limits.riding
-        job = job_for(model, resident.path, rows, context, riding, resident.warm_key)
+        job = job_for(model, resident.path, rows, context, riding, resident.warm_key, resident.kv_room)
 
         def compile(stop: Callable[[], bool]) -> WarmUpTimes:
             # where the compile's process fails, the warm-up here compiles what it did not keep

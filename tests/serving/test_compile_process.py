@@ -116,10 +116,10 @@ def test_the_job_carries_the_served_models_choices_not_the_cut_down_ones(model_r
     from devmap.serving.compile_process import job_for
 
     model = devmap.load(str(model_root / "tiny"), device_map="auto", max_memory="cpu=2GB")
-    assert job_for(model, model_root / "tiny", 8, 256, None, "k") is None  # a CPU map: no GPU memory to compile on
-    monkeypatch.setattr(compile_process, "room", lambda model, device_map: {"0": 1 << 30})
+    assert job_for(model, model_root / "tiny", 8, 256, None, "k", 0) is None  # a CPU map: no GPU memory to compile on
+    monkeypatch.setattr(compile_process, "room", lambda model, device_map, kv_room: {"0": 1 << 30})
     monkeypatch.setattr(mixed_joins, "rides_by_default", lambda model: model.config.num_hidden_layers > 1)
-    job = job_for(model, model_root / "tiny", 8, 256, None, "k")
+    job = job_for(model, model_root / "tiny", 8, 256, None, "k", 0)
     assert job.riding is True and job.config["num_hidden_layers"] == 1 and job.key == "k"
-    assert job_for(model, model_root / "tiny", 8, 256, False, "k").riding is False
-    assert job_for(model, model_root / "tiny", 8, 256, None, None) is None  # no store: the entries would not come back
+    assert job_for(model, model_root / "tiny", 8, 256, False, "k", 0).riding is False
+    assert job_for(model, model_root / "tiny", 8, 256, None, None, 0) is None  # no store: no entries come back
