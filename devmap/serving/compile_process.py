@@ -11,9 +11,12 @@ entry serves every layer of the model: they run one compiled code), then marks t
 (`warm_marks`). The serving process meanwhile replays its captured eager steps; it then loads the stored entries in
 a light warm-up, as a restart does, and its batches move to them.
 
-The process runs at a lower CPU priority, within a share of each GPU's free memory (`ROOM`; where less is free the
-compile stays in the serving process), ends when the serving process does, and is stopped with the model's unload.
-A failure (its last line is logged) leaves the compile to the serving process, as before.
+The process runs at a lower CPU priority, within a cap of its weights and ROOM on each GPU, and only where the GPU
+keeps that, the KV caches the served model's plan made room for and KEEP free beside it; it ends when the serving
+process does and is stopped with the model's unload. It warms up as a compile beside serving does (no captures, joins
+packed as while captures are paused, joiners riding as the served model's size says), so that its entries are those
+the serving process's light warm-up and batches look for. Where it cannot run, or fails (its last line is logged),
+the serving process compiles the steps itself, as it did before.
 """
 
 from __future__ import annotations
@@ -98,21 +101,23 @@ def cut_down(config: dict[str, Any], device_map: dict[str, str]) -> tuple[dict[s
 def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | None, key: str | None,
             kv_room: int) -> CompileJob | None:
     """The job that compiles the steps of `model` (loaded from `source`, its marker `key`) for batches of `rows` rows
-    in a process of its own, or None where that cannot stand for compiling them here: no region store (`key` None:
-    the entries would not reach this process), no config.json at `source`, a quantization other than devmap's
-    schemes, a map that names no layers, or too little free memory on a GPU beside the KV caches the model's plan
-    made room for (`kv_room` bytes over all its layers: its batches allocate them as they open) (`room`)."""
+    in a process of its own, or None where that cannot stand for compiling them here, or need not: no region store
+    (`key` None: the entries would not reach this process), a store that holds them already (`warmed`), no
+    config.json at `source`, a quantization other than devmap's schemes, a map that names no layers, or too little
+    free memory on a GPU beside the KV caches the model's plan made room for (`kv_room` bytes over all its layers:
+    its batches allocate them as they open) (`room`)."""
     import torch
 
     from ..generation.mixed_joins import rides_by_default
     from ..planning.memory import dtype_name
     from ..planning.quantization import Quantization
+    from .warm_marks import warmed
 
     plan, config_file = model.devmap_plan, source / "config.json"
     quantization = plan.quantization
-    if key is None or not config_file.is_file() or (quantization is not None
-                                                    and not isinstance(quantization, Quantization)):
-        return None
+    if key is None or warmed(key) or not config_file.is_file() or (
+            quantization is not None and not isinstance(quantization, Quantization)):
+        return None  # (a warm-up of the model ran whole before: the store holds its entries, this process loads them)
     cut = cut_down(json.loads(config_file.read_text()), {name: str(device) for name, device in
                                                          model.hf_device_map.items()})
     memory = room(model, cut[1], kv_room) if cut is not None else None
@@ -175,13 +180,14 @@ def compile_elsewhere(job: CompileJob, stop: Callable[[], bool], poll: float = 0
         Path(folder, "config.json").write_text(json.dumps(job.config))
         Path(folder, "job.json").write_text(json.dumps(asdict(job)))
         errors = Path(folder, "errors.txt")
+        # devmap importable there as here, after whatever the environment puts first
         package_root = str(Path(__file__).resolve().parents[2])
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+            [*filter(None, [os.environ.get("PYTHONPATH")]), package_root])}
         with errors.open("w") as written:
             process = subprocess.Popen([sys.executable, "-m", __name__, folder, str(os.getpid())],
                                        stdin=subprocess.DEVNULL, stdout=written, stderr=subprocess.STDOUT,
-                                       env=environment, preexec_fn=_lower_priority if os.name == "posix" else None)
+                                       env=environment)
             while process.poll() is None:
                 if stop():
                     _end(process)
@@ -195,11 +201,6 @@ def compile_elsewhere(job: CompileJob, stop: Callable[[], bool], poll: float = 0
     seconds = time.perf_counter() - started
     log.info("steps compiled in a process of their own in %.1f s", seconds)
     return seconds
-
-
-def _lower_priority() -> None:
-    with contextlib.suppress(OSError):
-        os.nice(NICE)
 
 
 def _end(process: subprocess.Popen[bytes]) -> None:
@@ -250,6 +251,8 @@ def run(folder: Path) -> None:
 
 def main(argv: list[str]) -> int:
     folder, parent = Path(argv[0]), int(argv[1])
+    with contextlib.suppress(OSError, AttributeError):  # its compile's workers inherit it
+        os.nice(NICE)
     threading.Thread(target=_watch, args=(parent,), name="devmap-compile-watch", daemon=True).start()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:

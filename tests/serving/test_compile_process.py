@@ -108,11 +108,13 @@ def test_a_compile_process_ends_when_its_model_is_unloaded(monkeypatch, caplog):
     assert "failed" not in caplog.text  # an unload is not a failure
 
 
-def test_the_job_carries_the_served_models_choices_not_the_cut_down_ones(model_root, monkeypatch):
+def test_the_job_carries_the_served_models_choices_not_the_cut_down_ones(model_root, monkeypatch, tmp_path):
     """Whether joiners ride follows a model's size where nobody says: the job names the served model's choice, which
-    the one-layer model would not make; no region store (no key) or no room on a GPU: no job."""
+    the one-layer model would not make; no region store (no key), a store that holds the entries already or no room on
+    a GPU: no job."""
     import devmap
-    from devmap.generation import mixed_joins
+    from devmap.generation import mixed_joins, region_store
+    from devmap.serving import warm_marks
     from devmap.serving.compile_process import job_for
 
     model = devmap.load(str(model_root / "tiny"), device_map="auto", max_memory="cpu=2GB")
@@ -123,3 +125,9 @@ def test_the_job_carries_the_served_models_choices_not_the_cut_down_ones(model_r
     assert job.riding is True and job.config["num_hidden_layers"] == 1 and job.key == "k"
     assert job_for(model, model_root / "tiny", 8, 256, False, "k", 0).riding is False
     assert job_for(model, model_root / "tiny", 8, 256, None, None, 0) is None  # no store: no entries come back
+    region_store.keep_regions_in(tmp_path)
+    try:
+        warm_marks.mark("k", whole=True)
+        assert job_for(model, model_root / "tiny", 8, 256, None, "k", 0) is None  # the store holds them already
+    finally:
+        region_store.keep_regions_in(None)
