@@ -156,8 +156,9 @@ def compiling_line(ready: float, windows: list[dict[str, Any]], clients: int) ->
     if not windows:
         return line + " before that"
     worst = max(w["ttft_p99"] or 0.0 for w in windows)
-    rates = [w["tokens_per_s"] for w in windows]
-    return line + f" before that, TTFT p99 at most {worst:.2f} s, {min(rates):,.0f}-{max(rates):,.0f} tok/s"
+    each = ", ".join(f"{w['ttft_p99'] or 0.0:.2f}" for w in windows)
+    rates = ", ".join(f"{w['tokens_per_s']:,.0f}" for w in windows)
+    return line + f" before that, TTFT p99 at most {worst:.2f} s (each window: {each} s; {rates} tok/s)"
 
 
 def start_phases(url: str) -> dict[str, Any]:
