@@ -58,7 +58,7 @@ class CompileJob:
     quantization: dict[str, Any] | None
     rows: int
     context: int
-    riding: bool | None
+    riding: bool
     threads: int
     key: str
     memory: dict[str, int]
@@ -74,7 +74,7 @@ def cut_down(config: dict[str, Any], device_map: dict[str, str]) -> tuple[dict[s
         kept = [0]
         cut = dict(device_map)
     else:
-        runs: list[tuple[int, str]] = []  # (first layer, device) of each run
+        runs: list[tuple[int, str]] = []  # (layer, device) of every layer the map names
         cut, stack = {}, None
         for name, device in device_map.items():
             match = _LAYER.match(name)

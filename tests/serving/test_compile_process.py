@@ -82,7 +82,7 @@ def tokens(model, compile: bool) -> list[tuple[object, int]]:
 
 def _job(**changes) -> CompileJob:
     fields = dict(config={}, device_map={"": "cpu"}, dtype="float32", quantization=None,
-                  rows=8, context=64, riding=None, threads=1, key="k", memory={})
+                  rows=8, context=64, riding=False, threads=1, key="k", memory={})
     return CompileJob(**{**fields, **changes})
 
 
