@@ -47,7 +47,7 @@ def test_entries_compiled_on_the_cut_down_model_serve_the_whole_one(model_root, 
     config = json.loads((model_root / "tiny" / "config.json").read_text())
     small, cut = cut_down(config, {name: str(device) for name, device in model.hf_device_map.items()})
     job = CompileJob(config=small, device_map=cut, dtype="float32", quantization=None, rows=64, context=context,
-                     riding=None, threads=torch.get_num_threads(), key="served", memory={})
+                     riding=False, threads=torch.get_num_threads(), key="served", memory={})
     folder = tmp_path / "job"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(job.config))
