@@ -26,7 +26,7 @@ from ..planning.devices import DeviceKey
 from .errors import DoesNotFit, ModelNotFound, ModelUnloading, ServiceError
 from .limits import EngineLimits
 from .interpreter_switch import switching_often
-from .load_phases import LoadPhases
+from .load_phases import CompiledGraphs, LoadPhases
 from .prepare import prepare_for_serving
 from .resident import ResidentModel
 from .step_compile import StepCompile
@@ -146,6 +146,8 @@ class ModelRegistry:
         def compile(stop: Callable[[], bool]) -> WarmUpTimes:
             # where the compile's process fails, the warm-up here compiles what it did not keep
             elsewhere = (compile_elsewhere(job, stop) if job is not None else None) or 0.0
+            if stop():  # the model is being unloaded: nothing more to compile (`done` is not called)
+                return WarmUpTimes(elsewhere, 0.0, 0.0, CompiledGraphs(0, 0))
             times = compiled_anew(lambda: warm_up(model, rows, context, riding, beside_serving=True, stop=stop))
             return times._replace(compile=times.compile + elsewhere)  # its compile phase: there, then loaded here
 
