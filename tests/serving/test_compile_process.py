@@ -131,3 +131,39 @@ def test_the_job_carries_the_served_models_choices_not_the_cut_down_ones(model_r
         assert job_for(model, model_root / "tiny", 8, 256, None, "k", 0) is None  # the store holds them already
     finally:
         region_store.keep_regions_in(None)
+
+
+def test_regions_the_compile_process_left_out_compile_here_and_the_next_start_loads_them(model_root, compiled_on_cpu,
+                                                                                         monkeypatch, tmp_path,
+                                                                                         caplog):
+    """A compile's process whose entries did not cover a call (here: none at all): the light warm-up compiles the
+    region in the serving process, with a warning, and the warm marker stays, so the next start loads every entry
+    instead of compiling beside again (and again)."""
+    from devmap.compat import ahead_of_time_keeps
+    from devmap.generation import region_store
+    from devmap.serving import EngineLimits, ModelRegistry, warm_marks
+    from devmap.serving import warm_up as warm_up_module
+
+    if not ahead_of_time_keeps("aot_eager"):
+        pytest.skip(f"torch {torch.__version__} saves inductor's entries only")
+    monkeypatch.setattr(warm_up_module, "compiles", lambda model, wanted, quantization: wanted is not False)
+    monkeypatch.setattr(warm_marks, "warm_key", lambda *args: "tiny")
+    monkeypatch.setattr(warm_up_module, "warm_key", lambda *args: "tiny")
+    monkeypatch.setattr(compile_process, "job_for", lambda *args: object())
+
+    def elsewhere(job, stop):
+        warm_marks.mark("tiny", whole=True)  # as a whole pass that kept nothing this process's calls accept
+        return 1.0
+
+    monkeypatch.setattr(compile_process, "compile_elsewhere", elsewhere)
+    region_store.keep_regions_in(tmp_path)
+    try:
+        registry = ModelRegistry(model_root, "auto", "cpu=2GB", limits=EngineLimits(compile_beside=True))
+        with caplog.at_level(logging.WARNING, logger="devmap.serving"):
+            resident = registry.load(model_root / "tiny")
+            assert resident.compiling.wait(300) and resident.compiling.failure is None
+        assert resident.compiled and warm_marks.warmed("tiny")
+        assert "the compile's process left" in caplog.text
+        assert resident.load_seconds["compile"] >= 1.0  # the process's seconds count in the compile phase
+    finally:
+        region_store.keep_regions_in(None)
