@@ -25,7 +25,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -35,13 +34,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..planning.plan_report import LAYER_ENTRY
+
 log = logging.getLogger("devmap.serving")
 
 ROOM = 3 << 30  # bytes the compile's process may use on a GPU beside its weights (its CUDA context excepted)
 KEEP = 2 << 30  # bytes of a GPU's free memory left to the serving process beside them
 NICE = 10  # the compile's process (and its compile workers) yields the CPU to the serving process
-_LAYER = re.compile(r"^(?P<stack>.*\blayers)\.(?P<index>\d+)$")
-_IN_LAYER = re.compile(r"^.*\blayers\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -77,12 +76,11 @@ def cut_down(config: dict[str, Any], device_map: dict[str, str]) -> tuple[dict[s
         runs: list[tuple[int, str]] = []  # (layer, device) of every layer the map names
         cut, stack = {}, None
         for name, device in device_map.items():
-            match = _LAYER.match(name)
-            if match is None:
+            if not LAYER_ENTRY.search(name):
                 cut[name] = device
                 continue
-            stack = match["stack"]
-            runs.append((int(match["index"]), device))
+            stack, index = name.rsplit(".", 1)
+            runs.append((int(index), device))
         if stack is None:
             return None
         runs.sort()
@@ -138,30 +136,28 @@ def room(model: Any, device_map: dict[str, str], kv_room: int) -> dict[str, int]
 
     from ..planning.devices import is_gpu, parse_device_key
 
+    held: dict[int, int] = {}  # bytes of every tensor on each GPU, then of those outside its layers
     layers: dict[int, int] = {}  # the largest layer's bytes on each GPU
     depth: dict[int, int] = {}  # the layers on each GPU
-    held: dict[int, int] = {}  # bytes of what is not a layer on each GPU
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_cuda:
+            held[tensor.device.index] = held.get(tensor.device.index, 0) + tensor.nbytes
     for module_name, module in model.named_modules():
-        match = _LAYER.match(module_name)
-        if match is None and _IN_LAYER.match(module_name):
-            continue  # counted with its layer
-        tensors = [*module.parameters(recurse=match is not None), *module.buffers(recurse=match is not None)]
-        for tensor in tensors:
-            if not tensor.is_cuda:
-                continue
-            index = tensor.device.index
-            if match is not None:
-                layers[index] = max(layers.get(index, 0), sum(t.nbytes for t in tensors if t.is_cuda))
-                depth[index] = depth.get(index, 0) + 1
-                break
-            held[index] = held.get(index, 0) + tensor.nbytes
+        if not LAYER_ENTRY.search(module_name):
+            continue
+        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_cuda]
+        if tensors:
+            index, size = tensors[0].device.index, sum(t.nbytes for t in tensors)
+            layers[index] = max(layers.get(index, 0), size)
+            depth[index] = depth.get(index, 0) + 1
+            held[index] -= size
     every = sum(depth.values()) or 1
     kept: dict[int, int] = {}
     for name, device in device_map.items():
         index = parse_device_key(device)
         if not is_gpu(index):
             return None
-        kept[index] = kept.get(index, 0) + (1 if _LAYER.match(name) or name == "" else 0)
+        kept[index] = kept.get(index, 0) + (1 if LAYER_ENTRY.search(name) or name == "" else 0)
     memory = {}
     for index, count in kept.items():
         needed = ROOM + held.get(index, 0) + count * layers.get(index, 0)
