@@ -137,9 +137,7 @@ class ModelRegistry:
         """Compile the model's steps while it serves (`step_compile`): in a process of its own where it can
         (`compile_process`), then loaded here by a light warm-up; its batches move to them once ready."""
         from .compile_cache import compiled_anew
-        from ..generation.region_store import region_totals
         from .compile_process import compile_elsewhere, job_for
-        from .warm_marks import mark
         from .warm_up import WarmUpTimes, warm_up
 
         model, rows, context, riding = resident.model, resident.max_rows, resident.context, self.limits.riding
@@ -150,15 +148,8 @@ class ModelRegistry:
             elsewhere = (compile_elsewhere(job, stop) if job is not None else None) or 0.0
             if stop():  # the model is being unloaded: nothing more to compile (`done` is not called)
                 return WarmUpTimes(elsewhere, 0.0, 0.0, CompiledGraphs(0, 0))
-            before = region_totals().compiled
-            times = compiled_anew(lambda: warm_up(model, rows, context, riding, beside_serving=True, stop=stop))
-            left = region_totals().compiled - before
-            if elsewhere and left and not stop():
-                # the light warm-up took the marker away for what it compiled; the process's whole pass ran, and what
-                # it left out is stored now: the next start loads them all rather than compiling beside again
-                mark(resident.warm_key, whole=True)
-                log.warning("%s: the compile's process left %d compiled regions to this process (the log's "
-                            "'compiled entry made' lines name them)", resident.id, left)
+            times = compiled_anew(lambda: warm_up(model, rows, context, riding, beside_serving=True, stop=stop,
+                                                  after_whole_pass=elsewhere > 0))
             return times._replace(compile=times.compile + elsewhere)  # its compile phase: there, then loaded here
 
         def done(times: WarmUpTimes) -> None:

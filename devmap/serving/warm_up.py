@@ -21,6 +21,7 @@ with). Inductor's on-disk cache makes a restart's compile faster, and the region
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Callable, NamedTuple
 
@@ -38,6 +39,8 @@ from .interpreter_switch import switching_often
 from .load_phases import CompiledGraphs
 from .scheduler import CACHE_BUCKET, MIN_ROWS, BatchShape
 from .warm_marks import ServedShapes, mark, served_shapes, warm_key, warmed
+
+log = logging.getLogger("devmap.serving")
 
 WARM_UP_STEPS = 4  # the first decode step compiles, the second captures, the rest replay
 WARM_UP_PROMPT = 4  # tokens of each prompt of `warm_up`
@@ -106,7 +109,8 @@ def served_batch(model: nn.Module, max_rows: int, context: int, riding: bool | N
 
 
 def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None = None, beside_serving: bool = False,
-            stop: Callable[[], bool] = lambda: False, lanes: int | None = None, key: str | None = None) -> WarmUpTimes:
+            stop: Callable[[], bool] = lambda: False, lanes: int | None = None, key: str | None = None,
+            after_whole_pass: bool = False) -> WarmUpTimes:
     """Run a small continuous batch with compiled steps (compiling its decode step, and the steps carrying joiners'
     prompts or their joins' prefill, as `riding` chooses, at every pack width).
 
@@ -128,7 +132,10 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
     one model at a time, and a compile beside serving is the only compile while it runs.
 
     `key`: the marker key the warm-up stands for (default: the model's own): a model cut down to a layer per device,
-    compiling in a process of its own for the one that serves (`compile_process`), marks the served model's."""
+    compiling in a process of its own for the one that serves (`compile_process`), marks the served model's.
+    `after_whole_pass`: that process's whole pass has just run, so what this light run compiles is what it left out,
+    stored now (with a warning), and the marker stays: the next start loads it with the rest rather than compiling
+    beside again."""
     prompt = [1] * WARM_UP_PROMPT
     paused = captures_paused(but_while_tracing=True) if beside_serving else contextlib.nullcontext()
     # light: a whole warm-up ran before, its regions are in the store: their entries load, no shape compiles
@@ -148,7 +155,11 @@ def warm_up(model: nn.Module, max_rows: int, context: int, riding: bool | None =
                 break
         batch.collect(everything=True)
     after, elapsed, kept = compile_totals(), time.perf_counter() - started, region_totals()
-    if light and kept.compiled > stored.compiled:
+    compiled_here = kept.compiled - stored.compiled
+    if light and compiled_here and after_whole_pass:  # stored now: the next start loads them with the rest
+        log.warning("the compile's process left %d compiled regions to this process (the log's 'compiled entry "
+                    "made' lines name them)", compiled_here)
+    elif light and compiled_here:
         mark(key, whole=False)  # the store had lost entries: the next start runs the whole pass again
     elif not light and not stop():  # not ended early: it ran whole
         mark(key, whole=True)
