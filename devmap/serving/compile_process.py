@@ -12,11 +12,12 @@ entry serves every layer of the model: they run one compiled code), then marks t
 a light warm-up, as a restart does, and its batches move to them.
 
 The process runs at a lower CPU priority, within a cap of its weights and ROOM on each GPU, and only where the GPU
-keeps that, the KV caches the served model's plan made room for and KEEP free beside it; it ends when the serving
-process does and is stopped with the model's unload. It warms up as a compile beside serving does (no captures, joins
-packed as while captures are paused, joiners riding as the served model's size says), so that its entries are those
-the serving process's light warm-up and batches look for. Where it cannot run, or fails (its last line is logged),
-the serving process compiles the steps itself, as it did before.
+lends that beside all the serving process may still take there (its models' KV caches filled as their plans made
+room for, and KEEP); it ends when the serving process does and is stopped with the model's unload. It warms up as a
+compile beside serving does (no captures, joins packed as while captures are paused, joiners riding as the served
+model's size says), so that its entries are those the serving process's light warm-up and batches look for. Where it
+cannot run, or fails (its last line is logged), the serving process compiles the steps itself, as it did before, and
+logs why.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..planning.plan_report import LAYER_ENTRY
 
@@ -97,13 +98,13 @@ def cut_down(config: dict[str, Any], device_map: dict[str, str]) -> tuple[dict[s
 
 
 def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | None, key: str | None,
-            kv_room: int) -> CompileJob | None:
+            kv_room: int, others: Sequence[tuple[Any, int]] = ()) -> CompileJob | str:
     """The job that compiles the steps of `model` (loaded from `source`, its marker `key`) for batches of `rows` rows
-    in a process of its own, or None where that cannot stand for compiling them here, or need not: no region store
-    (`key` None: the entries would not reach this process), a store that holds them already (`warmed`), no
-    config.json at `source`, a quantization other than devmap's schemes, a map that names no layers, or too little
-    free memory on a GPU beside the KV caches the model's plan made room for (`kv_room` bytes over all its layers:
-    its batches allocate them as they open) (`room`)."""
+    in a process of its own, or why the serving process compiles them instead: no region store (`key` None: the
+    entries would not reach this process), a store that holds them already (`warmed`), no config.json at `source`, a
+    quantization other than devmap's schemes, a map that names no layers or places one off the GPUs, or too little room
+    on a GPU (`room`: `kv_room` is the bytes of KV cache its plan made room for, `others` the other resident models
+    with theirs)."""
     import torch
 
     from ..generation.mixed_joins import rides_by_default
@@ -113,14 +114,21 @@ def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | No
 
     plan, config_file = model.devmap_plan, source / "config.json"
     quantization = plan.quantization
-    if key is None or warmed(key) or not config_file.is_file() or (
-            quantization is not None and not isinstance(quantization, Quantization)):
-        return None  # (a warm-up of the model ran whole before: the store holds its entries, this process loads them)
+    if key is None:
+        return "no compile cache to hand its compiled steps over in"
+    if warmed(key):  # a warm-up of the model ran whole before: the store holds its entries, this process loads them
+        return "the compile cache holds them already"
+    if not config_file.is_file():
+        return f"no config.json in {source}"
+    if quantization is not None and not isinstance(quantization, Quantization):
+        return "its quantization is not one of devmap's schemes"
     cut = cut_down(json.loads(config_file.read_text()), {name: str(device) for name, device in
                                                          model.hf_device_map.items()})
-    memory = room(model, cut[1], kv_room) if cut is not None else None
-    if cut is None or memory is None:
-        return None
+    if cut is None:
+        return "its device map names no decoder layers"
+    memory = room(model, cut[1], kv_room, others)
+    if isinstance(memory, str):
+        return memory
     # whether joiners ride follows the model's size where nobody says: the cut-down model's would not be the model's
     rides = rides_by_default(model) if riding is None else riding
     return CompileJob(config=cut[0], device_map=cut[1], dtype=dtype_name(plan.dtype),
@@ -128,17 +136,28 @@ def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | No
                       context=context, riding=rides, threads=torch.get_num_threads(), key=key, memory=memory)
 
 
-def room(model: Any, device_map: dict[str, str], kv_room: int) -> dict[str, int] | None:
-    """The memory the compile's process may use on each GPU of `device_map` (the cut-down map of `model`): the largest
-    layer of `model` there for each layer kept, what is not a layer, and ROOM for the rest; None where a GPU has less
-    free than that, KEEP, and its layers' share of the model's `kv_room`."""
-    import torch
+@dataclass
+class _Footprint:
+    """Where a model's bytes lie on the GPUs: all its tensors, those outside its decoder layers, its largest decoder
+    layer and its decoder layers' count on each GPU index."""
 
-    from ..planning.devices import is_gpu, parse_device_key
+    held: dict[int, int]
+    outside_layers: dict[int, int]
+    largest_layer: dict[int, int]
+    layers: dict[int, int]
 
-    held: dict[int, int] = {}  # bytes of every tensor on each GPU, then of those outside its layers
-    layers: dict[int, int] = {}  # the largest layer's bytes on each GPU
-    depth: dict[int, int] = {}  # the layers on each GPU
+    def most(self, kv_room: int) -> dict[int, int]:
+        """The most the model holds on each GPU once its batches' KV caches fill the `kv_room` its plan made (spread
+        as its layers are)."""
+        every = sum(self.layers.values()) or 1
+        return {index: held + kv_room * self.layers.get(index, 0) // every for index, held in self.held.items()}
+
+
+def _footprint(model: Any) -> _Footprint:
+    held: dict[int, int] = {}
+    in_layers: dict[int, int] = {}
+    largest: dict[int, int] = {}
+    layers: dict[int, int] = {}
     for tensor in (*model.parameters(), *model.buffers()):
         if tensor.is_cuda:
             held[tensor.device.index] = held.get(tensor.device.index, 0) + tensor.nbytes
@@ -148,22 +167,43 @@ def room(model: Any, device_map: dict[str, str], kv_room: int) -> dict[str, int]
         tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_cuda]
         if tensors:
             index, size = tensors[0].device.index, sum(t.nbytes for t in tensors)
-            layers[index] = max(layers.get(index, 0), size)
-            depth[index] = depth.get(index, 0) + 1
-            held[index] -= size
-    every = sum(depth.values()) or 1
+            in_layers[index] = in_layers.get(index, 0) + size
+            largest[index] = max(largest.get(index, 0), size)
+            layers[index] = layers.get(index, 0) + 1
+    return _Footprint(held, {index: size - in_layers.get(index, 0) for index, size in held.items()}, largest, layers)
+
+
+def room(model: Any, device_map: dict[str, str], kv_room: int,
+         others: Sequence[tuple[Any, int]] = ()) -> dict[str, int] | str:
+    """The memory the compile's process may use on each GPU of `device_map` (the cut-down map of `model`): what is
+    not a layer of `model` there, its largest layer there for each layer kept, and ROOM for the rest; or why a GPU
+    cannot lend that. A GPU lends what is free less what the serving process may still take there: the most its
+    resident models (`model` with the KV room its plan made, `others` with theirs) hold once their KV caches fill,
+    and KEEP, beyond what it holds already (its allocator's reserved bytes: the caches its warm-up made are in
+    them)."""
+    import torch
+
+    from ..planning.devices import is_gpu, parse_device_key
+
+    own = _footprint(model)
+    most = own.most(kv_room)
+    for other, other_kv in others:
+        for index, size in _footprint(other).most(other_kv).items():
+            most[index] = most.get(index, 0) + size
     kept: dict[int, int] = {}
     for name, device in device_map.items():
         index = parse_device_key(device)
         if not is_gpu(index):
-            return None
+            return f"its map places {name or 'the model'} on {device}"
         kept[index] = kept.get(index, 0) + (1 if LAYER_ENTRY.search(name) or name == "" else 0)
     memory = {}
     for index, count in kept.items():
-        needed = ROOM + held.get(index, 0) + count * layers.get(index, 0)
+        needed = ROOM + own.outside_layers.get(index, 0) + count * own.largest_layer.get(index, 0)
         free, _ = torch.cuda.mem_get_info(index)
-        if free - KEEP - kv_room * depth.get(index, 0) // every < needed:
-            return None
+        ahead = max(0, most.get(index, 0) + KEEP - torch.cuda.memory_reserved(index))
+        if free - ahead < needed:
+            return (f"GPU {index} lends {max(0, free - ahead) / 2**30:.1f} GiB beside what serving may still take "
+                    f"there, and the compile needs {needed / 2**30:.1f} GiB")
         memory[str(index)] = int(needed)
     return memory
 

@@ -141,7 +141,11 @@ class ModelRegistry:
         from .warm_up import WarmUpTimes, warm_up
 
         model, rows, context, riding = resident.model, resident.max_rows, resident.context, self.limits.riding
-        job = job_for(model, resident.path, rows, context, riding, resident.warm_key, resident.kv_room)
+        made = job_for(model, resident.path, rows, context, riding, resident.warm_key, resident.kv_room,
+                       [(other.model, other.kv_room) for other in self.all() if other is not resident])
+        if isinstance(made, str):
+            log.info("%s: its steps compile in the serving process: %s", resident.id, made)
+        job = None if isinstance(made, str) else made
 
         def compile(stop: Callable[[], bool]) -> WarmUpTimes:
             # where the compile's process fails, the warm-up here compiles what it did not keep

@@ -25,6 +25,45 @@ def test_the_cut_down_model_keeps_a_layer_per_run_of_layers_on_a_device():
     assert cut_down({"hidden_size": 8}, {"": "0"}) is None
 
 
+class _OnGPU:
+    """A tensor's size and GPU, as `room` reads them."""
+
+    def __init__(self, index, gib):
+        self.is_cuda, self.device, self.nbytes = True, type("Device", (), {"index": index}), int(gib * 2**30)
+
+
+class _Held:
+    """A module (or a model) holding `tensors`, its `layers` named as a decoder stack's."""
+
+    def __init__(self, tensors, layers=()):
+        self.tensors, self.layers = tensors, layers
+
+    def parameters(self):
+        return iter(self.tensors + [t for layer in self.layers for t in layer.tensors])
+
+    def buffers(self):
+        return iter([])
+
+    def named_modules(self):
+        return [("", self), *((f"model.layers.{i}", layer) for i, layer in enumerate(self.layers))]
+
+
+def test_a_gpu_lends_the_compile_what_serving_will_not_take_there(monkeypatch):
+    """GPU 0 holds a model of 1 GiB outside its 4 layers of 2 GiB, whose plan made room for 8 GiB of KV cache, 3 GiB
+    of it taken already (12 GiB reserved): serving may still take 9 + 8 + KEEP − 12 = 7 GiB there. The one-layer
+    model's compile needs 3 (ROOM) + 1 + 2 GiB: 14 GiB free lend it, 12 do not, nor 14 beside a second resident model
+    that may take 2 GiB more."""
+    model = _Held([_OnGPU(0, 1)], [_Held([_OnGPU(0, 2)]) for _ in range(4)])
+    other = _Held([_OnGPU(0, 0.5)], [_Held([_OnGPU(0, 0.5)])])
+    cut = {"model.embed_tokens": "0", "model.layers.0": "0", "lm_head": "0"}
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: 12 << 30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (14 << 30, 80 << 30))
+    assert compile_process.room(model, cut, 8 << 30) == {"0": 6 << 30}
+    assert "GPU 0 lends 5.0 GiB" in compile_process.room(model, cut, 8 << 30, [(other, 1 << 30)])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (12 << 30, 80 << 30))
+    assert "needs 6.0 GiB" in compile_process.room(model, cut, 8 << 30)
+
+
 def test_entries_compiled_on_the_cut_down_model_serve_the_whole_one(model_root, compiled_on_cpu, tmp_path,
                                                                     monkeypatch):
     """The compile's process (run here: its function) compiles every shape of a one-layer model into the store and
@@ -118,17 +157,17 @@ def test_the_job_carries_the_served_models_choices_not_the_cut_down_ones(model_r
     from devmap.serving.compile_process import job_for
 
     model = devmap.load(str(model_root / "tiny"), device_map="auto", max_memory="cpu=2GB")
-    assert job_for(model, model_root / "tiny", 8, 256, None, "k", 0) is None  # a CPU map: no GPU memory to compile on
-    monkeypatch.setattr(compile_process, "room", lambda model, device_map, kv_room: {"0": 1 << 30})
+    assert "on cpu" in job_for(model, model_root / "tiny", 8, 256, None, "k", 0)  # no GPU memory to compile on
+    monkeypatch.setattr(compile_process, "room", lambda model, device_map, kv_room, others: {"0": 1 << 30})
     monkeypatch.setattr(mixed_joins, "rides_by_default", lambda model: model.config.num_hidden_layers > 1)
     job = job_for(model, model_root / "tiny", 8, 256, None, "k", 0)
     assert job.riding is True and job.config["num_hidden_layers"] == 1 and job.key == "k"
     assert job_for(model, model_root / "tiny", 8, 256, False, "k", 0).riding is False
-    assert job_for(model, model_root / "tiny", 8, 256, None, None, 0) is None  # no store: no entries come back
+    assert "no compile cache" in job_for(model, model_root / "tiny", 8, 256, None, None, 0)  # no entries come back
     region_store.keep_regions_in(tmp_path)
     try:
         warm_marks.mark("k", whole=True)
-        assert job_for(model, model_root / "tiny", 8, 256, None, "k", 0) is None  # the store holds them already
+        assert "holds them already" in job_for(model, model_root / "tiny", 8, 256, None, "k", 0)
     finally:
         region_store.keep_regions_in(None)
 
