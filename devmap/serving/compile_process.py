@@ -263,7 +263,7 @@ def run(folder: Path) -> None:
     from ..loading.loader import load
     from ..planning.quantization import Quantization
     from .compile_cache import keep_regions
-    from .prepare import pin_attention, prepare_product_kernels
+    from .prepare import attention_without_plans, pin_attention, prepare_product_kernels
     from .warm_up import warm_up
 
     job = CompileJob(**json.loads((folder / "job.json").read_text()))
@@ -273,6 +273,7 @@ def run(folder: Path) -> None:
         total = torch.cuda.get_device_properties(index).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
     keep_regions()
+    attention_without_plans()  # the attention the serving process runs: its compiled steps pick theirs as it would
     quantization = Quantization(**{**job.quantization, "skip_modules": tuple(job.quantization["skip_modules"])}) \
         if job.quantization else None
     model = load(str(folder), device_map=job.device_map, dtype=job.dtype, quantization=quantization,

@@ -3,6 +3,12 @@ runs five per decode step, `generation.joined_projections`), the variants of dev
 quantized weights compiled, its decode steps compiled and warmed up now or while it serves (or left as captured eager
 steps where compiling does not pay or fails), its tokenizer and end-of-sequence ids. The registry loads, this
 prepares, each phase timed.
+
+A serving process runs torch's scaled_dot_product_attention without its cuDNN backend (`attention_without_plans`),
+which torch picks first on Hopper: cuDNN builds a plan at the first call of every shape, and a service meets new
+shapes while it serves (each new prompt length of a prefill, each pack width of an eager step), each one stalling
+every stream of its batch for that build (docs/serving.md has the figures, `benchmarks/probes/sdpa_first_call.py`
+makes them).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
     `step_compile`; None: where they would compile anew, `compiles_beside`); asked for (`limits.compile`), they compile
     now, and a compile that fails fails the load."""
     from ..generation.joined_projections import join_projections
+
+    attention_without_plans()
     from .warm_marks import warm_key
     from .warm_up import eager_first_steps
 
@@ -103,6 +111,14 @@ def prepare_product_kernels(model: nn.Module) -> int:
 
     products, dtype = joined_products(model), model.get_input_embeddings().weight.dtype
     return prepare_kernels([p.quantized for p in products if p.quantized is not None], dtype)
+
+
+def attention_without_plans() -> None:
+    """scaled_dot_product_attention without its cuDNN backend in this process, every thread and model in it: the
+    backends left (flash, memory-efficient, math) build nothing per shape."""
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def pin_attention(model: nn.Module) -> None:
