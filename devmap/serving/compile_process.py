@@ -136,7 +136,7 @@ def job_for(model: Any, source: Path, rows: int, context: int, riding: bool | No
                       context=context, riding=rides, threads=torch.get_num_threads(), key=key, memory=memory)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Footprint:
     """Where a model's bytes lie on the GPUs: all its tensors, those outside its decoder layers, its largest decoder
     layer and its decoder layers' count on each GPU index."""
@@ -154,6 +154,7 @@ class _Footprint:
 
 
 def _footprint(model: Any) -> _Footprint:
+    """`model`'s bytes on each GPU, each tensor counted once; a decoder layer's are on the GPU of its first tensor."""
     held: dict[int, int] = {}
     in_layers: dict[int, int] = {}
     largest: dict[int, int] = {}
