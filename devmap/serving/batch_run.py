@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Protocol
@@ -35,6 +36,7 @@ from .limits import EngineLimits
 from .metrics import EngineMetrics
 from .outputs import StepOutputs
 from .resident import ResidentModel
+from .stall_sampler import StallSampler
 from .scheduler import Admission, BatchShape, RunningBatch, Scheduler, grown, key_of
 from .warm_marks import ServedShapes, remember
 
@@ -97,6 +99,13 @@ class BatchRunner:
                  pull: Any, batches: Batches) -> None:
         self.scheduler, self.limits, self.metrics = scheduler, limits, metrics
         self.outputs, self.pull, self.batches = outputs, pull, batches
+        self.sampler: StallSampler | None = None  # where the loop thread sits, while the debug log is on
+
+    def _sampler(self) -> StallSampler | None:
+        """The loop thread's stall sampler (started at its first batch with the debug log on), else None."""
+        if self.sampler is None and log.isEnabledFor(logging.DEBUG):
+            self.sampler = StallSampler(threading.get_ident())
+        return self.sampler
 
     def run(self, resident: ResidentModel, jobs: list[Job], shape: BatchShape, joiners: bool) -> Outcome:
         """One continuous batch of `shape` on the model, starting with `jobs` (requests that join are appended to
@@ -108,7 +117,7 @@ class BatchRunner:
                             params.seed or 0)
         running = RunningBatch(key_of(jobs[0]), shape, joiners)
         eos = frozenset(resident.eos_ids)
-        trace = BatchTrace(time.perf_counter(), shape.rows)
+        trace = BatchTrace(time.perf_counter(), shape.rows, self._sampler())
         outcome = Outcome()
         stopped = False
         self._score_prompts(resident, jobs)

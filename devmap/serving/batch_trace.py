@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .jobs import Job
 from .metrics import EngineMetrics
+from .stall_sampler import StallSampler
 
 log = logging.getLogger("devmap.serving")
 SLOW_FIRST_TOKEN = 0.25  # seconds: a request slower than this to its first token is logged with its phases (debug)
@@ -33,10 +34,12 @@ class PhaseClock:
 @dataclass
 class BatchTrace:
     """A batch's timings for the debug log: when it started, when each joiner was taken in (and how many rows were
-    free then), the slowest wait for a first token."""
+    free then), the slowest wait for a first token; where the loop thread sat longest in a slow step (`sampler`,
+    while the debug log is on)."""
 
     started: float
     rows: int
+    sampler: StallSampler | None = None
     slowest: float = 0.0
     admitted: dict[int, tuple[float, int]] = None  # type: ignore[assignment]
 
@@ -48,10 +51,12 @@ class BatchTrace:
         prompts in it, on compiled steps or not: logged (debug) where it took longer than SLOW_STEP."""
         now = time.perf_counter()
         if now - began > SLOW_STEP and log.isEnabledFor(logging.DEBUG):
+            longest = self.sampler.longest(began, now) if self.sampler is not None else None
             log.debug("slow step (%.0f ms: issued in %.0f, collected in %.0f) with %d prompts joining, %s steps, "
-                      "%.0f ms into the batch", 1000 * (now - began), 1000 * (launched - began),
+                      "%.0f ms into the batch%s", 1000 * (now - began), 1000 * (launched - began),
                       1000 * (now - launched), joining, "compiled" if compiled else "eager",
-                      1000 * (now - self.started))
+                      1000 * (now - self.started),
+                      f"; longest in one place {1000 * longest[0]:.0f} ms: {longest[1]}" if longest else "")
 
     def first_token(self, job: Job) -> None:
         now = time.perf_counter()

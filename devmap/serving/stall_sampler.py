@@ -1,0 +1,77 @@
+"""Where the engine's loop thread sat while a step was slow, for the debug log.
+
+A slow step's time says how long; where it went is a question for a profiler, which nobody runs on a service when
+the stall happens. Here a thread samples the loop thread's innermost Python frames every INTERVAL and keeps the runs
+of samples in one place (a call into torch that built something at its first call, a kernel's compile, a lock); a
+slow step's log line names the longest run within it. A call that holds the interpreter keeps this thread from
+sampling until it lets go: that time counts toward the place sampled last before it (the call's caller where it
+began within a sample's interval). It runs only while the debug log is on (it takes the interpreter briefly every
+INTERVAL).
+
+CPython's `sys._current_frames` is how one thread sees another's frames; it is read here only.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+from types import FrameType
+
+INTERVAL = 0.02  # seconds between two samples
+KEPT_RUNS = 512  # runs kept: a slow step's runs are a few seconds old at most when its line is written
+
+
+def place(frame: FrameType, depth: int = 2) -> str:
+    """`frame` and its callers, `depth` of them, as `file.py:line in function` joined by ' < '."""
+    parts = []
+    while frame is not None and len(parts) < depth:
+        parts.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}")
+        frame = frame.f_back
+    return " < ".join(parts)
+
+
+class StallSampler:
+    """Samples thread `ident`'s place every `interval` seconds in a daemon thread of its own, until `close`."""
+
+    def __init__(self, ident: int, interval: float = INTERVAL) -> None:
+        self.ident, self.interval = ident, interval
+        self._runs: collections.deque[tuple[float, float, str]] = collections.deque(maxlen=KEPT_RUNS)
+        self._current: tuple[float, str] | None = None  # the run going on: its start and place
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="devmap-stall-sampler", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._closed.wait(self.interval):
+            frame = sys._current_frames().get(self.ident)
+            now = time.perf_counter()
+            where = place(frame) if frame is not None else "(the thread has ended)"
+            del frame
+            with self._lock:
+                if self._current is not None and self._current[1] == where:
+                    continue
+                if self._current is not None:
+                    self._runs.append((self._current[0], now, self._current[1]))
+                self._current = (now, where)
+
+    def longest(self, since: float, until: float) -> tuple[float, str] | None:
+        """The longest run of samples in one place between `since` and `until` (perf_counter seconds), clipped to
+        them: its seconds and place; None where no run fell between them."""
+        with self._lock:
+            runs = list(self._runs)
+            if self._current is not None:  # going on until now, as far as anyone knows
+                runs.append((self._current[0], time.perf_counter(), self._current[1]))
+        best = None
+        for start, end, where in runs:
+            seconds = min(end, until) - max(start, since)
+            if seconds > 0 and (best is None or seconds > best[0]):
+                best = (seconds, where)
+        return best
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=1.0)

@@ -1,0 +1,48 @@
+"""Where the engine's loop thread sat in a slow step: the sampler names the longest run of samples in one place, and
+a slow step's debug line carries it."""
+
+import logging
+import threading
+import time
+
+from devmap.serving.batch_trace import BatchTrace
+from devmap.serving.stall_sampler import StallSampler
+
+
+def _held_here(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _brief(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_slow_steps_line_names_where_the_loop_thread_sat_longest(caplog):
+    ready, done = threading.Event(), []
+
+    def loop():
+        ready.wait()
+        began = time.perf_counter()
+        _brief(0.05)
+        _held_here(0.4)
+        _brief(0.05)
+        done.append((began, time.perf_counter()))
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    sampler = StallSampler(worker.ident, interval=0.01)
+    try:
+        ready.set()
+        worker.join()
+        began, ended = done[0]
+        seconds, where = sampler.longest(began, ended)
+        assert "_held_here" in where and "loop" in where.split(" < ")[1]
+        assert 0.3 < seconds <= ended - began
+        assert sampler.longest(ended + 10, ended + 11) is None  # nothing sampled then
+        trace = BatchTrace(began, 8, sampler)
+        with caplog.at_level(logging.DEBUG, logger="devmap.serving"):
+            trace.step(began, began + 0.001, 0, compiled=False)
+        assert "longest in one place" in caplog.text and "_held_here" in caplog.text
+    finally:
+        sampler.close()
+    assert not sampler._thread.is_alive()
