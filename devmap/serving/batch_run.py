@@ -36,8 +36,8 @@ from .limits import EngineLimits
 from .metrics import EngineMetrics
 from .outputs import StepOutputs
 from .resident import ResidentModel
-from .stall_sampler import StallSampler
 from .scheduler import Admission, BatchShape, RunningBatch, Scheduler, grown, key_of
+from .stall_sampler import StallSampler
 from .warm_marks import ServedShapes, remember
 
 log = logging.getLogger("devmap.serving")
@@ -177,8 +177,8 @@ class BatchRunner:
             if joiners and compiled and outcome.failure is None and resident.warm_key is not None:
                 served = ServedShapes(shape, tuple(batch.join_shapes()))
         if served is not None and served != resident.kept_shapes:  # for the model's next start (`warm_marks`)
+            resident.kept_shapes = served  # first: whoever reads the record finds the model's own agreeing
             remember(resident.warm_key, served)
-            resident.kept_shapes = served
         if log.isEnabledFor(logging.DEBUG):
             log.debug("continuous batch (rows %d, first slot %d, cache %d): %d requests, %d joined (issued in %.0f "
                       "ms), slowest first token %.0f ms, %s after %d steps, %.0f ms", shape.rows, shape.first_slot,
