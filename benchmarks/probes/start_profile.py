@@ -17,7 +17,6 @@ import collections
 import cProfile
 import io
 import pstats
-import sys
 import threading
 import time
 
@@ -109,9 +108,11 @@ class Sampler(threading.Thread):
         self.samples = 0
 
     def run(self) -> None:
+        from devmap.serving.stall_sampler import thread_frame
+
         while self.running:
             time.sleep(self.interval)
-            frame = sys._current_frames().get(self.target)
+            frame = thread_frame(self.target)
             if frame is None:
                 continue
             self.samples += 1

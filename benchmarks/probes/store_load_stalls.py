@@ -47,6 +47,7 @@ def main() -> None:
     from devmap.loading.loader import load
     from devmap.serving.compile_process import CompileJob, compile_elsewhere, cut_down
     from devmap.serving.prepare import pin_attention
+    from devmap.serving.stall_sampler import thread_frame
     from devmap.serving.warm_up import warm_up
 
     config = json.loads((Path(args.model) / "config.json").read_text())
@@ -74,7 +75,7 @@ def main() -> None:
             time.sleep(0.001)
             waited = time.perf_counter() - asked - 0.001
             if waited > args.stall:
-                frame = sys._current_frames().get(main_thread)
+                frame = thread_frame(main_thread)
                 where = traceback.extract_stack(frame)[-3:] if frame is not None else []
                 stalls.append((time.perf_counter() - started, waited, where))
 

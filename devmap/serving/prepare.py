@@ -58,10 +58,10 @@ def prepare_for_serving(model: nn.Module, path: Path, model_id: str, limits: Eng
     `step_compile`; None: where they would compile anew, `compiles_beside`); asked for (`limits.compile`), they compile
     now, and a compile that fails fails the load."""
     from ..generation.joined_projections import join_projections
-
-    attention_without_plans()
     from .warm_marks import warm_key
     from .warm_up import eager_first_steps
+
+    attention_without_plans()
 
     with phases.timed("prepare"):
         joined = join_projections(model)  # the service owns the model and never saves it: see there

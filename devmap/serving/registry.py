@@ -143,9 +143,11 @@ class ModelRegistry:
         model, rows, context, riding = resident.model, resident.max_rows, resident.context, self.limits.riding
         made = job_for(model, resident.path, rows, context, riding, resident.warm_key, resident.kv_room,
                        [(other.model, other.kv_room) for other in self.all() if other is not resident])
+        job = None
         if isinstance(made, str):
             log.info("%s: its steps compile in the serving process: %s", resident.id, made)
-        job = None if isinstance(made, str) else made
+        else:
+            job = made
 
         def compile(stop: Callable[[], bool]) -> WarmUpTimes:
             # where the compile's process fails, the warm-up here compiles what it did not keep

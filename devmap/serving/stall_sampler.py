@@ -8,7 +8,8 @@ sampling until it lets go: that time counts toward the place sampled last before
 began within a sample's interval). It runs only while the debug log is on (it takes the interpreter briefly every
 INTERVAL).
 
-CPython's `sys._current_frames` is how one thread sees another's frames; it is read here only.
+CPython's `sys._current_frames` is how one thread sees another's frames; `thread_frame` is the project's one reader
+(the sampler here, the stack-sampling probes in benchmarks/probes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from types import FrameType
 
 INTERVAL = 0.02  # seconds between two samples
 KEPT_RUNS = 512  # runs kept: a slow step's runs are a few seconds old at most when its line is written
+
+
+def thread_frame(ident: int) -> FrameType | None:
+    """The innermost Python frame thread `ident` runs now; None where it has ended."""
+    return sys._current_frames().get(ident)
 
 
 def place(frame: FrameType, depth: int = 2) -> str:
@@ -47,7 +53,7 @@ class StallSampler:
 
     def _sample(self) -> None:
         while not self._closed.wait(self.interval):
-            frame = sys._current_frames().get(self.ident)
+            frame = thread_frame(self.ident)
             now = time.perf_counter()
             where = place(frame) if frame is not None else "(the thread has ended)"
             del frame
