@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 SPAN = 128  # weights of an output row the kernels take a step at the least where two groups make them (nf4's groups
-# of 64 in pairs: a 13B layer's products at 32 rows, H200, took 1.15x the time with one group a step)
+# of 64 in pairs: one group a step took longer, docs/kernels.md)
 
 
 INT4_CODE_VALUES = tuple(float(q - 8) for q in range(16))  # int4's code values (torchao, tinygemm's formula)

@@ -158,9 +158,8 @@ def _pattern_values(pairs, Scale, Zero, out, scale_row, span, keep_outs, DECODE:
                     PAIRED: tl.constexpr, ZERO: tl.constexpr):
     """`_values` in half precision (Scale's and Zero's dtype) by `DECODE`' PTX from the bytes two at a time
     (`pairs`: uint16, outputs × a quarter span), each pair's four weights made as two pairs of values: no conversion
-    per weight, and no byte taken apart and put together again on its way to the PTX (as a tensor of bytes was:
-    H200, 7% less time over a 13B layer's products at 1-32 rows). Without ZERO the zeros are 0, none read (nf4:
-    5% less time at 1 and 32 rows)."""
+    per weight, and no byte taken apart and put together again on its way to the PTX (as a tensor of bytes was, which
+    took longer). Without ZERO the zeros are 0, none read (nf4: faster again; both timed in docs/kernels.md)."""
     low, high = _span_groups(span, PAIRED)
     scale = _doubled(Scale, out, scale_row, low, keep_outs, pairs.shape)
     zero = tl.zeros(pairs.shape, dtype=tl.uint32)
@@ -186,7 +185,7 @@ def four_bit_rows_kernel(X, W, Scale, Zero, CodeValues, Out, rows, outs, ins, x_
     (o, s, r), r the block of rows), in float32, W[o, i] = value(q) · Scale[o, g] + Zero[o, g], g = i // GROUP
     (`_values`: int4, or nf4's table with TABLE; Zero read only with ZERO), a span a group or with PAIRED two. The
     weights are the products' first operand (W · Xᵀ), made in the registers the tensor cores read them from (as the
-    second operand they went through shared memory: ~10% slower over a 13B layer, H200): with PATTERN by `DECODE`' PTX
+    second operand they went through shared memory, which took longer: docs/kernels.md): with PATTERN by `DECODE`' PTX
     (`decode_ptx`: X's, Scale's and Zero's dtype), else in float32 and converted (Triton's interpreter)."""
     SPAN: tl.constexpr = GROUP * 2 if PAIRED else GROUP
     HALF: tl.constexpr = SPAN // 2
@@ -223,7 +222,7 @@ def four_bit_dequantize_kernel(W, Scale, Zero, CodeValues, Out, outs, w_row, sca
                            PAIRED: tl.constexpr, ZERO: tl.constexpr, BLOCK_OUT: tl.constexpr, TABLE: tl.constexpr):
     """Out[o, i] = W[o, i] (as in `four_bit_rows_kernel`, computed in float32) in Out's dtype, for the block of
     output columns program_id(0) and the span program_id(1). Bound by writing them: the rows kernel's bit patterns
-    made it no faster (13B layer, H200: 257 µs either way, 73% of the copy bandwidth)."""
+    made it no faster (docs/kernels.md)."""
     SPAN: tl.constexpr = GROUP * 2 if PAIRED else GROUP
     HALF: tl.constexpr = SPAN // 2
     out = tl.program_id(0) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)

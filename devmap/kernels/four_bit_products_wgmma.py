@@ -203,12 +203,12 @@ def wgmma_shape(rows: int, outs: int, spans: int, span: int, table: bool = False
     """The rule, from the fastest of 8-16 shapes per product of a 13B layer at 64-256 rows (H200, int4 and nf4):
     every row in one tile (`tile_rows`: fewer than 32 rows past the last, or 64 or 256 rows); 64 output columns (one
     warpgroup) for tiles of 64 and 96 rows and for int4's (not a `table`'s) of 128 (two programs per SM overlap each
-    other's weights and products: 0.84x the time of 128 columns over a layer at 128 rows; nf4's table, more work per
-    weight, took 1.04x the time), else 128 (two warpgroups reading one tile of rows); 3 stages, for tiles of 256 rows
+    other's weights and products; nf4's table, more work per weight, gained nothing there), else 128 (two warpgroups
+    reading one tile of rows); 3 stages, for tiles of 256 rows
     as many as fit the card's `ring_bytes` up to 4 (2 for spans of 128 weights); the inner dimension in split-K
     parts only where the blocks are fewer than the card's `spread` (o and down: the parts that make its `programs`;
-    q/k/v and gate/up were 15-25% slower in two parts). nf4's shapes were timed while its spans were single groups of 64
-    weights, not again since."""
+    q/k/v and gate/up were slower in two parts). nf4's shapes were timed while its spans were single groups of 64
+    weights, not again since; the timings are in docs/kernels.md."""
     tile, tail = tile_rows(rows)
     out = 64 if tile <= 96 or (tile == 128 and not table) else 128
     stages = min(4, gpu.ring_bytes // stage_bytes(tile, out, span)) if tile == 256 else 3

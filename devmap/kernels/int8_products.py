@@ -120,9 +120,9 @@ NARROW_ROWS = 16  # rows up to which the decode kernel's blocks read 256 inputs 
 
 def block_shape(rows: int, outs: int, gpu: Card = HOPPER) -> BlockShape:
     """The decode kernel's block shape for a product of `rows` rows (up to DECODE_ROWS), as a rule from the fastest
-    of LLaMA-2-13B's products (`benchmarks/probes/int8_matmul.py`): up to NARROW_ROWS, of 36 shapes on an H200 at 1
-    and 16 rows (11% less time a layer than the H100's shapes there); beyond, of 36 on an H100 at 32 rows (within 1%
-    of the H200's best). Wide products (qkv, gate_up) have programs enough: up to NARROW_ROWS blocks of 64 output
+    of LLaMA-2-13B's products (`benchmarks/probes/int8_matmul.py`; docs/kernels.md): up to NARROW_ROWS, of 36 shapes
+    on an H200 at 1 and 16 rows (faster there than the H100's shapes); beyond, of 36 on an H100 at 32 rows (as fast as
+    the H200's best). Wide products (qkv, gate_up) have programs enough: up to NARROW_ROWS blocks of 64 output
     columns, 128 where that would make more programs than the card's `programs` (two per SM); narrow ones (o, down:
     fewer output columns than 8,192) split their inner dimension so that every SM has weights to read."""
     if outs >= 8192:

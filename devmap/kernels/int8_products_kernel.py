@@ -51,7 +51,7 @@ def _rounded_int8(x, scale, inverse, RECIPROCAL_FROM: tl.constexpr):
     """round(x / scale) as int8 (`inverse` = 1 / scale correctly rounded), with the quotient correctly rounded and
     then rounded half to even, as torch's `(x / scale).round()`. A scale of at least RECIPROCAL_FROM: x · inverse
     corrected once by its exact residual (fused multiply-adds, rounded once), where a correctly rounded division
-    costs ~2.5× the quantizing kernel's time; on a GPU (RECIPROCAL_FROM = SMALLEST_NORMAL) equal to the division's
+    bounds the quantizing kernel (docs/kernels.md); on a GPU (RECIPROCAL_FROM = SMALLEST_NORMAL) equal to the division's
     for every float16 and bfloat16 value of x and of the row's max (checked exhaustively). A smaller scale (a
     subnormal one: a row's max under ~1.5e-36; any in Triton's interpreter, whose fma rounds the product first, where
     RECIPROCAL_FROM is inf): the division."""
