@@ -1,6 +1,11 @@
 """The Triton kernels behind `decode_attention.live_columns_attention` (imported only where they run: Triton comes
 with torch's CUDA wheels). `partial_attention`: one program per row, KV head (all its query heads) and chunk of
-columns; `merge_chunks`: one program per row and query head, over that row's chunks."""
+columns; `merge_chunks`: one program per row and query head, over that row's chunks.
+
+Triton compiles a kernel anew for each integer argument that is 1 or a multiple of 16 where it was not before; the
+counts that follow the cache's length (its columns, its chunks) are left unspecialized, so that a batch whose cache
+grows to a multiple of 1,024 columns launches the kernel it has, not a compile of a few hundred milliseconds in the
+middle of an eager step (a service's first requests run eager steps while its compiled ones are made)."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["columns"])  # one compile whatever the cache's length (`merge_chunks` too)
 def partial_attention(Query, Key, Value, Mask, Partial, LogSums,
                       query_row, query_head, key_row, key_head, key_column,
                       value_row, value_head, value_column, mask_row, mask_column,
@@ -51,7 +56,7 @@ def partial_attention(Query, Key, Value, Mask, Partial, LogSums,
         tl.store(LogSums + place, tl.full([BLOCK_GROUP], float("-inf"), tl.float32), mask=real)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks"])
 def merge_chunks(Partial, LogSums, Out, chunks, out_row, out_head, DIM: tl.constexpr, BLOCK: tl.constexpr):
     """Out[row, 0, head] = the chunks' partial outputs weighted by their share of the softmax denominator, read
     BLOCK chunks at a time (independent loads, not one dependent load per chunk)."""

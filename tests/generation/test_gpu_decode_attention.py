@@ -36,6 +36,28 @@ def test_kernel_attends_like_the_plain_computation(dtype, rows, heads, kv_heads,
                                rtol=1e-2)
 
 
+def test_one_compile_of_each_kernel_serves_every_cache_length():
+    """Eager launches at cache lengths a service's batches grow through (multiples of 128 columns: chunk counts that
+    are and are not multiples of 16) reuse the kernels compiled at the first: none compiles in a serving step."""
+    from devmap.kernels.decode_attention_kernel import merge_chunks, partial_attention
+
+    def compiled() -> list[int]:  # Triton's kernels made so far on this device, per kernel
+        caches = [kernel.device_caches[torch.cuda.current_device()][0] for kernel in (partial_attention, merge_chunks)]
+        return [len(cache) for cache in caches]
+
+    g = torch.Generator().manual_seed(5)
+    counts = None
+    for columns in (128, 1024, 1152, 2048, 640, 4096):
+        query = torch.randn(4, 8, 1, 128, generator=g).to("cuda", torch.bfloat16)
+        key = torch.randn(4, 2, columns, 128, generator=g).to("cuda", torch.bfloat16)
+        value = torch.randn(4, 2, columns, 128, generator=g).to("cuda", torch.bfloat16)
+        mask = _ring_masks(4, columns, g)[:, None, None, :]
+        torch.testing.assert_close(live_columns_attention(query, key, value, mask).float(),
+                                   reference_attention(query, key, value, mask).float(), atol=1e-2, rtol=1e-2)
+        counts = counts or compiled()
+        assert compiled() == counts, f"{columns} columns compiled a kernel anew"
+
+
 def test_kernel_in_a_dynamic_compiled_step_compiles_once_for_any_rows_and_columns_and_replays_in_a_graph():
     """Through devmap's own compile (`compile_region(..., dynamic=True)`, rows and columns marked as a decode step
     marks them): one compile for every shape, and a captured replay that reads the next step's mask and keys."""
