@@ -4,8 +4,8 @@ columns; `merge_chunks`: one program per row and query head, over that row's chu
 
 Triton compiles a kernel anew for each integer argument that is 1 or a multiple of 16 where it was not before; the
 counts that follow the cache's length (its columns, its chunks) are left unspecialized, so that a batch whose cache
-grows to a multiple of 1,024 columns launches the kernel it has, not a compile of a few hundred milliseconds in the
-middle of an eager step (a service's first requests run eager steps while its compiled ones are made)."""
+reaches a multiple of 1,024 columns (16 chunks) launches the kernels it has instead of compiling one in the middle of
+an eager step (a service's first requests run eager steps while its compiled ones are made)."""
 
 from __future__ import annotations
 
