@@ -1,8 +1,8 @@
 """The `devmap` command line: a click group whose one error boundary turns devmap errors into one-line messages.
 
 `run` is the program (`devmap`, `python -m devmap`): the group, then the process's end without the interpreter's
-teardown, which frees every object of torch's and transformers' modules one by one (~0.4 s after importing torch, ~1.1
-s after transformers' models, on 2 cores) and does nothing a finished command needs. The exit handlers still run
+teardown, which frees every object of torch's and transformers' modules one by one (most of a second after
+transformers' models: docs/cli.md) and does nothing a finished command needs. The exit handlers still run
 (logging's flush, temporary files, child processes) and stdout and stderr are flushed; a command that leaves a
 thread running ends the usual way.
 """

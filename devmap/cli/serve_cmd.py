@@ -190,8 +190,8 @@ def serve(model_dirs: tuple[str, ...], device_map: str, max_memory: str | None, 
     import logging
 
     # what is alive now (torch, transformers, the app, tokenizers: ~400k objects) is left out of this process's
-    # later collections: a full one walks them all, ~0.15 s in which no stream moves (the engine core's process
-    # does the same after each load)
+    # later collections: a full one walks them all, in which no stream moves (docs/serving.md; the engine core's
+    # process does the same after each load)
     gc.collect()
     gc.freeze()
 

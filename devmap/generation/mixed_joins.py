@@ -38,18 +38,16 @@ RIDING_TOKENS = 512  # prompt tokens one lane's step carries at most (one prompt
 
 PAUSED_RIDING_TOKENS = 2048  # prompt tokens one lane's eager step carries at most while captures are paused (a
 # compile beside serving): its steps then run uncaptured, bound by the host's issuing of every layer's kernels beside
-# the compile (150-400 ms a 13B step on one H200), and a step carrying a pack limit's prompts costs about what one
-# carrying RIDING_TOKENS does: a wave of joiners gets its first tokens in a quarter of the steps
+# the compile, and a step carrying a pack limit's prompts costs about what one carrying RIDING_TOKENS does: a wave of
+# joiners gets its first tokens in a quarter of the steps (docs/serving.md, "Measurements behind the defaults")
 
 RIDING_MIN_PARAMETERS = 10_000_000_000  # by default steps carry prompts for models this large: where a decode step
-# is bound by reading the weights, the host's extra work for a riding step hides behind it. On one H200, serving a
-# 13B LLaMA at 32 clients rode to 2,383-2,442 output tok/s from 2,147 joining apart; a 1.1B one fell to 10,760 and
-# 9,406 tok/s at 64 and 32 clients from 17,316 and 12,883 joining apart in the same run (its ~0.5 ms steps are bound
-# by the host, which a riding step keeps ~2 ms longer). Sizes between are not measured: they join apart.
+# is bound by reading the weights, the host's extra work for a riding step hides behind it: a 13B LLaMA served more
+# tokens riding, a 1.1B one fewer (its steps are bound by the host, which a riding step keeps longer; docs/serving.md
+# has the runs). Sizes between are not measured: they join apart.
 # Models with 4-bit projections (`FourBitLinear`) join apart at every size: past 128 rows, where a step's rows and a
-# pack meet, a 13B layer's 4-bit products take 1.4-1.7x bf16's time on one H200
-# (`benchmarks/probes/four_bit_matmul.py`), and at 13B and 32 clients there int4 served 2,514 tok/s joining apart
-# against 2,255 riding (nf4 1,965 against 1,949; bf16 2,456 riding), in the same run.
+# pack meet, 4-bit products take longer than bf16's, and a 13B int4 model served more tokens joining apart than
+# riding (docs/serving.md, docs/quantization.md).
 
 Rider = tuple[SlotRequest, int]  # a joiner carried by a step: its request and its row of the lane
 
