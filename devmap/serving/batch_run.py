@@ -107,6 +107,11 @@ class BatchRunner:
             self.sampler = StallSampler(threading.get_ident())
         return self.sampler
 
+    def close(self) -> None:
+        """Stop what runs beside the loop thread (its stall sampler)."""
+        if self.sampler is not None:
+            self.sampler.close()
+
     def run(self, resident: ResidentModel, jobs: list[Job], shape: BatchShape, joiners: bool) -> Outcome:
         """One continuous batch of `shape` on the model, starting with `jobs` (requests that join are appended to
         it), step by step until it drains, the scheduler stops it, its model's unload ends it, or a step fails."""

@@ -74,8 +74,7 @@ class EngineCore:
             self._worker.join(timeout)
             self._worker = None
             self._unwatch_gc()
-        if self.runner.sampler is not None:
-            self.runner.sampler.close()
+        self.runner.close()
         if self._early_loads is not None:  # the load in flight ends (a process must not end under it), no more start
             self._early_loads.join(timeout)
         for resident in self.registry.all():  # a compile beside serving ends at its next step
