@@ -34,8 +34,8 @@ class PhaseClock:
 @dataclass
 class BatchTrace:
     """A batch's timings for the debug log: when it started, when each joiner was taken in (and how many rows were
-    free then), the slowest wait for a first token; where the loop thread sat longest in a slow step (`sampler`,
-    while the debug log is on)."""
+    free then), the slowest wait for a first token; where the loop thread sat longest in a slow step and what ran
+    busiest beside it (`sampler`, while the debug log is on)."""
 
     started: float
     rows: int
@@ -52,11 +52,13 @@ class BatchTrace:
         now = time.perf_counter()
         if now - began > SLOW_STEP and log.isEnabledFor(logging.DEBUG):
             longest = self.sampler.longest(began, now) if self.sampler is not None else None
+            beside = self.sampler.beside(began, now) if self.sampler is not None else None
             log.debug("slow step (%.0f ms: issued in %.0f, collected in %.0f) with %d prompts joining, %s steps, "
-                      "%.0f ms into the batch%s", 1000 * (now - began), 1000 * (launched - began),
+                      "%.0f ms into the batch%s%s", 1000 * (now - began), 1000 * (launched - began),
                       1000 * (now - launched), joining, "compiled" if compiled else "eager",
                       1000 * (now - self.started),
-                      f"; longest in one place {1000 * longest[0]:.0f} ms: {longest[1]}" if longest else "")
+                      f"; longest in one place {1000 * longest[0]:.0f} ms: {longest[1]}" if longest else "",
+                      f"; busiest beside it {1000 * beside[0]:.0f} ms: {beside[1]}" if beside else "")
 
     def first_token(self, job: Job) -> None:
         now = time.perf_counter()

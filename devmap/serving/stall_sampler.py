@@ -1,15 +1,17 @@
-"""Where the engine's loop thread sat while a step was slow, for the debug log.
+"""Where the engine's loop thread sat while a step was slow, and what ran beside it, for the debug log.
 
 A slow step's time says how long; where it went is a question for a profiler, which nobody runs on a service when
 the stall happens. Here a thread samples the loop thread's innermost Python frames every INTERVAL and keeps the runs
 of samples in one place (a call into torch that built something at its first call, a kernel's compile, a lock); a
 slow step's log line names the longest run within it. A call that holds the interpreter keeps this thread from
 sampling until it lets go: that time counts toward the place sampled last before it (the call's caller where it
-began within a sample's interval). It runs only while the debug log is on (it takes the interpreter briefly every
-INTERVAL).
+began within a sample's interval). A step slowed everywhere at once (no place holds it long) is slowed by something
+beside it: the sampler also keeps where the process's other threads were busy (not waiting in `threading`, `queue`
+or `selectors`), and the line names the one sampled most within the step. It runs only while the debug log is on
+(it takes the interpreter briefly every INTERVAL).
 
-CPython's `sys._current_frames` is how one thread sees another's frames; `thread_frame` is the project's one reader
-(the sampler here, the stack-sampling probes in benchmarks/probes).
+CPython's `sys._current_frames` is how one thread sees another's frames; this module is the project's one reader of it
+(the sampler, and `thread_frame` for the stack-sampling probes in benchmarks/probes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from types import FrameType
 
 INTERVAL = 0.02  # seconds between two samples
 KEPT_RUNS = 512  # runs kept: a slow step's runs are a few seconds old at most when its line is written
+KEPT_BESIDE = 2048  # samples of other threads' busy places kept, for the same reason
+WAITING = frozenset({"threading.py", "queue.py", "selectors.py", "connection.py"})  # a thread sampled in these waits
 
 
 def thread_frame(ident: int) -> FrameType | None:
@@ -45,6 +49,7 @@ class StallSampler:
     def __init__(self, ident: int, interval: float = INTERVAL) -> None:
         self.ident, self.interval = ident, interval
         self._runs: collections.deque[tuple[float, float, str]] = collections.deque(maxlen=KEPT_RUNS)
+        self._beside: collections.deque[tuple[float, str]] = collections.deque(maxlen=KEPT_BESIDE)
         self._current: tuple[float, str] | None = None  # the run going on: its start and place
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -52,12 +57,18 @@ class StallSampler:
         self._thread.start()
 
     def _sample(self) -> None:
+        me = threading.get_ident()
         while not self._closed.wait(self.interval):
-            frame = thread_frame(self.ident)
+            frames = sys._current_frames()
             now = time.perf_counter()
+            frame = frames.pop(self.ident, None)
             where = place(frame) if frame is not None else "(the thread has ended)"
-            del frame
+            names = {thread.ident: thread.name for thread in threading.enumerate()}
+            busy = [f"{names.get(ident, ident)} at {place(other)}" for ident, other in frames.items()
+                    if ident != me and os.path.basename(other.f_code.co_filename) not in WAITING]
+            del frame, frames
             with self._lock:
+                self._beside.extend((now, text) for text in busy)
                 if self._current is not None and self._current[1] == where:
                     continue
                 if self._current is not None:
@@ -77,6 +88,16 @@ class StallSampler:
             if seconds > 0 and (best is None or seconds > best[0]):
                 best = (seconds, where)
         return best
+
+    def beside(self, since: float, until: float) -> tuple[float, str] | None:
+        """The other thread's busy place sampled most often between `since` and `until`: its samples' seconds (count
+        times the interval) and the thread's name and place; None where no other thread was sampled busy then."""
+        with self._lock:
+            counts = collections.Counter(text for at, text in self._beside if since <= at <= until)
+        if not counts:
+            return None
+        text, count = counts.most_common(1)[0]
+        return count * self.interval, text
 
     def close(self) -> None:
         self._closed.set()

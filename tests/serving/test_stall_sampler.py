@@ -46,3 +46,33 @@ def test_a_slow_steps_line_names_where_the_loop_thread_sat_longest(caplog):
     finally:
         sampler.close()
     assert not sampler._thread.is_alive()
+
+
+def _busy_beside(until: float) -> None:
+    while time.perf_counter() < until:
+        sum(range(1000))
+
+
+def test_a_slow_steps_line_names_the_thread_busiest_beside_it(caplog):
+    began = time.perf_counter()
+    busy = threading.Thread(target=_busy_beside, args=(began + 0.4,), name="a-busy-neighbour")
+    idle_until = threading.Event()
+    idle = threading.Thread(target=idle_until.wait, name="an-idle-neighbour")
+    sampler = StallSampler(threading.get_ident(), interval=0.01)
+    try:
+        busy.start()
+        idle.start()
+        busy.join()
+        ended = time.perf_counter()
+        seconds, what = sampler.beside(began, ended)
+        assert what.startswith("a-busy-neighbour at ") and "_busy_beside" in what
+        assert 0.1 < seconds <= ended - began + 0.05
+        assert sampler.beside(ended + 10, ended + 11) is None
+        with caplog.at_level(logging.DEBUG, logger="devmap.serving"):
+            BatchTrace(began, 8, sampler).step(began, began + 0.001, 0, compiled=False)
+        assert "busiest beside it" in caplog.text and "a-busy-neighbour" in caplog.text
+        assert "an-idle-neighbour" not in caplog.text
+    finally:
+        idle_until.set()
+        idle.join()
+        sampler.close()
