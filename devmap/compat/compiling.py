@@ -113,7 +113,7 @@ def compile_totals() -> CompileTotals:
 
 def dynamic_dims(tensor: torch.Tensor, dims: tuple[int, ...]) -> None:
     """Compile code that reads `tensor` for any size of `dims` (the others stay fixed): `maybe_mark_dynamic`'s mark,
-    set directly on a plain tensor (~17 µs a dimension through its decorators, at every call of a compiled region)."""
+    set directly on a plain tensor, without the work of its decorators at every call of a compiled region."""
     if type(tensor) not in (torch.Tensor, nn.Parameter):  # a subclass: dynamo marks its inner tensors too
         torch._dynamo.maybe_mark_dynamic(tensor, list(dims))
     else:

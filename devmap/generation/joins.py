@@ -96,7 +96,7 @@ def packed_prompts(prompts: list[list[int]], width: int) -> tuple[torch.Tensor, 
 def repeated(values: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
     """`values[i]` `counts[i]` times, end to end, as a host tensor of int64 (each packed token's row, say). Host index
     math of a joining step runs in numpy: torch's CPU `repeat_interleave` runs a parallel loop whose threads wait for
-    cores for milliseconds on a busy host (the engine core's trace: ~10 ms a call beside serving's other processes)."""
+    cores for milliseconds on a busy host (beside serving's other processes, in the engine core's trace)."""
     return torch.from_numpy(np.repeat(np.asarray(values, dtype=np.int64), np.asarray(counts, dtype=np.int64)))
 
 

@@ -1,8 +1,8 @@
 """Compiled regions kept on disk: each region's compiled entries saved once, loaded by later processes untraced.
 
 torch's on-disk caches (inductor's FX graph and AOT autograd caches) spare a restart inductor's work, not dynamo's:
-every process traces each region again and builds its guards anew, most of a warm restart's compile (6-9 s of a 13B
-model's on one H200), and a compile beside serving shares the interpreter with the serving thread all that while.
+every process traces each region again and builds its guards anew, most of a warm restart's compile (docs/serving.md),
+and a compile beside serving shares the interpreter with the serving thread all that while.
 With a store (`keep_regions_in`, which `devmap serve` points inside its compile cache), a dynamic region compiles each
 entry ahead of time instead (one per kind of call: a decode step, a step carrying a pack, a join's prefill; its graph,
 guards and inductor's code together: `compat.ahead_of_time`), saves it, and the next process loads its entries at the
