@@ -17,6 +17,16 @@ SLOW_FIRST_TOKEN = 0.25  # seconds: a request slower than this to its first toke
 SLOW_STEP = 0.1  # seconds: a step slower than this is logged with its phases (debug)
 
 
+def allocator_retries() -> int:
+    """How often torch's CUDA allocator has freed its cached blocks to retry an allocation that failed, in this
+    process so far, on every GPU (0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return 0
+    return sum(torch.cuda.memory_stats(index).get("num_alloc_retries", 0) for index in range(torch.cuda.device_count()))
+
+
 class PhaseClock:
     """Adds the time since the last mark to the engine's per-phase seconds (one counter per phase)."""
 
@@ -51,14 +61,23 @@ class BatchTrace:
         prompts in it, on compiled steps or not: logged (debug) where it took longer than SLOW_STEP."""
         now = time.perf_counter()
         if now - began > SLOW_STEP and log.isEnabledFor(logging.DEBUG):
-            longest = self.sampler.longest(began, now) if self.sampler is not None else None
-            beside = self.sampler.beside(began, now) if self.sampler is not None else None
             log.debug("slow step (%.0f ms: issued in %.0f, collected in %.0f) with %d prompts joining, %s steps, "
-                      "%.0f ms into the batch%s%s", 1000 * (now - began), 1000 * (launched - began),
+                      "%.0f ms into the batch%s", 1000 * (now - began), 1000 * (launched - began),
                       1000 * (now - launched), joining, "compiled" if compiled else "eager",
-                      1000 * (now - self.started),
-                      f"; longest in one place {1000 * longest[0]:.0f} ms: {longest[1]}" if longest else "",
-                      f"; busiest beside it {1000 * beside[0]:.0f} ms: {beside[1]}" if beside else "")
+                      1000 * (now - self.started), self._where(began, now))
+
+    def _where(self, began: float, now: float) -> str:
+        """Where a slow step's time went, as far as the sampler saw it (empty without one)."""
+        if self.sampler is None:
+            return ""
+        text = f"; the loop thread on a core {1000 * self.sampler.on_cpu(began, now):.0f} ms"
+        if longest := self.sampler.longest(began, now):
+            text += f"; longest in one place {1000 * longest[0]:.0f} ms: {longest[1]}"
+        if beside := self.sampler.beside(began, now):
+            text += f"; ran most beside it ({1000 * beside[0]:.0f} ms on a core): {beside[1]}"
+        if retries := allocator_retries():
+            text += f"; the GPU allocator freed its cache and retried {retries} times so far"
+        return text
 
     def first_token(self, job: Job) -> None:
         now = time.perf_counter()

@@ -5,10 +5,11 @@ the stall happens. Here a thread samples the loop thread's innermost Python fram
 of samples in one place (a call into torch that built something at its first call, a kernel's compile, a lock); a
 slow step's log line names the longest run within it. A call that holds the interpreter keeps this thread from
 sampling until it lets go: that time counts toward the place sampled last before it (the call's caller where it
-began within a sample's interval). A step slowed everywhere at once (no place holds it long) is slowed by something
-beside it: the sampler also keeps where the process's other threads were busy (not waiting in `threading`, `queue`
-or `selectors`), and the line names the one sampled most within the step. It runs only while the debug log is on
-(it takes the interpreter briefly every INTERVAL).
+began within a sample's interval). A step slowed everywhere at once (no place holds it long) waits for something
+else: the sampler also reads each thread's CPU time (`time.pthread_getcpuclockid`), so the line says how much of the
+step the loop thread ran on a core (little: it waited, for the interpreter, a lock, the GPU or the allocator) and
+which other thread of the process ran most meanwhile, with the place it was sampled at most. It runs only while the
+debug log is on (it takes the interpreter briefly every INTERVAL).
 
 CPython's `sys._current_frames` is how one thread sees another's frames; this module is the project's one reader of it
 (the sampler, and `thread_frame` for the stack-sampling probes in benchmarks/probes).
@@ -25,8 +26,15 @@ from types import FrameType
 
 INTERVAL = 0.02  # seconds between two samples
 KEPT_RUNS = 512  # runs kept: a slow step's runs are a few seconds old at most when its line is written
-KEPT_BESIDE = 2048  # samples of other threads' busy places kept, for the same reason
-WAITING = frozenset({"threading.py", "queue.py", "selectors.py", "connection.py"})  # a thread sampled in these waits
+KEPT_SAMPLES = 4096  # samples of every thread's CPU time kept, for the same reason
+
+
+def cpu_seconds(ident: int) -> float | None:
+    """Thread `ident`'s CPU time so far (seconds; None where the platform cannot say, or the thread has ended)."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (AttributeError, OSError):
+        return None
 
 
 def thread_frame(ident: int) -> FrameType | None:
@@ -49,7 +57,11 @@ class StallSampler:
     def __init__(self, ident: int, interval: float = INTERVAL) -> None:
         self.ident, self.interval = ident, interval
         self._runs: collections.deque[tuple[float, float, str]] = collections.deque(maxlen=KEPT_RUNS)
-        self._beside: collections.deque[tuple[float, str]] = collections.deque(maxlen=KEPT_BESIDE)
+        # each sample: its time, the loop thread's CPU seconds since the last one, and each other thread that ran
+        # meanwhile (its name and place, its CPU seconds since the last sample)
+        self._samples: collections.deque[tuple[float, float, list[tuple[str, float]]]] = \
+            collections.deque(maxlen=KEPT_SAMPLES)
+        self._cpu: dict[int, float] = {}  # each thread's CPU seconds at the last sample
         self._current: tuple[float, str] | None = None  # the run going on: its start and place
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -62,18 +74,31 @@ class StallSampler:
             frames = sys._current_frames()
             now = time.perf_counter()
             frame = frames.pop(self.ident, None)
+            frames.pop(me, None)
             where = place(frame) if frame is not None else "(the thread has ended)"
             names = {thread.ident: thread.name for thread in threading.enumerate()}
-            busy = [f"{names.get(ident, ident)} at {place(other)}" for ident, other in frames.items()
-                    if ident != me and os.path.basename(other.f_code.co_filename) not in WAITING]
+            loop = self._ran(self.ident)
+            beside = [(f"{names.get(ident, ident)} at {place(other)}", ran) for ident, other in frames.items()
+                      if (ran := self._ran(ident)) > 0]
+            for ident in self._cpu.keys() - frames.keys() - {self.ident}:  # ended threads
+                del self._cpu[ident]
             del frame, frames
             with self._lock:
-                self._beside.extend((now, text) for text in busy)
+                self._samples.append((now, loop, beside))
                 if self._current is not None and self._current[1] == where:
                     continue
                 if self._current is not None:
                     self._runs.append((self._current[0], now, self._current[1]))
                 self._current = (now, where)
+
+    def _ran(self, ident: int) -> float:
+        """Thread `ident`'s CPU seconds since the last sample (0 at its first, or where it cannot be read)."""
+        now = cpu_seconds(ident)
+        if now is None:
+            return 0.0
+        before = self._cpu.get(ident, now)
+        self._cpu[ident] = now
+        return now - before
 
     def longest(self, since: float, until: float) -> tuple[float, str] | None:
         """The longest run of samples in one place between `since` and `until` (perf_counter seconds), clipped to
@@ -89,15 +114,27 @@ class StallSampler:
                 best = (seconds, where)
         return best
 
-    def beside(self, since: float, until: float) -> tuple[float, str] | None:
-        """The other thread's busy place sampled most often between `since` and `until`: its samples' seconds (count
-        times the interval) and the thread's name and place; None where no other thread was sampled busy then."""
+    def on_cpu(self, since: float, until: float) -> float:
+        """The loop thread's CPU seconds in the samples between `since` and `until`."""
         with self._lock:
-            counts = collections.Counter(text for at, text in self._beside if since <= at <= until)
-        if not counts:
+            return sum(loop for at, loop, _ in self._samples if since < at <= until)
+
+    def beside(self, since: float, until: float) -> tuple[float, str] | None:
+        """The other thread that ran most between `since` and `until`: its CPU seconds then, and its name with the
+        place it was sampled at most; None where no other thread ran then."""
+        seconds: collections.Counter[str] = collections.Counter()
+        places: collections.Counter[str] = collections.Counter()
+        with self._lock:
+            for at, _, beside in self._samples:
+                if since < at <= until:
+                    for text, ran in beside:
+                        seconds[text.split(" at ", 1)[0]] += ran
+                        places[text] += 1
+        if not seconds:
             return None
-        text, count = counts.most_common(1)[0]
-        return count * self.interval, text
+        name, ran = seconds.most_common(1)[0]
+        where = max((text for text in places if text.split(" at ", 1)[0] == name), key=places.__getitem__)
+        return ran, where
 
     def close(self) -> None:
         self._closed.set()
