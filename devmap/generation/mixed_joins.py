@@ -17,9 +17,11 @@ own (`join_prefill`).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from functools import partial
 from itertools import accumulate
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -36,10 +38,14 @@ RIDING_TOKENS = 512  # prompt tokens one lane's step carries at most (one prompt
 # products of 32 rows plus 512 prompt tokens are bound by arithmetic (19 ms against 6.7 ms for the rows alone,
 # benchmarks/probes/product_rows.py); more would only lengthen the rows' steps while a wave of joiners comes in
 
-PAUSED_RIDING_TOKENS = 2048  # prompt tokens one lane's eager step carries at most while captures are paused (a
-# compile beside serving): its steps then run uncaptured, bound by the host's issuing of every layer's kernels beside
-# the compile, and a step carrying a pack limit's prompts costs about what one carrying RIDING_TOKENS does: a wave of
+BESIDE_RIDING_TOKENS = 2048  # prompt tokens one lane's eager step carries at most while a compile runs beside serving
+# (`compiling_beside`; captures paused, or the model's steps compiling in a process of their own): its steps then
+# mostly run uncaptured (captures paused, or a pack width's first use), bound by the host's issuing of every layer's
+# kernels, and a step carrying a pack limit's prompts costs about what one carrying RIDING_TOKENS does: a wave of
 # joiners gets its first tokens in a quarter of the steps (docs/serving.md, "Measurements behind the defaults")
+
+_compiles_beside = 0  # `compiling_beside` blocks open now, in any thread
+_beside_lock = threading.Lock()
 
 RIDING_MIN_PARAMETERS = 10_000_000_000  # by default steps carry prompts for models this large: where a decode step
 # is bound by reading the weights, the host's extra work for a riding step hides behind it: a 13B LLaMA served more
@@ -60,6 +66,20 @@ def decoder_parameters(config: Any) -> int:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * config.intermediate_size
     return config.num_hidden_layers * layer + config.vocab_size * hidden
+
+
+@contextlib.contextmanager
+def compiling_beside() -> Iterator[None]:
+    """Inside (any thread, nested or overlapping), a model's steps compile beside serving: batches whose steps are
+    eager carry up to BESIDE_RIDING_TOKENS a step."""
+    global _compiles_beside
+    with _beside_lock:
+        _compiles_beside += 1
+    try:
+        yield
+    finally:
+        with _beside_lock:
+            _compiles_beside -= 1
 
 
 def rides_by_default(model: nn.Module) -> bool:
@@ -94,9 +114,10 @@ class Riding:
     @property
     def riding_tokens(self) -> int:
         """The most prompt tokens one lane's step carries (within a pack's limit; a longer prompt rides alone): more
-        while the batch's steps are eager and captures paused (PAUSED_RIDING_TOKENS), read at each step."""
-        eager_beside = not self.batch.run.compile and captures_are_paused()
-        return min(PAUSED_RIDING_TOKENS if eager_beside else RIDING_TOKENS, self.packs.limit)
+        while the batch's steps are eager and a compile runs beside them (`compiling_beside`) or captures are paused
+        (BESIDE_RIDING_TOKENS), read at each step."""
+        beside = _compiles_beside > 0 or captures_are_paused()
+        return min(BESIDE_RIDING_TOKENS if beside and not self.batch.run.compile else RIDING_TOKENS, self.packs.limit)
 
     def reserve(self, joining: list[tuple[SlotRequest, int, int]]) -> None:
         """Each (request, lane, row) takes its row now and waits in the queue for a step to carry its prompt."""

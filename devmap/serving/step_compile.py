@@ -2,7 +2,8 @@
 weights are on their devices, with eager steps, while a thread of its own has its steps compiled: in a process of
 their own where it can (`compile_process`), then loaded by a light warm-up, else in this process (`warm_up`, beside
 the serving thread; no step captures meanwhile, in any thread, but while dynamo traces:
-`graphed_step.captures_paused`). Once they are ready the model is marked compiled, and its running batch runs
+`graphed_step.captures_paused`); meanwhile the eager steps of its batches carry more of their joiners' prompt tokens a
+step (`mixed_joins.compiling_beside`). Once they are ready the model is marked compiled, and its running batch runs
 compiled steps from its next step on (`batch_run`, `ContinuousBatch.recompile`: the same rows, KV caches and tokens in
 flight; each step captured at its second use), as every later batch does. A compile that fails leaves the model on
 its eager steps, with a warning.
@@ -14,6 +15,8 @@ import logging
 import threading
 import time
 from typing import Any, Callable
+
+from ..generation.mixed_joins import compiling_beside
 
 log = logging.getLogger("devmap.serving")
 
@@ -50,7 +53,8 @@ class StepCompile:
     def _run(self) -> None:
         started = time.perf_counter()
         try:
-            result = self._work(self._stop.is_set)
+            with compiling_beside():  # the batches' eager steps meanwhile carry more prompt tokens
+                result = self._work(self._stop.is_set)
         except Exception as exc:
             self.failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.warning("%s: decode steps stay eager (captured): compiling them failed: %s", self.model_id,

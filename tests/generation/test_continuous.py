@@ -530,31 +530,36 @@ def test_joiners_beyond_a_steps_prompt_tokens_wait_in_their_rows(model, run, mon
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens)[:len(got[r.owner])]
 
 
-def test_eager_steps_carry_more_prompt_tokens_while_captures_are_paused(model, run, monkeypatch):
-    """While captures are paused (a compile beside serving) a batch's eager steps carry up to PAUSED_RIDING_TOKENS
-    (the first step then takes every joiner that RIDING_TOKENS would leave waiting), with the tokens of generating
-    alone; compiled steps keep RIDING_TOKENS."""
+@pytest.mark.parametrize("beside", ["captures paused", "a compile beside"])
+def test_eager_steps_carry_more_prompt_tokens_while_a_compile_runs_beside(model, run, monkeypatch, beside):
+    """While a compile runs beside serving (captures paused, or `compiling_beside`: the steps compiling in a process
+    of their own) a batch's eager steps carry up to BESIDE_RIDING_TOKENS (the first step then takes every joiner that
+    RIDING_TOKENS would leave waiting), with the tokens of generating alone; compiled steps keep RIDING_TOKENS."""
     from devmap.generation.graphed_step import captures_paused
 
     if not every_layer_joined(model):
         pytest.skip("joiners ride decode steps where every layer is joined")
     monkeypatch.setattr(mixed_joins, "RIDING_TOKENS", 12)
-    monkeypatch.setattr(mixed_joins, "PAUSED_RIDING_TOKENS", 1000)
+    monkeypatch.setattr(mixed_joins, "BESIDE_RIDING_TOKENS", 1000)
+    during = (lambda: captures_paused(but_while_tracing=True)) if beside == "captures paused" \
+        else mixed_joins.compiling_beside
     reqs = requests(6, seed=11)
     got, _, _ = run(model, reqs, [], rows=6, stop_after=0)  # stopped after its first step
     assert not all(got[r.owner] for r in reqs), "some joiners wait for later steps"
-    with captures_paused(but_while_tracing=True):
+    with during():
         got, _, _ = run(model, reqs, [], rows=6, stop_after=0)
     for r in reqs:
         assert got[r.owner], f"{r.owner} rode the first step"
         assert got[r.owner] == alone(model, r.prompt, r.max_new_tokens)[:len(got[r.owner])]
-    with captures_paused(but_while_tracing=True):
+    with during():
         got, left, queue = run(model, reqs[:3], reqs[3:], rows=6)
     assert not left and not queue
     assert got == {r.owner: alone(model, r.prompt, r.max_new_tokens) for r in reqs}
     compiled = mixed_joins.Riding(SimpleNamespace(run=SimpleNamespace(compile=True)), SimpleNamespace(limit=4096))
-    with captures_paused(but_while_tracing=True):
-        assert compiled.riding_tokens == 12
+    eager = mixed_joins.Riding(SimpleNamespace(run=SimpleNamespace(compile=False)), SimpleNamespace(limit=4096))
+    with during():
+        assert compiled.riding_tokens == 12 and eager.riding_tokens == 1000
+    assert eager.riding_tokens == 12  # the block ended
 
 
 def test_each_lanes_step_carries_its_own_joiners_prompt_tokens(model, monkeypatch):

@@ -121,3 +121,21 @@ def test_a_compile_happens_before_the_model_serves_unless_beside_was_asked_for(m
     assert resident.compiled and resident.compiling is None
     assert list(resident.load_seconds) == ["plan", "weights", "prepare", "compile", "capture", "warm_up"]
     assert resident.load_seconds["compile"] > 0 and resident.compiled_graphs.total > 0
+
+
+def test_batches_eager_steps_carry_more_prompt_tokens_while_a_models_steps_compile():
+    """A compile beside serving runs inside `compiling_beside` (wherever it compiles: in a process of its own the
+    serving thread's captures are not paused), which ends with it, failed or not."""
+    from devmap.generation import mixed_joins
+    from devmap.serving.step_compile import StepCompile
+
+    seen = []
+    done = StepCompile("m", lambda stop: seen.append(mixed_joins._compiles_beside), lambda result: None)
+    assert done.wait(10) and seen == [1]
+
+    def failing(stop):
+        raise RuntimeError("no compiler")
+
+    failed = StepCompile("m", failing, lambda result: None)
+    assert failed.wait(10) and failed.failure == "no compiler"
+    assert mixed_joins._compiles_beside == 0
