@@ -6,10 +6,11 @@ of samples in one place (a call into torch that built something at its first cal
 slow step's log line names the longest run within it. A call that holds the interpreter keeps this thread from
 sampling until it lets go: that time counts toward the place sampled last before it (the call's caller where it
 began within a sample's interval). A step slowed everywhere at once (no place holds it long) waits for something
-else: the sampler also reads each thread's CPU time (`time.pthread_getcpuclockid`), so the line says how much of the
-step the loop thread ran on a core (little: it waited, for the interpreter, a lock, the GPU or the allocator) and
-which other thread of the process ran most meanwhile, with the place it was sampled at most. It runs only while the
-debug log is on (it takes the interpreter briefly every INTERVAL).
+else: the sampler also reads each thread's CPU time (Linux's `/proc/self/task/<id>/schedstat`, which a thread that
+has ended just lacks; elsewhere none is read), so the line says how much of the step the loop thread ran on a core
+(little: it waited, for the interpreter, a lock, the GPU or the allocator) and which other thread of the process ran
+most meanwhile, with the place it was sampled at most. It runs only while the debug log is on (it takes the
+interpreter briefly every INTERVAL).
 
 CPython's `sys._current_frames` is how one thread sees another's frames; this module is the project's one reader of it
 (the sampler, and `thread_frame` for the stack-sampling probes in benchmarks/probes).
@@ -29,11 +30,15 @@ KEPT_RUNS = 512  # runs kept: a slow step's runs are a few seconds old at most w
 KEPT_SAMPLES = 4096  # samples of every thread's CPU time kept, for the same reason
 
 
-def cpu_seconds(ident: int) -> float | None:
-    """Thread `ident`'s CPU time so far (seconds; None where the platform cannot say, or the thread has ended)."""
+def cpu_seconds(native_id: int | None) -> float | None:
+    """The CPU time so far of this process's thread whose kernel id is `native_id` (`Thread.native_id`), in seconds;
+    None where the platform cannot say, or the thread has ended."""
+    if native_id is None:
+        return None
     try:
-        return time.clock_gettime(time.pthread_getcpuclockid(ident))
-    except (AttributeError, OSError):
+        with open(f"/proc/self/task/{native_id}/schedstat", "rb") as stats:
+            return int(stats.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -76,10 +81,10 @@ class StallSampler:
             frame = frames.pop(self.ident, None)
             frames.pop(me, None)
             where = place(frame) if frame is not None else "(the thread has ended)"
-            names = {thread.ident: thread.name for thread in threading.enumerate()}
-            loop = self._ran(self.ident)
-            beside = [(f"{names.get(ident, ident)} at {place(other)}", ran) for ident, other in frames.items()
-                      if (ran := self._ran(ident)) > 0]
+            threads = {thread.ident: thread for thread in threading.enumerate()}
+            loop = self._ran(self.ident, threads)
+            beside = [(f"{threads[ident].name if ident in threads else ident} at {place(other)}", ran)
+                      for ident, other in frames.items() if (ran := self._ran(ident, threads)) > 0]
             for ident in self._cpu.keys() - frames.keys() - {self.ident}:  # ended threads
                 del self._cpu[ident]
             del frame, frames
@@ -91,9 +96,9 @@ class StallSampler:
                     self._runs.append((self._current[0], now, self._current[1]))
                 self._current = (now, where)
 
-    def _ran(self, ident: int) -> float:
+    def _ran(self, ident: int, threads: dict[int, threading.Thread]) -> float:
         """Thread `ident`'s CPU seconds since the last sample (0 at its first, or where it cannot be read)."""
-        now = cpu_seconds(ident)
+        now = cpu_seconds(threads[ident].native_id if ident in threads else None)
         if now is None:
             return 0.0
         before = self._cpu.get(ident, now)

@@ -2,8 +2,11 @@
 a slow step's debug line carries it."""
 
 import logging
+import os
 import threading
 import time
+
+import pytest
 
 from devmap.serving.batch_trace import BatchTrace
 from devmap.serving.stall_sampler import StallSampler
@@ -53,6 +56,7 @@ def _busy_beside(until: float) -> None:
         sum(range(1000))
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads' CPU time is read from Linux's /proc")
 def test_a_slow_steps_line_names_the_thread_busiest_beside_it(caplog):
     began = time.perf_counter()
     busy = threading.Thread(target=_busy_beside, args=(began + 0.4,), name="a-busy-neighbour")
