@@ -63,8 +63,8 @@ class StallSampler:
         self.ident, self.interval = ident, interval
         self._runs: collections.deque[tuple[float, float, str]] = collections.deque(maxlen=KEPT_RUNS)
         # each sample: its time, the loop thread's CPU seconds since the last one, and each other thread that ran
-        # meanwhile (its name and place, its CPU seconds since the last sample)
-        self._samples: collections.deque[tuple[float, float, list[tuple[str, float]]]] = \
+        # meanwhile (its name, its place, its CPU seconds since the last sample)
+        self._samples: collections.deque[tuple[float, float, list[tuple[str, str, float]]]] = \
             collections.deque(maxlen=KEPT_SAMPLES)
         self._cpu: dict[int, float] = {}  # each thread's CPU seconds at the last sample
         self._current: tuple[float, str] | None = None  # the run going on: its start and place
@@ -83,7 +83,7 @@ class StallSampler:
             where = place(frame) if frame is not None else "(the thread has ended)"
             threads = {thread.ident: thread for thread in threading.enumerate()}
             loop = self._ran(self.ident, threads)
-            beside = [(f"{threads[ident].name if ident in threads else ident} at {place(other)}", ran)
+            beside = [(threads[ident].name if ident in threads else str(ident), place(other), ran)
                       for ident, other in frames.items() if (ran := self._ran(ident, threads)) > 0]
             for ident in self._cpu.keys() - frames.keys() - {self.ident}:  # ended threads
                 del self._cpu[ident]
@@ -128,18 +128,18 @@ class StallSampler:
         """The other thread that ran most between `since` and `until`: its CPU seconds then, and its name with the
         place it was sampled at most; None where no other thread ran then."""
         seconds: collections.Counter[str] = collections.Counter()
-        places: collections.Counter[str] = collections.Counter()
+        places: collections.Counter[tuple[str, str]] = collections.Counter()
         with self._lock:
             for at, _, beside in self._samples:
                 if since < at <= until:
-                    for text, ran in beside:
-                        seconds[text.split(" at ", 1)[0]] += ran
-                        places[text] += 1
+                    for name, where, ran in beside:
+                        seconds[name] += ran
+                        places[name, where] += 1
         if not seconds:
             return None
         name, ran = seconds.most_common(1)[0]
-        where = max((text for text in places if text.split(" at ", 1)[0] == name), key=places.__getitem__)
-        return ran, where
+        where = max((at for thread, at in places if thread == name), key=lambda at: places[name, at])
+        return ran, f"{name} at {where}"
 
     def close(self) -> None:
         self._closed.set()
